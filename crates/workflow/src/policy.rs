@@ -1,0 +1,177 @@
+//! Project policy read from `.agent.md`: multi-agent mode, the lock timeout, and which
+//! phases are separated from their implementer.
+
+use std::time::Duration;
+
+use crate::phase::Phase;
+
+/// Lock timeout when `.agent.md` names none (seed 001).
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// The effective policy of a project.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub multi_agent: bool,
+    pub lock_timeout: Duration,
+    /// Phases the implementer may neither claim nor approve (default: `code_review`).
+    pub separated: Vec<Phase>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            multi_agent: false,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            separated: vec![Phase::CodeReview],
+        }
+    }
+}
+
+/// A value in `.agent.md` that cannot be read; the message says what to write instead.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("Invalid lock timeout '{0}': write a number with a unit, e.g. '90s', '30m', '1h' or '30 minutes'")]
+    LockTimeout(String),
+    #[error("Invalid separated phase '{0}': list phase names separated by commas, e.g. 'code_review'")]
+    SeparatedPhase(String),
+}
+
+/// The keys of one `.agent.md`, each `None` when the file does not set it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyFile {
+    pub mode: Option<String>,
+    pub lock_timeout: Option<Duration>,
+    pub separated: Option<Vec<Phase>>,
+}
+
+impl PolicyFile {
+    /// Reads `Key: value` and `- **Key**: value` lines, keys in any case. Lines that name no
+    /// known key are prose and ignored.
+    pub fn parse(text: &str) -> Result<PolicyFile, PolicyError> {
+        let mut out = PolicyFile::default();
+        for line in text.lines() {
+            let Some((key, value)) = key_value(line) else {
+                continue;
+            };
+            match key.as_str() {
+                "mode" => out.mode = Some(value.to_ascii_lowercase()),
+                "lock timeout" | "lock-timeout" | "lock_timeout" => {
+                    out.lock_timeout =
+                        Some(parse_duration(&value).ok_or(PolicyError::LockTimeout(value))?);
+                }
+                "separated phases" | "separated-phases" | "separated_phases" => {
+                    let phases = value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty() && *s != "none")
+                        .map(|s| s.parse::<Phase>().map_err(|_| PolicyError::SeparatedPhase(s.into())))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    out.separated = Some(phases);
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Policy {
+    /// The policy from the project's `.agent.md` laid over the user's `~/.automaton/.agent.md`:
+    /// a key the project sets wins, one it does not set falls back to the user's file.
+    pub fn layered(project: &PolicyFile, user: &PolicyFile) -> Policy {
+        let d = Policy::default();
+        let mode = project.mode.as_ref().or(user.mode.as_ref());
+        Policy {
+            multi_agent: mode.is_some_and(|m| m.starts_with("multi-agent") || m.starts_with("multi agent")),
+            lock_timeout: project.lock_timeout.or(user.lock_timeout).unwrap_or(d.lock_timeout),
+            separated: project
+                .separated
+                .clone()
+                .or_else(|| user.separated.clone())
+                .unwrap_or(d.separated),
+        }
+    }
+}
+
+fn key_value(line: &str) -> Option<(String, String)> {
+    let line = line.trim().trim_start_matches(['-', '*', '+']).trim();
+    let (key, value) = line.split_once(':')?;
+    let key = key.replace(['*', '`'], "");
+    let key = key.trim().to_ascii_lowercase();
+    let value = value.trim().trim_start_matches("**").replace('`', "");
+    let value = value.trim().trim_end_matches("**").trim().to_string();
+    (!key.is_empty() && key.len() < 40).then_some((key, value))
+}
+
+/// `90s`, `30m`, `1h`, `2d`, `30 minutes`, `1 hour`; a bare number means minutes.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let secs = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "m" | "min" | "mins" | "minute" | "minutes" => n.checked_mul(60)?,
+        "s" | "sec" | "secs" | "second" | "seconds" => n,
+        "h" | "hr" | "hrs" | "hour" | "hours" => n.checked_mul(3600)?,
+        "d" | "day" | "days" => n.checked_mul(86_400)?,
+        _ => return None,
+    };
+    (secs > 0).then(|| Duration::from_secs(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_md_keys_read_in_both_forms_any_case() {
+        let plain = PolicyFile::parse("# Agent\nMode: multi-agent\nLock timeout: 45m\n").expect("valid");
+        let bold = PolicyFile::parse("- **mode**: Multi-Agent\n- **Lock Timeout**: 45 minutes\n").expect("valid");
+        assert_eq!(plain, bold);
+        let p = Policy::layered(&plain, &PolicyFile::default());
+        assert!(p.multi_agent);
+        assert_eq!(p.lock_timeout, Duration::from_secs(45 * 60));
+    }
+
+    #[test]
+    fn agent_md_project_overrides_user_key_by_key() {
+        let project = PolicyFile::parse("Lock timeout: 10m").expect("valid");
+        let user = PolicyFile::parse("Mode: multi-agent\nLock timeout: 2h").expect("valid");
+        let p = Policy::layered(&project, &user);
+        assert!(p.multi_agent, "mode falls back to the user's file");
+        assert_eq!(p.lock_timeout, Duration::from_secs(600));
+        let single = PolicyFile::parse("Mode: single-agent").expect("valid");
+        assert!(!Policy::layered(&single, &user).multi_agent);
+    }
+
+    #[test]
+    fn agent_md_defaults_when_unset() {
+        let p = Policy::layered(&PolicyFile::default(), &PolicyFile::default());
+        assert_eq!(p, Policy::default());
+        assert_eq!(p.lock_timeout, Duration::from_secs(1800));
+        assert_eq!(p.separated, vec![Phase::CodeReview]);
+    }
+
+    #[test]
+    fn agent_md_separated_phases_configurable() {
+        let f = PolicyFile::parse("Separated phases: code_review, bug_find").expect("valid");
+        assert_eq!(f.separated, Some(vec![Phase::CodeReview, Phase::BugFind]));
+        assert_eq!(PolicyFile::parse("Separated phases: none").expect("valid").separated, Some(vec![]));
+        assert!(PolicyFile::parse("Separated phases: reviewing").is_err());
+    }
+
+    #[test]
+    fn lock_timeout_units() {
+        let d = |s| parse_duration(s).map(|d| d.as_secs());
+        assert_eq!(d("90s"), Some(90));
+        assert_eq!(d("30m"), Some(1800));
+        assert_eq!(d("1h"), Some(3600));
+        assert_eq!(d("30 minutes"), Some(1800));
+        assert_eq!(d("2 hours"), Some(7200));
+        assert_eq!(d("30"), Some(1800), "bare number means minutes");
+        for bad in ["", "m", "0", "-5m", "5 fortnights", "1.5h"] {
+            assert_eq!(d(bad), None, "{bad:?}");
+        }
+        assert!(PolicyFile::parse("Lock timeout: soon").is_err());
+    }
+}
