@@ -1,1 +1,186 @@
-//! x
+//! The on-disk task store of automaton: the layout under `{project}/.automaton/`, atomic
+//! `.state` writes, the append-only approvals log, `.state.lock` leases with fencing tokens,
+//! `.state.implementer`, and the audit (git2 for unauthorised modifications).
+//!
+//! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
+//! writes the result durably under the project's fs4 lock. It must not know about gRPC or
+//! print anything: callers render what it returns.
+
+mod audit;
+mod fsx;
+mod project;
+mod records;
+
+use std::path::PathBuf;
+
+use automaton_workflow::{
+    AgentId, ApproveError, NameError, Phase, PolicyError, State, TaskName, TransitionError, UnknownPhase,
+};
+
+pub use audit::{AuditReport, AuditTask, Category3};
+pub use project::{
+    ApprovalView, ApproveOutcome, ArtifactInfo, FolderReport, ListEntry, Project, TaskView,
+    TransitionOutcome, Upgraded,
+};
+pub use records::{Approval, Lease, format_time, parse_time};
+
+/// Broad classes of failure; the CLI maps them to exit codes, the coordinator to gRPC codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Well-formed request that policy refuses (illegal transition, held lease, …).
+    Refused,
+    /// Malformed input: a bad name, id or value.
+    Invalid,
+    NotFound,
+    AlreadyExists,
+    /// A state file that cannot be read as its format says.
+    Corrupt,
+    Io,
+}
+
+/// Why a store operation failed. Every message is one line that says what is wrong and what
+/// to do (004's multi-line messages keep their extra lines below the first).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Task '{task}' not found in {tasks}/. Run --list to see the tasks, or --create-task {task} to create it.")]
+    TaskNotFound { task: TaskName, tasks: String },
+    #[error("Parent task '{parent}' not found in {tasks}/. Create it first with --create-task {parent}.")]
+    ParentNotFound { parent: TaskName, tasks: String },
+    #[error("Task '{task}' already exists in {tasks}/. Choose another name, or run --task {task} to see it.")]
+    AlreadyExists { task: TaskName, tasks: String },
+    #[error(
+        "Task '{task}' is untracked (no .state file). Run --upgrade --task {task} to bootstrap .state from its artifacts, then retry."
+    )]
+    Untracked { task: TaskName },
+    #[error("{source}. Fix {}: it must hold one phase name, e.g. 'research'.", path.display())]
+    UnknownPhase { source: UnknownPhase, path: PathBuf },
+    #[error("{0}")]
+    Name(#[from] NameError),
+    #[error("{0}")]
+    Transition(#[from] TransitionError),
+    #[error("{0}")]
+    Approve(#[from] ApproveError),
+    #[error("{source} (in {})", path.display())]
+    Policy { source: PolicyError, path: PathBuf },
+    #[error(
+        "Claims need multi-agent mode: add 'Mode: multi-agent' to {}/.agent.md (or ~/.automaton/.agent.md), then retry.",
+        project.display()
+    )]
+    NotMultiAgent { project: PathBuf },
+    #[error(
+        "Task '{task}' is leased to {holder} until {} (token {token}). Wait for the lease to expire or be released, then retry.",
+        format_time(*expires)
+    )]
+    Leased {
+        task: TaskName,
+        holder: AgentId,
+        expires: std::time::SystemTime,
+        token: u64,
+    },
+    #[error(
+        "Task '{task}' is leased to {holder} until {}: pass --agent {holder} (the holder) to change it, or wait for the lease to end.",
+        format_time(*expires)
+    )]
+    HolderRequired {
+        task: TaskName,
+        holder: AgentId,
+        expires: std::time::SystemTime,
+    },
+    #[error("Task '{task}' is leased to {holder}, not {agent}: only the holder can release it.")]
+    NotHolder {
+        task: TaskName,
+        holder: AgentId,
+        agent: AgentId,
+    },
+    #[error("Task '{task}' has no live lease held by {agent}; there is nothing to release.")]
+    NoLease { task: TaskName, agent: AgentId },
+    #[error(
+        "Fencing token {given} is stale for task '{task}' (the live lease has token {}): your lease was lost. Claim the task again.",
+        current.map_or("none".to_string(), |t| t.to_string())
+    )]
+    StaleToken {
+        task: TaskName,
+        given: u64,
+        current: Option<u64>,
+    },
+    #[error("Task '{task}' cannot be claimed in '{state}': {why}.")]
+    NotClaimable {
+        task: TaskName,
+        state: State,
+        why: &'static str,
+    },
+    #[error(
+        "Agent '{agent}' implemented task '{task}' and may not {action} its {phase} (reviewer ≠ implementer). Let a different agent do it."
+    )]
+    Separation {
+        task: TaskName,
+        agent: String,
+        phase: Phase,
+        action: &'static str,
+    },
+    #[error(
+        "'{agent}' holds the lease on task '{task}' and may not approve its own work. A person (an operator) must approve it."
+    )]
+    SelfApproval { task: TaskName, agent: String },
+    #[error(
+        "Corrupt lease file {}: {detail}. Fix it, or remove it if no agent holds the task.",
+        path.display()
+    )]
+    CorruptLease { path: PathBuf, detail: String },
+    #[error(
+        "Corrupt approvals log {} line {line}: {detail}. Each line must be '{{phase}}:approved|{{ISO-8601}}|{{approver}}' with an optional '|{{sha256}}'.",
+        path.display()
+    )]
+    CorruptApprovals {
+        path: PathBuf,
+        line: usize,
+        detail: String,
+    },
+    #[error("Corrupt implementer file {} line {line}: {detail}. It must list one agent id per line.", path.display())]
+    CorruptImplementers {
+        path: PathBuf,
+        line: usize,
+        detail: String,
+    },
+    #[error("Corrupt fencing counter {}: it must hold one number. Restore it from the highest 'token:' in any .state.lock.", path.display())]
+    CorruptFencing { path: PathBuf },
+    #[error("{} is not UTF-8 text. Rewrite it as UTF-8.", path.display())]
+    NotUtf8 { path: PathBuf },
+    #[error("Cannot {action} {}: {source}. Check the path and its permissions.", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub fn kind(&self) -> ErrorKind {
+        use Error::*;
+        match self {
+            TaskNotFound { .. } | ParentNotFound { .. } => ErrorKind::NotFound,
+            AlreadyExists { .. } => ErrorKind::AlreadyExists,
+            Name(_) => ErrorKind::Invalid,
+            UnknownPhase { .. }
+            | Policy { .. }
+            | CorruptLease { .. }
+            | CorruptApprovals { .. }
+            | CorruptImplementers { .. }
+            | CorruptFencing { .. }
+            | NotUtf8 { .. } => ErrorKind::Corrupt,
+            Io { .. } => ErrorKind::Io,
+            Untracked { .. }
+            | Transition(_)
+            | Approve(_)
+            | NotMultiAgent { .. }
+            | Leased { .. }
+            | HolderRequired { .. }
+            | NotHolder { .. }
+            | NoLease { .. }
+            | StaleToken { .. }
+            | NotClaimable { .. }
+            | Separation { .. }
+            | SelfApproval { .. } => ErrorKind::Refused,
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Durable file primitives: atomic replacement, directory sync, the project lock.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::Error;
+
+pub(crate) fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Makes a rename or unlink in `dir` durable. On ext4 without a journal a rename survives a
+/// crash only once the directory itself is synced.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), Error> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err("sync directory", dir))
+}
+
+/// Replaces `target` with `bytes` so that a crash at any instant leaves the old or the new
+/// content, never a torn file: write a temporary file in `tmp_dir` (same filesystem, outside
+/// the task folder so no `.tmp` is ever left beside `.state`), fsync it, rename it over the
+/// target, fsync the target's directory.
+pub(crate) fn atomic_write(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Result<(), Error> {
+    fs::create_dir_all(tmp_dir).map_err(io_err("create", tmp_dir))?;
+    let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = tmp_dir.join(format!("{name}.{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
+        f.write_all(bytes).map_err(io_err("write", &tmp))?;
+        f.sync_all().map_err(io_err("sync", &tmp))?;
+        fs::rename(&tmp, target).map_err(io_err("rename into place", target))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result?;
+    sync_dir(target.parent().unwrap_or(Path::new(".")))
+}
+
+/// Removes `path` durably; a file already gone is fine.
+pub(crate) fn remove_durably(path: &Path) -> Result<(), Error> {
+    match fs::remove_file(path) {
+        Ok(()) => sync_dir(path.parent().unwrap_or(Path::new("."))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err("remove", path)(e)),
+    }
+}
+
+/// Reads a file that may be absent.
+pub(crate) fn read_optional(path: &Path) -> Result<Option<String>, Error> {
+    match fs::read(path) {
+        Ok(bytes) => String::from_utf8(bytes).map(Some).map_err(|_| Error::NotUtf8 {
+            path: path.to_path_buf(),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_err("read", path)(e)),
+    }
+}
+
+/// The project's writer lock: an exclusive fs4 lock on `{meta}/project.lock`, held while one
+/// command reads, checks and writes. Dropping it unlocks.
+pub(crate) struct ProjectLock {
+    _file: File,
+}
+
+impl ProjectLock {
+    pub(crate) fn acquire(meta: &Path, tmp_dir: &Path) -> Result<ProjectLock, Error> {
+        fs::create_dir_all(meta).map_err(io_err("create", meta))?;
+        let path = meta.join("project.lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io_err("open", &path))?;
+        // std::fs::File has an inherent `lock` since Rust 1.89; call fs4's explicitly.
+        fs4::FileExt::lock(&file).map_err(io_err("lock", &path))?;
+        // Whoever held the lock before us may have died between creating a temporary file and
+        // renaming it: under the lock no write is in flight, so anything left is garbage.
+        if let Ok(entries) = fs::read_dir(tmp_dir) {
+            for e in entries.flatten() {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+        Ok(ProjectLock { _file: file })
+    }
+}
+
+/// Lists a directory's entry names (sorted), or nothing when it does not exist.
+pub(crate) fn list_dir(dir: &Path) -> Result<Vec<(String, PathBuf, fs::FileType)>, Error> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("read directory", dir)(e)),
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let e = e.map_err(io_err("read directory", dir))?;
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        let ft = e.file_type().map_err(io_err("stat", &e.path()))?;
+        out.push((name, e.path(), ft));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tmp = dir.path().join("tmp");
+        let target = dir.path().join(".state");
+        atomic_write(&tmp, &target, b"new\n").expect("write");
+        atomic_write(&tmp, &target, b"research\n").expect("write");
+        assert_eq!(fs::read_to_string(&target).expect("read"), "research\n");
+        assert_eq!(fs::read_dir(&tmp).expect("tmp").count(), 0);
+        let names: Vec<_> = fs::read_dir(dir.path()).expect("dir").flatten().map(|e| e.file_name()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn atomic_write_failure_keeps_old_content() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let target = dir.path().join("missing-dir").join(".state");
+        assert!(atomic_write(&dir.path().join("tmp"), &target, b"x").is_err());
+        assert_eq!(fs::read_dir(dir.path().join("tmp")).expect("tmp").count(), 0);
+    }
+}

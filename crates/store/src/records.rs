@@ -1,0 +1,215 @@
+//! The line formats of `.state.lock`, `.state.approvals` and `.state.implementer`.
+
+use std::time::{Duration, SystemTime};
+
+use automaton_workflow::{AgentId, Phase, State};
+use serde::Serialize;
+
+/// `2026-06-14T14:30:00Z`: seconds precision, UTC, as the seeds write it.
+pub fn format_time(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+pub fn parse_time(s: &str) -> Option<SystemTime> {
+    humantime::parse_rfc3339_weak(s.trim().trim_end_matches('Z')).ok()
+}
+
+/// A task lease as mirrored in `.state.lock` (seed 001's four lines plus `lease:` and `token:`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Lease {
+    pub agent: AgentId,
+    /// The task's state when the lease was granted.
+    pub phase: State,
+    #[serde(serialize_with = "ser_time")]
+    pub claimed: SystemTime,
+    #[serde(serialize_with = "ser_time")]
+    pub expires: SystemTime,
+    /// Empty for lock files written before leases had ids.
+    pub lease_id: String,
+    /// Fencing token; 0 for lock files written before tokens existed.
+    pub token: u64,
+}
+
+fn ser_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&format_time(*t))
+}
+
+impl Lease {
+    pub fn is_live(&self, now: SystemTime) -> bool {
+        now < self.expires
+    }
+
+    pub fn render(&self) -> String {
+        format!(
+            "agent: {}\nphase: {}\nclaimed: {}\nexpires: {}\nlease: {}\ntoken: {}\n",
+            self.agent,
+            self.phase,
+            format_time(self.claimed),
+            format_time(self.expires),
+            self.lease_id,
+            self.token
+        )
+    }
+
+    /// Reads a `.state.lock`; the error says which line or field is wrong.
+    pub fn parse(text: &str) -> Result<Lease, String> {
+        let (mut agent, mut phase, mut claimed, mut expires) = (None, None, None, None);
+        let (mut lease_id, mut token) = (String::new(), 0u64);
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let (k, v) = line
+                .split_once(':')
+                .ok_or_else(|| format!("line {} is not 'key: value'", i + 1))?;
+            let v = v.trim();
+            match k.trim() {
+                "agent" => agent = Some(v.parse::<AgentId>().map_err(|e| e.to_string())?),
+                "phase" => phase = Some(v.parse::<State>().map_err(|_| format!("unknown phase '{v}'"))?),
+                "claimed" => claimed = Some(parse_time(v).ok_or_else(|| format!("bad claimed time '{v}'"))?),
+                "expires" => expires = Some(parse_time(v).ok_or_else(|| format!("bad expires time '{v}'"))?),
+                "lease" => lease_id = v.to_string(),
+                "token" => token = v.parse().map_err(|_| format!("bad token '{v}'"))?,
+                other => return Err(format!("unknown key '{other}'")),
+            }
+        }
+        Ok(Lease {
+            agent: agent.ok_or("no 'agent:' line")?,
+            phase: phase.ok_or("no 'phase:' line")?,
+            claimed: claimed.ok_or("no 'claimed:' line")?,
+            expires: expires.ok_or("no 'expires:' line")?,
+            lease_id,
+            token,
+        })
+    }
+
+    /// Seconds left, for display.
+    pub fn remaining(&self, now: SystemTime) -> Duration {
+        self.expires.duration_since(now).unwrap_or_default()
+    }
+}
+
+/// One line of `.state.approvals`: `{phase}:approved|{ISO-8601}|{approver}[|{sha256}]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Approval {
+    pub phase: Phase,
+    #[serde(serialize_with = "ser_time")]
+    pub at: SystemTime,
+    pub approver: String,
+    /// sha256 of the approved artifact; absent in lines written before approvals were bound
+    /// to content.
+    pub sha256: Option<String>,
+}
+
+impl Approval {
+    pub fn render(&self) -> String {
+        let mut s = format!("{}:approved|{}|{}", self.phase, format_time(self.at), self.approver);
+        if let Some(h) = &self.sha256 {
+            s.push('|');
+            s.push_str(h);
+        }
+        s.push('\n');
+        s
+    }
+
+    pub fn parse_line(line: &str) -> Result<Approval, String> {
+        let fields: Vec<&str> = line.split('|').collect();
+        if !(3..=4).contains(&fields.len()) {
+            return Err(format!("expected 3 or 4 '|'-separated fields, found {}", fields.len()));
+        }
+        let phase = fields[0]
+            .strip_suffix(":approved")
+            .and_then(|p| p.parse::<Phase>().ok())
+            .filter(|p| p.is_gated())
+            .ok_or_else(|| format!("'{}' is not a '{{phase}}:approved' of a gated phase", fields[0]))?;
+        let at = parse_time(fields[1]).ok_or_else(|| format!("'{}' is not an ISO-8601 time", fields[1]))?;
+        let approver = fields[2].trim();
+        if approver.is_empty() {
+            return Err("the approver is empty".into());
+        }
+        let sha256 = match fields.get(3).map(|s| s.trim()) {
+            None => None,
+            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => Some(h.to_ascii_lowercase()),
+            Some(h) => return Err(format!("'{h}' is not a sha256")),
+        };
+        Ok(Approval {
+            phase,
+            at,
+            approver: approver.to_string(),
+            sha256,
+        })
+    }
+
+    /// Every line of a log; `Err((line_number, why))` on the first bad one.
+    pub fn parse_log(text: &str) -> Result<Vec<Approval>, (usize, String)> {
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| Approval::parse_line(l.trim_end()).map_err(|e| (i + 1, e)))
+            .collect()
+    }
+}
+
+/// `.state.implementer`: every agent that has held the implement phase, one per line.
+pub fn parse_implementers(text: &str) -> Result<Vec<AgentId>, (usize, String)> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| l.trim().parse::<AgentId>().map_err(|e| (i + 1, e.to_string())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> SystemTime {
+        parse_time(s).expect("valid time")
+    }
+
+    #[test]
+    fn lease_file_round_trips_with_seed_001_fields() {
+        let lease = Lease {
+            agent: "agent-1".parse().expect("valid"),
+            phase: "implement".parse().expect("valid"),
+            claimed: t("2026-06-14T14:30:00Z"),
+            expires: t("2026-06-14T15:00:00Z"),
+            lease_id: "0a1b2c".into(),
+            token: 7,
+        };
+        let text = lease.render();
+        assert_eq!(
+            text,
+            "agent: agent-1\nphase: implement\nclaimed: 2026-06-14T14:30:00Z\nexpires: 2026-06-14T15:00:00Z\nlease: 0a1b2c\ntoken: 7\n"
+        );
+        assert_eq!(Lease::parse(&text), Ok(lease));
+    }
+
+    #[test]
+    fn lease_file_without_lease_and_token_is_read_as_legacy() {
+        let l = Lease::parse("agent: a\nphase: research\nclaimed: 2026-06-14T14:30:00Z\nexpires: 2026-06-14T15:00:00Z\n")
+            .expect("legacy lock");
+        assert_eq!(l.token, 0);
+    }
+
+    #[test]
+    fn corrupt_lease_files_say_what_is_wrong() {
+        assert!(Lease::parse("").expect_err("empty").contains("agent"));
+        assert!(Lease::parse("garbage").expect_err("garbage").contains("line 1"));
+        assert!(Lease::parse("agent: a\nphase: x\n").expect_err("phase").contains("unknown phase"));
+    }
+
+    #[test]
+    fn approval_lines_with_three_or_four_fields() {
+        let three = Approval::parse_line("research:approved|2026-06-14T14:30:00Z|user").expect("3 fields");
+        assert_eq!(three.sha256, None);
+        let sha = "a".repeat(64);
+        let four = Approval::parse_line(&format!("design:approved|2026-06-14T15:00:00Z|bob|{sha}")).expect("4 fields");
+        assert_eq!(four.phase, Phase::Design);
+        assert_eq!(four.render(), format!("design:approved|2026-06-14T15:00:00Z|bob|{sha}\n"));
+        for bad in ["", "research|x|y", "implement:approved|2026-06-14T15:00:00Z|u", "research:approved|yesterday|u", "research:approved|2026-06-14T15:00:00Z|", "research:approved|2026-06-14T15:00:00Z|u|xyz"] {
+            assert!(Approval::parse_line(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(Approval::parse_log("research:approved|2026-06-14T14:30:00Z|user\n\nbroken\n").map_err(|e| e.0), Err(3));
+    }
+}
