@@ -1,1 +1,401 @@
-//! x
+//! The `automaton` command. `automaton status …` implements every command of the status
+//! script spec (seed 004) plus seed 001's leases, with the flags, output lines, messages
+//! and exit codes that prompts written for `status.py` expect; `--json` gives the same facts
+//! to machines.
+//!
+//! This crate parses arguments and renders results. It must not decide policy: every check
+//! lives in `automaton-workflow` and every file operation in `automaton-store`.
+
+mod render;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use automaton_store::{Error, ErrorKind, Project};
+use automaton_workflow::{AgentId, State, TaskName, parse_duration};
+use clap::{ArgGroup, Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "automaton",
+    version,
+    about = "Coordinate fleets of LLM coding agents through a strict task lifecycle"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// The status commands of the status-script spec (what `status.py` did).
+    Status(StatusArgs),
+}
+
+/// Flags are spelled as seed 004 spells them, so `status.py` prompts keep working.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("action").multiple(false).args([
+    "transition", "approve", "create_task", "list", "validate_folder", "audit", "can_edit",
+    "can_create_task", "scope_check", "same_session", "upgrade", "claim", "release",
+])))]
+pub struct StatusArgs {
+    /// The task (`name` or `parent/sub`). Alone: show its phase, allowed and forbidden actions.
+    #[arg(long, value_name = "NAME")]
+    pub task: Option<String>,
+    /// Project folder (default: the current directory). Tasks live in {project}/.automaton/tasks/.
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    /// Move the task to PHASE, if the lifecycle allows it.
+    #[arg(long, value_name = "PHASE")]
+    pub transition: Option<String>,
+    /// Approve the artifact awaiting sign-off (`:awaiting_approval` → `:approved`).
+    #[arg(long)]
+    pub approve: bool,
+    /// Who approves (default `user`).
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "user",
+        requires = "approve"
+    )]
+    pub approver: String,
+    /// Create a task (kebab-case; `parent/sub` for a sub-task) in state `new`.
+    #[arg(long, value_name = "NAME")]
+    pub create_task: Option<String>,
+    /// List all tasks with their phase and next step.
+    #[arg(long)]
+    pub list: bool,
+    /// Check the task folder for artifacts of phases not yet reached (exit 0 PASS, 1 FAIL, 2 error).
+    #[arg(long)]
+    pub validate_folder: bool,
+    /// Audit every task (exit 0 clean, 1 violations, 2 error).
+    #[arg(long)]
+    pub audit: bool,
+    /// Hook: may code be edited in the task's phase? (exit 0 ALLOWED, 1 DENIED)
+    #[arg(long)]
+    pub can_edit: bool,
+    /// Hook: may a task be created? (always ALLOWED)
+    #[arg(long)]
+    pub can_create_task: bool,
+    /// Hook: is --file inside the project or ~/.automaton/? (exit 0 IN_SCOPE, 1 OUT_OF_SCOPE)
+    #[arg(long, requires = "file")]
+    pub scope_check: bool,
+    /// The file for --scope-check.
+    #[arg(long, value_name = "PATH")]
+    pub file: Option<PathBuf>,
+    /// Hook: was the task created within --window? (exit 1 SAME_SESSION, 0 DIFFERENT_SESSION)
+    #[arg(long)]
+    pub same_session: bool,
+    /// The window for --same-session (e.g. 30m, 1h; a bare number means minutes).
+    #[arg(long, value_name = "DURATION", default_value = "30m")]
+    pub window: String,
+    /// Write .state for task folders that have none, from their artifacts (all, or --task).
+    #[arg(long)]
+    pub upgrade: bool,
+    /// Claim the task's lease for --agent (multi-agent mode).
+    #[arg(long, requires = "agent")]
+    pub claim: bool,
+    /// Release --agent's lease on the task.
+    #[arg(long, requires = "agent")]
+    pub release: bool,
+    /// The agent id for --claim, --release, and --transition under a lease.
+    #[arg(long, value_name = "ID")]
+    pub agent: Option<String>,
+    /// The fencing token of the lease, checked by --transition when given.
+    #[arg(long, value_name = "N")]
+    pub token: Option<u64>,
+    /// Lease length for --claim (default: .agent.md's lock timeout, else 30m).
+    #[arg(long, value_name = "DURATION")]
+    pub ttl: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A refusal or error from the command line itself (not the store).
+#[derive(Debug)]
+struct Usage(String);
+
+enum Failure {
+    Store(Error),
+    Usage(Usage),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure::Store(e)
+    }
+}
+
+fn usage(msg: impl Into<String>) -> Failure {
+    Failure::Usage(Usage(msg.into()))
+}
+
+/// What a command printed and the exit code it ends with.
+pub struct Output {
+    pub stdout: String,
+    pub code: i32,
+}
+
+impl Output {
+    fn ok(stdout: String) -> Output {
+        Output { stdout, code: 0 }
+    }
+}
+
+/// Runs a parsed command line; prints and returns the exit code.
+pub fn run(cli: Cli) -> i32 {
+    match cli.command {
+        Command::Status(args) => {
+            let json = args.json;
+            match status(&args) {
+                Ok(out) => {
+                    print(&out.stdout);
+                    out.code
+                }
+                Err(f) => {
+                    let (msg, kind, code) = match f {
+                        Failure::Store(e) => {
+                            let code = if e.kind() == ErrorKind::Refused { 1 } else { 2 };
+                            (
+                                e.to_string(),
+                                format!("{:?}", e.kind()).to_lowercase(),
+                                code,
+                            )
+                        }
+                        Failure::Usage(Usage(m)) => (m, "invalid".to_string(), 2),
+                    };
+                    if json {
+                        let v = serde_json::json!({"error": msg, "kind": kind, "exit_code": code});
+                        print(&format!("{v}\n"));
+                    } else {
+                        eprintln!("ERROR: {msg}");
+                    }
+                    code
+                }
+            }
+        }
+    }
+}
+
+fn print(s: &str) {
+    let mut out = std::io::stdout().lock();
+    // A closed pipe (`| head`) is not an error worth a panic.
+    let _ = out.write_all(s.as_bytes());
+    let _ = out.flush();
+}
+
+fn task_arg(args: &StatusArgs, what: &str) -> Result<TaskName, Failure> {
+    let raw = args
+        .task
+        .as_deref()
+        .ok_or_else(|| usage(format!("{what} needs --task NAME: name the task to act on")))?;
+    raw.parse::<TaskName>()
+        .map_err(|e| Failure::Store(e.into()))
+}
+
+fn agent_arg(args: &StatusArgs) -> Result<Option<AgentId>, Failure> {
+    args.agent
+        .as_deref()
+        .map(|a| a.parse::<AgentId>().map_err(|e| Failure::Store(e.into())))
+        .transpose()
+}
+
+fn duration_arg(flag: &str, value: &str) -> Result<Duration, Failure> {
+    parse_duration(value).ok_or_else(|| {
+        usage(format!(
+            "Invalid {flag} '{value}': write a number with a unit, e.g. '90s', '30m', '1h' or '30 minutes'"
+        ))
+    })
+}
+
+fn status(args: &StatusArgs) -> Result<Output, Failure> {
+    let cwd = std::env::current_dir()
+        .map_err(|e| usage(format!("cannot read the current directory: {e}")))?;
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
+    let now = SystemTime::now();
+    let json = args.json;
+    let emit = |value: &dyn erased::Json, text: String| -> String {
+        if json { value.to_json() } else { text }
+    };
+
+    if let Some(target) = &args.transition {
+        let task = task_arg(args, "--transition")?;
+        let target: State = target.parse().map_err(|_| {
+            usage(format!(
+                "Unknown phase '{target}': name one of {}",
+                State::all()
+                    .iter()
+                    .map(State::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+        let out = project.transition(&task, target, agent_arg(args)?.as_ref(), args.token, now)?;
+        return Ok(Output::ok(emit(&out, render::transitioned(&out))));
+    }
+    if args.approve {
+        let task = task_arg(args, "--approve")?;
+        let out = project.approve(&task, &args.approver, now)?;
+        return Ok(Output::ok(emit(&out, render::approved(&out))));
+    }
+    if let Some(name) = &args.create_task {
+        let task: TaskName = name
+            .parse()
+            .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
+        let dir = project.create_task(&task)?;
+        let text =
+            format!("Created task '{task}' in state 'new'. Use --transition research to begin.\n");
+        let value = serde_json::json!({"task": task, "state": "new", "folder": dir});
+        return Ok(Output::ok(emit(&value, text)));
+    }
+    if args.list {
+        let entries = project.list(now)?;
+        return Ok(Output::ok(emit(&entries, render::list(&project, &entries))));
+    }
+    if args.validate_folder {
+        let task = task_arg(args, "--validate-folder")?;
+        let report = project.validate_folder(&task)?;
+        let code = if report.passed() { 0 } else { 1 };
+        return Ok(Output {
+            stdout: emit(&report, render::folder(&report)),
+            code,
+        });
+    }
+    if args.audit {
+        let report = project.audit()?;
+        return Ok(Output {
+            stdout: emit(&report, render::audit(&report)),
+            code: report.exit_code(),
+        });
+    }
+    if args.can_edit {
+        let task = task_arg(args, "--can-edit")?;
+        return Ok(match project.can_edit(&task)? {
+            Ok(state) => Output::ok(emit(
+                &serde_json::json!({"allowed": true, "state": state}),
+                "ALLOWED\n".into(),
+            )),
+            Err(state) => Output {
+                stdout: emit(
+                    &serde_json::json!({"allowed": false, "state": state}),
+                    format!(
+                        "DENIED: Task '{task}' is in {state} phase. Code edits require implement or doc_review phase.\n"
+                    ),
+                ),
+                code: 1,
+            },
+        });
+    }
+    if args.can_create_task {
+        return Ok(Output::ok(emit(
+            &serde_json::json!({"allowed": true}),
+            "ALLOWED\n".into(),
+        )));
+    }
+    if args.scope_check {
+        if let Some(raw) = &args.task {
+            let task: TaskName = raw
+                .parse()
+                .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
+            project.validate_folder(&task)?;
+        }
+        let file = args
+            .file
+            .as_deref()
+            .ok_or_else(|| usage("--scope-check needs --file PATH"))?;
+        let inside = project.in_scope(file, &cwd);
+        let text = if inside {
+            "IN_SCOPE\n".to_string()
+        } else {
+            format!(
+                "OUT_OF_SCOPE: File '{}' is outside project '{}'.\n",
+                file.display(),
+                project.root().display()
+            )
+        };
+        return Ok(Output {
+            stdout: emit(&serde_json::json!({"in_scope": inside, "file": file}), text),
+            code: if inside { 0 } else { 1 },
+        });
+    }
+    if args.same_session {
+        let task = task_arg(args, "--same-session")?;
+        let window = duration_arg("--window", &args.window)?;
+        let age = project.task_age(&task, now)?;
+        let same = age < window;
+        let word = if same {
+            "SAME_SESSION"
+        } else {
+            "DIFFERENT_SESSION"
+        };
+        return Ok(Output {
+            stdout: emit(
+                &serde_json::json!({"same_session": same, "age_seconds": age.as_secs()}),
+                format!("{word}\n"),
+            ),
+            code: if same { 1 } else { 0 },
+        });
+    }
+    if args.upgrade {
+        let only = args
+            .task
+            .as_deref()
+            .map(|t| t.parse::<TaskName>().map_err(|e| Failure::Store(e.into())))
+            .transpose()?;
+        let done = project.upgrade(only.as_ref())?;
+        return Ok(Output::ok(emit(&done, render::upgraded(&done))));
+    }
+    if args.claim {
+        let task = task_arg(args, "--claim")?;
+        let agent = agent_arg(args)?.ok_or_else(|| usage("--claim needs --agent ID"))?;
+        let ttl = args
+            .ttl
+            .as_deref()
+            .map(|t| duration_arg("--ttl", t))
+            .transpose()?;
+        let (lease, renewed) = project.claim(&task, &agent, ttl, now)?;
+        let value = serde_json::json!({"task": task, "lease": lease, "renewed": renewed});
+        return Ok(Output::ok(emit(
+            &value,
+            render::claimed(&task, &lease, renewed),
+        )));
+    }
+    if args.release {
+        let task = task_arg(args, "--release")?;
+        let agent = agent_arg(args)?.ok_or_else(|| usage("--release needs --agent ID"))?;
+        let lease = project.release(&task, &agent, now)?;
+        let value = serde_json::json!({"task": task, "released": lease});
+        return Ok(Output::ok(emit(
+            &value,
+            format!(
+                "Released task '{task}' (lease {}, token {}) held by {}.\n",
+                lease.lease_id, lease.token, lease.agent
+            ),
+        )));
+    }
+    let task = task_arg(args, "automaton status")?;
+    let view = project.view(&task, now)?;
+    let policy = project.policy()?;
+    Ok(Output::ok(emit(
+        &view,
+        render::task(&view, policy.multi_agent),
+    )))
+}
+
+/// Object-safe JSON rendering, so one `emit` serves every result type.
+mod erased {
+    pub trait Json {
+        fn to_json(&self) -> String;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn to_json(&self) -> String {
+            match serde_json::to_string_pretty(self) {
+                Ok(s) => s + "\n",
+                Err(e) => format!("{{\"error\": \"cannot encode JSON: {e}\"}}\n"),
+            }
+        }
+    }
+}

@@ -3,7 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use automaton_workflow::{Artifact, Finding, Severity, State, TaskName, check_consistency, out_of_order};
+use automaton_workflow::{
+    Artifact, Finding, Severity, State, TaskName, check_consistency, out_of_order,
+};
 use serde::Serialize;
 
 use crate::{Error, Project};
@@ -37,7 +39,9 @@ pub struct Modification {
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum Category3 {
-    Skipped { reason: String },
+    Skipped {
+        reason: String,
+    },
     Checked {
         /// The tasks that were in a no-edit phase and so were checked.
         checked: Vec<TaskName>,
@@ -102,7 +106,9 @@ impl Project {
                 error: None,
             };
             match folder.state {
-                None => violations.push(format!("{t}: manually created task folder (no .state file)")),
+                None => violations.push(format!(
+                    "{t}: manually created task folder (no .state file)"
+                )),
                 Some(state) => {
                     entry.out_of_order = out_of_order(state, &facts.present);
                     for a in &entry.out_of_order {
@@ -115,7 +121,11 @@ impl Project {
                             entry.error = Some(e.to_string());
                         }
                     }
-                    for f in entry.consistency.iter().filter(|f| f.severity == Severity::Fail) {
+                    for f in entry
+                        .consistency
+                        .iter()
+                        .filter(|f| f.severity == Severity::Fail)
+                    {
                         violations.push(format!("{t}: state-artifact mismatch ({})", f.message));
                     }
                     if let Some(m) = self.state_mtime(&folder) {
@@ -175,7 +185,10 @@ fn git_modifications(
         });
     };
     let root = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-    let prefix = root.strip_prefix(&workdir).unwrap_or(Path::new("")).to_path_buf();
+    let prefix = root
+        .strip_prefix(&workdir)
+        .unwrap_or(Path::new(""))
+        .to_path_buf();
     let meta_rel = std::fs::canonicalize(meta)
         .ok()
         .and_then(|m| m.strip_prefix(&root).ok().map(Path::to_path_buf))
@@ -183,7 +196,11 @@ fn git_modifications(
     let editing = tasks.iter().any(|(_, s, _)| s.phase.allows_code_edits());
     let checked: Vec<&(TaskName, State, SystemTime)> = tasks
         .iter()
-        .filter(|(_, s, _)| !s.phase.allows_code_edits() && !s.is_terminal() && s.phase != automaton_workflow::Phase::New)
+        .filter(|(_, s, _)| {
+            !s.phase.allows_code_edits()
+                && !s.is_terminal()
+                && s.phase != automaton_workflow::Phase::New
+        })
         .collect();
     let mut modifications = Vec::new();
     let Some(since) = checked.iter().map(|(_, _, m)| *m).min() else {
@@ -237,7 +254,9 @@ fn git_modifications(
                     state: *state,
                     path: p.clone(),
                     commit: oid_short(&commit),
-                    commit_time: crate::format_time(UNIX_EPOCH + Duration::from_secs(when.max(0) as u64)),
+                    commit_time: crate::format_time(
+                        UNIX_EPOCH + Duration::from_secs(when.max(0) as u64),
+                    ),
                     attributed: !editing,
                 });
             }
@@ -250,7 +269,9 @@ fn git_modifications(
 }
 
 fn secs(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 fn oid_short(c: &git2::Commit<'_>) -> String {

@@ -1,12 +1,15 @@
 //! Durable file primitives: atomic replacement, directory sync, the project lock.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::Error;
 
-pub(crate) fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+pub(crate) fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> Error + 'a {
     move |source| Error::Io {
         action,
         path: path.to_path_buf(),
@@ -28,7 +31,10 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), Error> {
 /// target, fsync the target's directory.
 pub(crate) fn atomic_write(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Result<(), Error> {
     fs::create_dir_all(tmp_dir).map_err(io_err("create", tmp_dir))?;
-    let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let name = target
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("file");
     let tmp = tmp_dir.join(format!("{name}.{}.tmp", std::process::id()));
     let result = (|| {
         let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
@@ -55,40 +61,42 @@ pub(crate) fn remove_durably(path: &Path) -> Result<(), Error> {
 /// Reads a file that may be absent.
 pub(crate) fn read_optional(path: &Path) -> Result<Option<String>, Error> {
     match fs::read(path) {
-        Ok(bytes) => String::from_utf8(bytes).map(Some).map_err(|_| Error::NotUtf8 {
-            path: path.to_path_buf(),
-        }),
+        Ok(bytes) => String::from_utf8(bytes)
+            .map(Some)
+            .map_err(|_| Error::NotUtf8 {
+                path: path.to_path_buf(),
+            }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(io_err("read", path)(e)),
     }
 }
 
-/// The project's writer lock: an exclusive fs4 lock on `{meta}/project.lock`, held while one
-/// command reads, checks and writes. Dropping it unlocks.
+/// The project's writer lock: an exclusive fs4 lock (flock) on the `{meta}` directory itself,
+/// held while one command reads, checks and writes. Locking the directory rather than a lock
+/// file means a refused command creates nothing. Dropping it unlocks.
 pub(crate) struct ProjectLock {
-    _file: File,
+    _dir: File,
 }
 
 impl ProjectLock {
+    /// Locks `meta`, which must exist.
     pub(crate) fn acquire(meta: &Path, tmp_dir: &Path) -> Result<ProjectLock, Error> {
-        fs::create_dir_all(meta).map_err(io_err("create", meta))?;
-        let path = meta.join("project.lock");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io_err("open", &path))?;
+        let dir = File::open(meta).map_err(io_err("open", meta))?;
         // std::fs::File has an inherent `lock` since Rust 1.89; call fs4's explicitly.
-        fs4::FileExt::lock(&file).map_err(io_err("lock", &path))?;
+        fs4::FileExt::lock(&dir).map_err(io_err("lock", meta))?;
         // Whoever held the lock before us may have died between creating a temporary file and
         // renaming it: under the lock no write is in flight, so anything left is garbage.
         if let Ok(entries) = fs::read_dir(tmp_dir) {
             for e in entries.flatten() {
-                let _ = fs::remove_file(e.path());
+                let p = e.path();
+                let _ = if p.is_dir() {
+                    fs::remove_dir_all(&p)
+                } else {
+                    fs::remove_file(&p)
+                };
             }
         }
-        Ok(ProjectLock { _file: file })
+        Ok(ProjectLock { _dir: dir })
     }
 }
 
@@ -125,7 +133,11 @@ mod tests {
         atomic_write(&tmp, &target, b"research\n").expect("write");
         assert_eq!(fs::read_to_string(&target).expect("read"), "research\n");
         assert_eq!(fs::read_dir(&tmp).expect("tmp").count(), 0);
-        let names: Vec<_> = fs::read_dir(dir.path()).expect("dir").flatten().map(|e| e.file_name()).collect();
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .expect("dir")
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
         assert_eq!(names.len(), 2, "{names:?}");
     }
 
@@ -134,6 +146,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let target = dir.path().join("missing-dir").join(".state");
         assert!(atomic_write(&dir.path().join("tmp"), &target, b"x").is_err());
-        assert_eq!(fs::read_dir(dir.path().join("tmp")).expect("tmp").count(), 0);
+        assert_eq!(
+            fs::read_dir(dir.path().join("tmp")).expect("tmp").count(),
+            0
+        );
     }
 }

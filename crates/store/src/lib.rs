@@ -14,7 +14,8 @@ mod records;
 use std::path::PathBuf;
 
 use automaton_workflow::{
-    AgentId, ApproveError, NameError, Phase, PolicyError, State, TaskName, TransitionError, UnknownPhase,
+    AgentId, ApproveError, NameError, Phase, PolicyError, State, TaskName, TransitionError,
+    UnknownPhase,
 };
 
 pub use audit::{AuditReport, AuditTask, Category3};
@@ -42,11 +43,17 @@ pub enum ErrorKind {
 /// to do (004's multi-line messages keep their extra lines below the first).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("Task '{task}' not found in {tasks}/. Run --list to see the tasks, or --create-task {task} to create it.")]
+    #[error(
+        "Task '{task}' not found in {tasks}/. Run --list to see the tasks, or --create-task {task} to create it."
+    )]
     TaskNotFound { task: TaskName, tasks: String },
-    #[error("Parent task '{parent}' not found in {tasks}/. Create it first with --create-task {parent}.")]
+    #[error(
+        "Parent task '{parent}' not found in {tasks}/. Create it first with --create-task {parent}."
+    )]
     ParentNotFound { parent: TaskName, tasks: String },
-    #[error("Task '{task}' already exists in {tasks}/. Choose another name, or run --task {task} to see it.")]
+    #[error(
+        "Task '{task}' already exists in {tasks}/. Choose another name, or run --task {task} to see it."
+    )]
     AlreadyExists { task: TaskName, tasks: String },
     #[error(
         "Task '{task}' is untracked (no .state file). Run --upgrade --task {task} to bootstrap .state from its artifacts, then retry."

@@ -11,9 +11,9 @@ use automaton_workflow::{
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+use crate::Error;
 use crate::fsx::{self, ProjectLock, atomic_write, io_err, read_optional, remove_durably};
 use crate::records::{Approval, Lease, parse_implementers};
-use crate::Error;
 
 const STATE: &str = ".state";
 const APPROVALS: &str = ".state.approvals";
@@ -43,8 +43,12 @@ pub struct ArtifactInfo {
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum ApprovalView {
     /// The phase is open: its artifact needs a person's sign-off once written.
-    Required { artifact: Artifact },
-    Awaiting { artifact: Artifact },
+    Required {
+        artifact: Artifact,
+    },
+    Awaiting {
+        artifact: Artifact,
+    },
     Approved {
         artifact: Artifact,
         record: Option<Approval>,
@@ -132,7 +136,12 @@ impl Folder {
     pub fn facts(&self) -> Facts {
         Facts {
             present: self.artifacts.iter().map(|a| a.artifact).collect(),
-            non_empty: self.artifacts.iter().filter(|a| a.bytes > 0).map(|a| a.artifact).collect(),
+            non_empty: self
+                .artifacts
+                .iter()
+                .filter(|a| a.bytes > 0)
+                .map(|a| a.artifact)
+                .collect(),
             verdict: None,
             approval_stale: false,
         }
@@ -145,9 +154,9 @@ impl Project {
     pub fn open(root: &Path, home: Option<&Path>) -> Project {
         let root = std::path::absolute(root).unwrap_or_else(|_| root.to_path_buf());
         let user_meta = home.map(|h| h.join(".automaton"));
-        let is_user_meta = user_meta
-            .as_ref()
-            .is_some_and(|m| fs::canonicalize(m).ok() == fs::canonicalize(&root).ok() && m.exists());
+        let is_user_meta = user_meta.as_ref().is_some_and(|m| {
+            fs::canonicalize(m).ok() == fs::canonicalize(&root).ok() && m.exists()
+        });
         let meta = if is_user_meta {
             root.clone()
         } else {
@@ -173,7 +182,15 @@ impl Project {
         self.meta.join("tmp")
     }
 
-    fn lock(&self) -> Result<ProjectLock, Error> {
+    /// The writer lock, for a command on an existing `task`. Without a `.automaton/` folder
+    /// no task exists: say so without creating anything.
+    fn lock(&self, task: &TaskName) -> Result<ProjectLock, Error> {
+        if !self.meta.is_dir() {
+            return Err(Error::TaskNotFound {
+                task: task.clone(),
+                tasks: self.tasks_display(),
+            });
+        }
         ProjectLock::acquire(&self.meta, &self.tmp_dir())
     }
 
@@ -197,12 +214,16 @@ impl Project {
         let read = |path: PathBuf| -> Result<PolicyFile, Error> {
             match read_optional(&path)? {
                 None => Ok(PolicyFile::default()),
-                Some(text) => PolicyFile::parse(&text).map_err(|source| Error::Policy { source, path }),
+                Some(text) => {
+                    PolicyFile::parse(&text).map_err(|source| Error::Policy { source, path })
+                }
             }
         };
         let project = read(self.root.join(".agent.md"))?;
         let user = match &self.home {
-            Some(h) if h.join(".automaton") != self.root => read(h.join(".automaton").join(".agent.md"))?,
+            Some(h) if h.join(".automaton") != self.root => {
+                read(h.join(".automaton").join(".agent.md"))?
+            }
             _ => PolicyFile::default(),
         };
         Ok(Policy::layered(&project, &user))
@@ -221,10 +242,16 @@ impl Project {
         let state_path = dir.join(STATE);
         let state = match read_optional(&state_path)? {
             None => None,
-            Some(text) => Some(text.trim().parse::<State>().map_err(|source| Error::UnknownPhase {
-                source,
-                path: state_path.clone(),
-            })?),
+            Some(text) => {
+                Some(
+                    text.trim()
+                        .parse::<State>()
+                        .map_err(|source| Error::UnknownPhase {
+                            source,
+                            path: state_path.clone(),
+                        })?,
+                )
+            }
         };
         let mut artifacts = Vec::new();
         for (name, path, ft) in fsx::list_dir(&dir)? {
@@ -235,7 +262,11 @@ impl Project {
                 artifacts.push(ArtifactInfo { artifact, bytes });
             }
         }
-        Ok(Folder { dir, state, artifacts })
+        Ok(Folder {
+            dir,
+            state,
+            artifacts,
+        })
     }
 
     fn tracked(&self, task: &TaskName) -> Result<(Folder, State), Error> {
@@ -327,7 +358,9 @@ impl Project {
     pub fn view(&self, task: &TaskName, now: SystemTime) -> Result<TaskView, Error> {
         let folder = self.folder(task)?;
         let tracked = folder.state.is_some();
-        let state = folder.state.or_else(|| infer_state(&folder.facts().present));
+        let state = folder
+            .state
+            .or_else(|| infer_state(&folder.facts().present));
         let parent = match task.parent() {
             Some(p) => {
                 let pf = self.folder(&p)?;
@@ -340,7 +373,9 @@ impl Project {
                 let artifact = s.phase.artifact().expect("gated phases have artifacts");
                 Some(match s.gate {
                     automaton_workflow::Gate::Open => ApprovalView::Required { artifact },
-                    automaton_workflow::Gate::AwaitingApproval => ApprovalView::Awaiting { artifact },
+                    automaton_workflow::Gate::AwaitingApproval => {
+                        ApprovalView::Awaiting { artifact }
+                    }
                     automaton_workflow::Gate::Approved => {
                         let log = self.approvals(&folder.dir)?;
                         let (record, status) = self.approval_status(&folder.dir, s.phase, &log)?;
@@ -408,7 +443,9 @@ impl Project {
     pub fn list(&self, now: SystemTime) -> Result<Vec<ListEntry>, Error> {
         let entry = |t: &TaskName| -> Result<ListEntry, Error> {
             let folder = self.folder(t)?;
-            let state = folder.state.or_else(|| infer_state(&folder.facts().present));
+            let state = folder
+                .state
+                .or_else(|| infer_state(&folder.facts().present));
             let approval_stale = match folder.state {
                 Some(s) if s.is_approved() => self.facts_for(&folder, s)?.approval_stale,
                 _ => false,
@@ -419,7 +456,10 @@ impl Project {
                 next: state.map(State::legal_targets).unwrap_or_default(),
                 state,
                 approval_stale,
-                lease_holder: self.lease(&folder.dir)?.filter(|l| l.is_live(now)).map(|l| l.agent),
+                lease_holder: self
+                    .lease(&folder.dir)?
+                    .filter(|l| l.is_live(now))
+                    .map(|l| l.agent),
                 subtasks: Vec::new(),
             })
         };
@@ -475,7 +515,13 @@ impl Project {
     /// `status --scope-check`: is `file` (relative to `cwd`) inside the project or
     /// `~/.automaton/`? `..` and symlinks are resolved before comparing.
     pub fn in_scope(&self, file: &Path, cwd: &Path) -> bool {
-        let resolve = |p: &Path| resolve_path(&if p.is_absolute() { p.to_path_buf() } else { cwd.join(p) });
+        let resolve = |p: &Path| {
+            resolve_path(&if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                cwd.join(p)
+            })
+        };
         let file = resolve(file);
         let root = resolve(&self.root);
         let user = self.home.as_ref().map(|h| resolve(&h.join(".automaton")));
@@ -487,7 +533,19 @@ impl Project {
     /// `status --create-task`: the folder appears whole (with `.state` = `new` and an empty
     /// `.state.approvals`) or not at all.
     pub fn create_task(&self, task: &TaskName) -> Result<PathBuf, Error> {
-        let _lock = self.lock()?;
+        let _lock = match task.parent() {
+            Some(p) => self.lock(&p).map_err(|e| match e {
+                Error::TaskNotFound { task, tasks } => Error::ParentNotFound {
+                    parent: task,
+                    tasks,
+                },
+                e => e,
+            })?,
+            None => {
+                fs::create_dir_all(&self.meta).map_err(io_err("create", &self.meta))?;
+                ProjectLock::acquire(&self.meta, &self.tmp_dir())?
+            }
+        };
         if let Some(p) = task.parent() {
             let pdir = self.task_dir(&p);
             if !pdir.is_dir() {
@@ -504,9 +562,14 @@ impl Project {
                 tasks: self.tasks_display(),
             });
         }
-        let parent_dir = dir.parent().expect("a task folder has a parent").to_path_buf();
+        let parent_dir = dir
+            .parent()
+            .expect("a task folder has a parent")
+            .to_path_buf();
         fs::create_dir_all(&parent_dir).map_err(io_err("create", &parent_dir))?;
-        let staging = self.tmp_dir().join(format!("create-{}-{}", task.leaf(), std::process::id()));
+        let staging = self
+            .tmp_dir()
+            .join(format!("create-{}-{}", task.leaf(), std::process::id()));
         let built = (|| {
             fs::create_dir_all(&staging).map_err(io_err("create", &staging))?;
             for (name, content) in [(STATE, &b"new\n"[..]), (APPROVALS, &b""[..])] {
@@ -567,7 +630,7 @@ impl Project {
         token: Option<u64>,
         now: SystemTime,
     ) -> Result<TransitionOutcome, Error> {
-        let _lock = self.lock()?;
+        let _lock = self.lock(task)?;
         let (folder, from) = self.tracked(task)?;
         let lease = self.lease(&folder.dir)?;
         self.check_holder(task, lease.as_ref(), agent, token, now)?;
@@ -585,12 +648,22 @@ impl Project {
     }
 
     /// `status --approve`: records who approved which content, then moves to `:approved`.
-    pub fn approve(&self, task: &TaskName, approver: &str, now: SystemTime) -> Result<ApproveOutcome, Error> {
+    pub fn approve(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        now: SystemTime,
+    ) -> Result<ApproveOutcome, Error> {
         let approver_id: AgentId = approver.parse()?;
-        let _lock = self.lock()?;
+        let _lock = self.lock(task)?;
         let (folder, from) = self.tracked(task)?;
+        // Read (and so validate) the log before anything else: a corrupt log is refused,
+        // never appended to.
+        let log = self.approvals(&folder.dir)?;
         let policy = self.policy()?;
-        if policy.separated.contains(&from.phase) && self.implementers(&folder.dir)?.contains(&approver_id) {
+        if policy.separated.contains(&from.phase)
+            && self.implementers(&folder.dir)?.contains(&approver_id)
+        {
             return Err(Error::Separation {
                 task: task.clone(),
                 agent: approver.to_string(),
@@ -617,13 +690,9 @@ impl Project {
         // The log first: a crash between the two writes leaves an approval on record and the
         // task still awaiting, and approving again is harmless. The reverse order could leave
         // an `:approved` state that nobody approved.
-        let log_path = folder.dir.join(APPROVALS);
-        let mut log = read_optional(&log_path)?.unwrap_or_default();
-        if !log.is_empty() && !log.ends_with('\n') {
-            log.push('\n');
-        }
-        log.push_str(&approval.render());
-        self.write(&log_path, log.as_bytes())?;
+        let mut text: String = log.iter().map(Approval::render).collect();
+        text.push_str(&approval.render());
+        self.write(&folder.dir.join(APPROVALS), text.as_bytes())?;
         self.write(&folder.dir.join(STATE), format!("{to}\n").as_bytes())?;
         Ok(ApproveOutcome {
             task: task.clone(),
@@ -648,7 +717,7 @@ impl Project {
             });
         }
         let ttl = ttl.unwrap_or(policy.lock_timeout);
-        let _lock = self.lock()?;
+        let _lock = self.lock(task)?;
         let (folder, state) = self.tracked(task)?;
         let why = if state.is_awaiting_approval() {
             Some("it waits for a person's approval (--approve)")
@@ -713,7 +782,10 @@ impl Project {
         let path = self.meta.join("fencing");
         let current = match read_optional(&path)? {
             None => 0,
-            Some(t) => t.trim().parse::<u64>().map_err(|_| Error::CorruptFencing { path: path.clone() })?,
+            Some(t) => t
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| Error::CorruptFencing { path: path.clone() })?,
         };
         let next = current + 1;
         self.write(&path, format!("{next}\n").as_bytes())?;
@@ -721,8 +793,13 @@ impl Project {
     }
 
     /// `status --release`: ends `agent`'s own lease.
-    pub fn release(&self, task: &TaskName, agent: &AgentId, now: SystemTime) -> Result<Lease, Error> {
-        let _lock = self.lock()?;
+    pub fn release(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        now: SystemTime,
+    ) -> Result<Lease, Error> {
+        let _lock = self.lock(task)?;
         let (folder, _) = self.tracked(task)?;
         match self.lease(&folder.dir)? {
             Some(l) if &l.agent == agent => {
@@ -744,10 +821,14 @@ impl Project {
     /// `status --upgrade`: writes `.state` (and an empty `.state.approvals`) for task folders
     /// that predate `.state`, from the artifact heuristic; an empty folder becomes `new`.
     pub fn upgrade(&self, only: Option<&TaskName>) -> Result<Vec<Upgraded>, Error> {
-        let _lock = self.lock()?;
-        let tasks = match only {
-            Some(t) => vec![t.clone()],
-            None => self.all_task_names()?,
+        let (_lock, tasks) = match only {
+            Some(t) => (self.lock(t)?, vec![t.clone()]),
+            // Without a tasks folder there is nothing to upgrade, and nothing to lock.
+            None if !self.meta.is_dir() => return Ok(Vec::new()),
+            None => (
+                ProjectLock::acquire(&self.meta, &self.tmp_dir())?,
+                self.all_task_names()?,
+            ),
         };
         let mut out = Vec::new();
         for t in tasks {
@@ -775,16 +856,24 @@ impl Project {
         self.folder(task)
     }
 
-    pub(crate) fn approval_record(&self, folder: &Folder, state: State) -> Result<Option<ApprovalRecord>, Error> {
+    pub(crate) fn approval_record(
+        &self,
+        folder: &Folder,
+        state: State,
+    ) -> Result<Option<ApprovalRecord>, Error> {
         if !state.is_approved() {
             return Ok(None);
         }
         let log = self.approvals(&folder.dir)?;
-        Ok(Some(self.approval_status(&folder.dir, state.phase, &log)?.1))
+        Ok(Some(
+            self.approval_status(&folder.dir, state.phase, &log)?.1,
+        ))
     }
 
     pub(crate) fn state_mtime(&self, folder: &Folder) -> Option<SystemTime> {
-        fs::metadata(folder.dir.join(STATE)).and_then(|m| m.modified()).ok()
+        fs::metadata(folder.dir.join(STATE))
+            .and_then(|m| m.modified())
+            .ok()
     }
 
     pub(crate) fn meta_dir(&self) -> &Path {
@@ -798,7 +887,10 @@ fn hex(bytes: &[u8]) -> String {
 
 /// A lease id unique per grant: a hash of what makes this grant different from every other.
 fn lease_id(task: &TaskName, agent: &AgentId, token: u64, now: SystemTime) -> String {
-    let nanos = now.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let nanos = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
     let seed = format!("{task}|{agent}|{token}|{nanos}|{}", std::process::id());
     hex(&Sha256::digest(seed.as_bytes())[..8])
 }
@@ -851,13 +943,30 @@ mod tests {
     fn create_task_writes_new_and_empty_approvals() {
         let (_d, p) = project();
         let dir = p.create_task(&name("add-user-auth")).expect("create");
-        assert_eq!(fs::read_to_string(dir.join(".state")).expect("state"), "new\n");
-        assert_eq!(fs::read_to_string(dir.join(".state.approvals")).expect("log"), "");
-        assert!(matches!(p.create_task(&name("add-user-auth")), Err(Error::AlreadyExists { .. })));
-        assert!(matches!(p.create_task(&name("nope/sub")), Err(Error::ParentNotFound { .. })));
-        p.create_task(&name("add-user-auth/sub-a")).expect("subtask");
+        assert_eq!(
+            fs::read_to_string(dir.join(".state")).expect("state"),
+            "new\n"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join(".state.approvals")).expect("log"),
+            ""
+        );
+        assert!(matches!(
+            p.create_task(&name("add-user-auth")),
+            Err(Error::AlreadyExists { .. })
+        ));
+        assert!(matches!(
+            p.create_task(&name("nope/sub")),
+            Err(Error::ParentNotFound { .. })
+        ));
+        p.create_task(&name("add-user-auth/sub-a"))
+            .expect("subtask");
         assert_eq!(p.all_task_names().expect("list").len(), 2);
-        assert_eq!(fs::read_dir(p.tmp_dir()).expect("tmp").count(), 0, "no staging left behind");
+        assert_eq!(
+            fs::read_dir(p.tmp_dir()).expect("tmp").count(),
+            0,
+            "no staging left behind"
+        );
     }
 
     #[test]
@@ -888,7 +997,14 @@ mod tests {
         fs::write(p.root().join(".agent.md"), "Mode: multi-agent\n").expect("agent.md");
         p.create_task(&name("t")).expect("create");
         let now = SystemTime::now();
-        p.transition(&name("t"), "research".parse().expect("valid"), None, None, now).expect("research");
+        p.transition(
+            &name("t"),
+            "research".parse().expect("valid"),
+            None,
+            None,
+            now,
+        )
+        .expect("research");
         let a: AgentId = "a".parse().expect("valid");
         let mut last = 0;
         for _ in 0..5 {

@@ -65,9 +65,18 @@ impl Lease {
             let v = v.trim();
             match k.trim() {
                 "agent" => agent = Some(v.parse::<AgentId>().map_err(|e| e.to_string())?),
-                "phase" => phase = Some(v.parse::<State>().map_err(|_| format!("unknown phase '{v}'"))?),
-                "claimed" => claimed = Some(parse_time(v).ok_or_else(|| format!("bad claimed time '{v}'"))?),
-                "expires" => expires = Some(parse_time(v).ok_or_else(|| format!("bad expires time '{v}'"))?),
+                "phase" => {
+                    phase = Some(
+                        v.parse::<State>()
+                            .map_err(|_| format!("unknown phase '{v}'"))?,
+                    )
+                }
+                "claimed" => {
+                    claimed = Some(parse_time(v).ok_or_else(|| format!("bad claimed time '{v}'"))?)
+                }
+                "expires" => {
+                    expires = Some(parse_time(v).ok_or_else(|| format!("bad expires time '{v}'"))?)
+                }
                 "lease" => lease_id = v.to_string(),
                 "token" => token = v.parse().map_err(|_| format!("bad token '{v}'"))?,
                 other => return Err(format!("unknown key '{other}'")),
@@ -103,7 +112,12 @@ pub struct Approval {
 
 impl Approval {
     pub fn render(&self) -> String {
-        let mut s = format!("{}:approved|{}|{}", self.phase, format_time(self.at), self.approver);
+        let mut s = format!(
+            "{}:approved|{}|{}",
+            self.phase,
+            format_time(self.at),
+            self.approver
+        );
         if let Some(h) = &self.sha256 {
             s.push('|');
             s.push_str(h);
@@ -115,21 +129,32 @@ impl Approval {
     pub fn parse_line(line: &str) -> Result<Approval, String> {
         let fields: Vec<&str> = line.split('|').collect();
         if !(3..=4).contains(&fields.len()) {
-            return Err(format!("expected 3 or 4 '|'-separated fields, found {}", fields.len()));
+            return Err(format!(
+                "expected 3 or 4 '|'-separated fields, found {}",
+                fields.len()
+            ));
         }
         let phase = fields[0]
             .strip_suffix(":approved")
             .and_then(|p| p.parse::<Phase>().ok())
             .filter(|p| p.is_gated())
-            .ok_or_else(|| format!("'{}' is not a '{{phase}}:approved' of a gated phase", fields[0]))?;
-        let at = parse_time(fields[1]).ok_or_else(|| format!("'{}' is not an ISO-8601 time", fields[1]))?;
+            .ok_or_else(|| {
+                format!(
+                    "'{}' is not a '{{phase}}:approved' of a gated phase",
+                    fields[0]
+                )
+            })?;
+        let at = parse_time(fields[1])
+            .ok_or_else(|| format!("'{}' is not an ISO-8601 time", fields[1]))?;
         let approver = fields[2].trim();
         if approver.is_empty() {
             return Err("the approver is empty".into());
         }
         let sha256 = match fields.get(3).map(|s| s.trim()) {
             None => None,
-            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => Some(h.to_ascii_lowercase()),
+            Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Some(h.to_ascii_lowercase())
+            }
             Some(h) => return Err(format!("'{h}' is not a sha256")),
         };
         Ok(Approval {
@@ -155,7 +180,11 @@ pub fn parse_implementers(text: &str) -> Result<Vec<AgentId>, (usize, String)> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| l.trim().parse::<AgentId>().map_err(|e| (i + 1, e.to_string())))
+        .map(|(i, l)| {
+            l.trim()
+                .parse::<AgentId>()
+                .map_err(|e| (i + 1, e.to_string()))
+        })
         .collect()
 }
 
@@ -195,21 +224,45 @@ mod tests {
     #[test]
     fn corrupt_lease_files_say_what_is_wrong() {
         assert!(Lease::parse("").expect_err("empty").contains("agent"));
-        assert!(Lease::parse("garbage").expect_err("garbage").contains("line 1"));
-        assert!(Lease::parse("agent: a\nphase: x\n").expect_err("phase").contains("unknown phase"));
+        assert!(
+            Lease::parse("garbage")
+                .expect_err("garbage")
+                .contains("line 1")
+        );
+        assert!(
+            Lease::parse("agent: a\nphase: x\n")
+                .expect_err("phase")
+                .contains("unknown phase")
+        );
     }
 
     #[test]
     fn approval_lines_with_three_or_four_fields() {
-        let three = Approval::parse_line("research:approved|2026-06-14T14:30:00Z|user").expect("3 fields");
+        let three =
+            Approval::parse_line("research:approved|2026-06-14T14:30:00Z|user").expect("3 fields");
         assert_eq!(three.sha256, None);
         let sha = "a".repeat(64);
-        let four = Approval::parse_line(&format!("design:approved|2026-06-14T15:00:00Z|bob|{sha}")).expect("4 fields");
+        let four = Approval::parse_line(&format!("design:approved|2026-06-14T15:00:00Z|bob|{sha}"))
+            .expect("4 fields");
         assert_eq!(four.phase, Phase::Design);
-        assert_eq!(four.render(), format!("design:approved|2026-06-14T15:00:00Z|bob|{sha}\n"));
-        for bad in ["", "research|x|y", "implement:approved|2026-06-14T15:00:00Z|u", "research:approved|yesterday|u", "research:approved|2026-06-14T15:00:00Z|", "research:approved|2026-06-14T15:00:00Z|u|xyz"] {
+        assert_eq!(
+            four.render(),
+            format!("design:approved|2026-06-14T15:00:00Z|bob|{sha}\n")
+        );
+        for bad in [
+            "",
+            "research|x|y",
+            "implement:approved|2026-06-14T15:00:00Z|u",
+            "research:approved|yesterday|u",
+            "research:approved|2026-06-14T15:00:00Z|",
+            "research:approved|2026-06-14T15:00:00Z|u|xyz",
+        ] {
             assert!(Approval::parse_line(bad).is_err(), "{bad:?}");
         }
-        assert_eq!(Approval::parse_log("research:approved|2026-06-14T14:30:00Z|user\n\nbroken\n").map_err(|e| e.0), Err(3));
+        assert_eq!(
+            Approval::parse_log("research:approved|2026-06-14T14:30:00Z|user\n\nbroken\n")
+                .map_err(|e| e.0),
+            Err(3)
+        );
     }
 }

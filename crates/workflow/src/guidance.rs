@@ -21,13 +21,19 @@ fn own_work(phase: Phase) -> &'static [&'static str] {
     match phase {
         Phase::New => &["Read project files"],
         Phase::Research => &["Read project files", "Ask clarifying questions"],
-        Phase::Decomposition => &["Read project files", "Split the task into sub-tasks and waves"],
+        Phase::Decomposition => &[
+            "Read project files",
+            "Split the task into sub-tasks and waves",
+        ],
         Phase::Design => &["Read project files", "Design the solution"],
         Phase::TestDesign => &["Read project files", "Plan the tests"],
         Phase::Implement => &["Read project files", "Edit code", "Write and run tests"],
         Phase::CodeReview => &["Read the code and the spec", "Run the tests"],
         Phase::BugFind => &["Read the code", "Run and write tests that expose bugs"],
-        Phase::AdversarialBugFind => &["Read the code", "Attack the implementation with hostile input"],
+        Phase::AdversarialBugFind => &[
+            "Read the code",
+            "Attack the implementation with hostile input",
+        ],
         Phase::DocReview => &["Read the code", "Edit documentation and code comments"],
         Phase::Referee => &["Read every artifact", "Weigh the reports"],
         Phase::Complete => &["Read the task's artifacts"],
@@ -46,7 +52,9 @@ fn phase_bans(phase: Phase) -> &'static [&'static str] {
         ],
         Phase::BugFind | Phase::AdversarialBugFind => &["Edit code", "Fix the bugs you find"],
         Phase::DocReview => &["Change behaviour"],
-        Phase::Complete | Phase::HumanIntervention => &["Edit code", "Change this task's artifacts"],
+        Phase::Complete | Phase::HumanIntervention => {
+            &["Edit code", "Change this task's artifacts"]
+        }
         _ => &["Edit code", "Skip to implementation"],
     }
 }
@@ -82,13 +90,19 @@ pub fn guidance(task: &str, state: State) -> Guidance {
             let next = state.legal_targets();
             allowed = vec![format!(
                 "Start the next phase: {}",
-                next.iter().map(State::to_string).collect::<Vec<_>>().join(", ")
+                next.iter()
+                    .map(State::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )];
             forbidden = vec![
                 format!("Edit {a} (its approval would go stale)"),
                 "Edit code".into(),
             ];
-            let next_artifact = next.first().and_then(|s| s.phase.artifact()).map(|a| a.to_string());
+            let next_artifact = next
+                .first()
+                .and_then(|s| s.phase.artifact())
+                .map(|a| a.to_string());
             let command = next.first().map(transition).unwrap_or_default();
             return Guidance {
                 allowed,
@@ -116,7 +130,9 @@ pub fn guidance(task: &str, state: State) -> Guidance {
     }
     let command = match phase {
         Phase::Complete => "none: the task is complete".to_string(),
-        Phase::HumanIntervention => "none: a person decides (e.g. creates fix tasks with --create-task)".to_string(),
+        Phase::HumanIntervention => {
+            "none: a person decides (e.g. creates fix tasks with --create-task)".to_string()
+        }
         Phase::Referee => format!(
             "automaton status --task {task} --transition complete (PASS) or --transition human_intervention (FAIL, NEEDS_REVIEW)"
         ),
@@ -140,11 +156,19 @@ mod tests {
         let g = guidance("add-user-auth", "research".parse().expect("valid"));
         assert!(g.allowed.contains(&"Write SPEC.md".to_string()));
         assert!(g.allowed.contains(&"Ask clarifying questions".to_string()));
-        for f in ["Edit code", "Create IMPLEMENTATION.md", "Create DESIGN.md", "Skip to implementation"] {
+        for f in [
+            "Edit code",
+            "Create IMPLEMENTATION.md",
+            "Create DESIGN.md",
+            "Skip to implementation",
+        ] {
             assert!(g.forbidden.contains(&f.to_string()), "{f}");
         }
         assert_eq!(g.next_artifact.as_deref(), Some("SPEC.md"));
-        assert_eq!(g.next, vec!["research:awaiting_approval".parse().expect("valid")]);
+        assert_eq!(
+            g.next,
+            vec!["research:awaiting_approval".parse().expect("valid")]
+        );
     }
 
     #[test]

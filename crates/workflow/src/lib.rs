@@ -65,7 +65,11 @@ mod tests {
         Facts {
             non_empty: present.clone(),
             present,
-            verdict: Some(if target.phase == Phase::Complete { Verdict::Pass } else { Verdict::Fail }),
+            verdict: Some(if target.phase == Phase::Complete {
+                Verdict::Pass
+            } else {
+                Verdict::Fail
+            }),
             approval_stale: false,
         }
     }
@@ -73,19 +77,30 @@ mod tests {
     #[test]
     fn every_phase_target_pair_is_legal_exactly_as_the_spec_says() {
         let all = State::all();
-        assert_eq!(all.len(), 23, "13 phases + 2 sub-states for each of 5 gated phases");
+        assert_eq!(
+            all.len(),
+            23,
+            "13 phases + 2 sub-states for each of 5 gated phases"
+        );
         let mut legal_seen = 0;
         for &from in &all {
             for &to in &all {
-                let expected = LEGAL.contains(&(from.to_string().as_str(), to.to_string().as_str()));
+                let expected =
+                    LEGAL.contains(&(from.to_string().as_str(), to.to_string().as_str()));
                 let got = check_transition(from, to, &permissive_facts(from, to));
                 assert_eq!(got.is_ok(), expected, "{from} -> {to}: {got:?}");
                 if expected {
                     legal_seen += 1;
                 } else if from.is_awaiting_approval() {
-                    assert!(matches!(got, Err(TransitionError::AwaitingApproval { .. })), "{from} -> {to}");
+                    assert!(
+                        matches!(got, Err(TransitionError::AwaitingApproval { .. })),
+                        "{from} -> {to}"
+                    );
                 } else {
-                    assert!(matches!(got, Err(TransitionError::Illegal { .. })), "{from} -> {to}");
+                    assert!(
+                        matches!(got, Err(TransitionError::Illegal { .. })),
+                        "{from} -> {to}"
+                    );
                 }
             }
         }
@@ -99,7 +114,10 @@ mod tests {
                 Some(t) => {
                     assert!(s.is_awaiting_approval());
                     assert_eq!(t, State::approved(s.phase));
-                    assert!(s.legal_targets().is_empty(), "{s} must not be left by --transition");
+                    assert!(
+                        s.legal_targets().is_empty(),
+                        "{s} must not be left by --transition"
+                    );
                 }
                 None => assert!(!s.is_awaiting_approval()),
             }
@@ -111,9 +129,20 @@ mod tests {
         for s in State::all() {
             assert_eq!(s.to_string().parse::<State>(), Ok(s));
         }
-        for bad in ["", "Research", "implement:approved", "research:done", "bugfind", "new\n", "research:"] {
+        for bad in [
+            "",
+            "Research",
+            "implement:approved",
+            "research:done",
+            "bugfind",
+            "new\n",
+            "research:",
+        ] {
             let e = bad.parse::<State>().expect_err(bad);
-            assert_eq!(e.to_string(), format!("Unknown phase '{bad}' in .state file"));
+            assert_eq!(
+                e.to_string(),
+                format!("Unknown phase '{bad}' in .state file")
+            );
         }
     }
 
@@ -143,13 +172,34 @@ mod tests {
     #[test]
     fn forbidden_table_matches_spec_section_10_plus_code_review() {
         let expect: &[(&str, &str)] = &[
-            ("new", "SPEC DESIGN DECOMPOSITION TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
-            ("research", "DESIGN DECOMPOSITION TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
-            ("decomposition", "DESIGN TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
-            ("design", "DECOMPOSITION TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
-            ("test_design", "DECOMPOSITION IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
-            ("implement", "CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
-            ("code_review", "BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
+            (
+                "new",
+                "SPEC DESIGN DECOMPOSITION TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
+            (
+                "research",
+                "DESIGN DECOMPOSITION TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
+            (
+                "decomposition",
+                "DESIGN TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
+            (
+                "design",
+                "DECOMPOSITION TEST_PLAN IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
+            (
+                "test_design",
+                "DECOMPOSITION IMPLEMENTATION CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
+            (
+                "implement",
+                "CODE_REVIEW BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
+            (
+                "code_review",
+                "BUG_REPORT ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT",
+            ),
             ("bug_find", "ADVERSARIAL_BUG_REPORT DOC_REVIEW VERDICT"),
             ("adversarial_bug_find", "DOC_REVIEW VERDICT"),
             ("doc_review", "VERDICT"),
@@ -159,7 +209,10 @@ mod tests {
         ];
         for (phase, names) in expect {
             let p: Phase = phase.parse().expect("valid");
-            let mut want: Vec<String> = names.split_whitespace().map(|n| format!("{n}.md")).collect();
+            let mut want: Vec<String> = names
+                .split_whitespace()
+                .map(|n| format!("{n}.md"))
+                .collect();
             let mut got: Vec<String> = forbidden_in(p).iter().map(|a| a.to_string()).collect();
             want.sort();
             got.sort();
@@ -169,7 +222,15 @@ mod tests {
 
     #[test]
     fn metadata_files_are_never_artifacts() {
-        for name in [".state", ".state.approvals", ".state.lock", ".state.implementer", "VRAM_CONFIG.md", "PARENT_SPEC.md", "REVIEW.md"] {
+        for name in [
+            ".state",
+            ".state.approvals",
+            ".state.lock",
+            ".state.implementer",
+            "VRAM_CONFIG.md",
+            "PARENT_SPEC.md",
+            "REVIEW.md",
+        ] {
             assert_eq!(Artifact::from_file_name(name), None, "{name}");
         }
     }

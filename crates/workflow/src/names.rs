@@ -24,8 +24,11 @@ pub enum NameError {
 fn is_kebab(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_NAME_LEN
-        && s.split('-')
-            .all(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()))
+        && s.split('-').all(|w| {
+            !w.is_empty()
+                && w.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        })
 }
 
 /// A task's address: `name` or `parent/sub`. Validation is what keeps it inside the tasks
@@ -122,7 +125,8 @@ impl FromStr for AgentId {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let ok = (1..=64).contains(&s.len())
             && s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._@-".contains(&b));
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._@-".contains(&b));
         if ok {
             Ok(AgentId(s.to_string()))
         } else {
@@ -156,10 +160,30 @@ mod tests {
         let long = "a".repeat(300);
         let exactly_65 = "a".repeat(65);
         for bad in [
-            "", "../x", "..", ".", "A_B", "Add", "a_b", "a--b", "-a", "a-", "a b", "a/b/c", "/a", "a/",
-            "a/../b", &long, &exactly_65, "é", "a\nb",
+            "",
+            "../x",
+            "..",
+            ".",
+            "A_B",
+            "Add",
+            "a_b",
+            "a--b",
+            "-a",
+            "a-",
+            "a b",
+            "a/b/c",
+            "/a",
+            "a/",
+            "a/../b",
+            &long,
+            &exactly_65,
+            "é",
+            "a\nb",
         ] {
-            assert!(bad.parse::<TaskName>().is_err(), "{bad:?} should be refused");
+            assert!(
+                bad.parse::<TaskName>().is_err(),
+                "{bad:?} should be refused"
+            );
         }
         assert!("a".repeat(64).parse::<TaskName>().is_ok());
     }

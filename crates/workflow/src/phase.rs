@@ -210,7 +210,8 @@ impl State {
 
     /// The state `--approve` moves to, if this state waits for approval.
     pub fn approval_target(self) -> Option<State> {
-        self.is_awaiting_approval().then(|| State::approved(self.phase))
+        self.is_awaiting_approval()
+            .then(|| State::approved(self.phase))
     }
 }
 

@@ -30,9 +30,13 @@ impl Default for Policy {
 /// A value in `.agent.md` that cannot be read; the message says what to write instead.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
-    #[error("Invalid lock timeout '{0}': write a number with a unit, e.g. '90s', '30m', '1h' or '30 minutes'")]
+    #[error(
+        "Invalid lock timeout '{0}': write a number with a unit, e.g. '90s', '30m', '1h' or '30 minutes'"
+    )]
     LockTimeout(String),
-    #[error("Invalid separated phase '{0}': list phase names separated by commas, e.g. 'code_review'")]
+    #[error(
+        "Invalid separated phase '{0}': list phase names separated by commas, e.g. 'code_review'"
+    )]
     SeparatedPhase(String),
 }
 
@@ -64,7 +68,10 @@ impl PolicyFile {
                         .split(',')
                         .map(str::trim)
                         .filter(|s| !s.is_empty() && *s != "none")
-                        .map(|s| s.parse::<Phase>().map_err(|_| PolicyError::SeparatedPhase(s.into())))
+                        .map(|s| {
+                            s.parse::<Phase>()
+                                .map_err(|_| PolicyError::SeparatedPhase(s.into()))
+                        })
                         .collect::<Result<Vec<_>, _>>()?;
                     out.separated = Some(phases);
                 }
@@ -82,8 +89,12 @@ impl Policy {
         let d = Policy::default();
         let mode = project.mode.as_ref().or(user.mode.as_ref());
         Policy {
-            multi_agent: mode.is_some_and(|m| m.starts_with("multi-agent") || m.starts_with("multi agent")),
-            lock_timeout: project.lock_timeout.or(user.lock_timeout).unwrap_or(d.lock_timeout),
+            multi_agent: mode
+                .is_some_and(|m| m.starts_with("multi-agent") || m.starts_with("multi agent")),
+            lock_timeout: project
+                .lock_timeout
+                .or(user.lock_timeout)
+                .unwrap_or(d.lock_timeout),
             separated: project
                 .separated
                 .clone()
@@ -125,8 +136,10 @@ mod tests {
 
     #[test]
     fn agent_md_keys_read_in_both_forms_any_case() {
-        let plain = PolicyFile::parse("# Agent\nMode: multi-agent\nLock timeout: 45m\n").expect("valid");
-        let bold = PolicyFile::parse("- **mode**: Multi-Agent\n- **Lock Timeout**: 45 minutes\n").expect("valid");
+        let plain =
+            PolicyFile::parse("# Agent\nMode: multi-agent\nLock timeout: 45m\n").expect("valid");
+        let bold = PolicyFile::parse("- **mode**: Multi-Agent\n- **Lock Timeout**: 45 minutes\n")
+            .expect("valid");
         assert_eq!(plain, bold);
         let p = Policy::layered(&plain, &PolicyFile::default());
         assert!(p.multi_agent);
@@ -156,7 +169,12 @@ mod tests {
     fn agent_md_separated_phases_configurable() {
         let f = PolicyFile::parse("Separated phases: code_review, bug_find").expect("valid");
         assert_eq!(f.separated, Some(vec![Phase::CodeReview, Phase::BugFind]));
-        assert_eq!(PolicyFile::parse("Separated phases: none").expect("valid").separated, Some(vec![]));
+        assert_eq!(
+            PolicyFile::parse("Separated phases: none")
+                .expect("valid")
+                .separated,
+            Some(vec![])
+        );
         assert!(PolicyFile::parse("Separated phases: reviewing").is_err());
     }
 

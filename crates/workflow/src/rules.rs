@@ -27,7 +27,10 @@ pub enum TransitionError {
         current.phase
     )]
     AwaitingApproval { current: State, target: State },
-    #[error("Cannot transition from '{current}' to '{target}'. Legal transitions from '{current}' are: {}", list(legal))]
+    #[error(
+        "Cannot transition from '{current}' to '{target}'. Legal transitions from '{current}' are: {}",
+        list(legal)
+    )]
     Illegal {
         current: State,
         target: State,
@@ -63,7 +66,9 @@ pub enum TransitionError {
         "Cannot transition from '{current}' to '{target}'. VERDICT.md states no verdict: add a line 'Verdict: PASS', 'Verdict: FAIL' or 'Verdict: NEEDS_REVIEW'."
     )]
     NoVerdict { current: State, target: State },
-    #[error("Cannot transition from '{current}' to '{target}'. VERDICT.md says {verdict}: transition to '{expected}' instead.")]
+    #[error(
+        "Cannot transition from '{current}' to '{target}'. VERDICT.md says {verdict}: transition to '{expected}' instead."
+    )]
     VerdictMismatch {
         current: State,
         target: State,
@@ -76,7 +81,11 @@ fn list(states: &[State]) -> String {
     if states.is_empty() {
         return "(none: this is a terminal phase)".into();
     }
-    states.iter().map(State::to_string).collect::<Vec<_>>().join(", ")
+    states
+        .iter()
+        .map(State::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn forbidden_lines(artifacts: &[Artifact]) -> String {
@@ -91,7 +100,11 @@ fn forbidden_lines(artifacts: &[Artifact]) -> String {
 /// Checks `--transition target` from `current`, in the order a person fixes things:
 /// the gate, the move itself, out-of-order artifacts, the phase's own artifact, a stale
 /// approval, and finally the referee's verdict.
-pub fn check_transition(current: State, target: State, facts: &Facts) -> Result<(), TransitionError> {
+pub fn check_transition(
+    current: State,
+    target: State,
+    facts: &Facts,
+) -> Result<(), TransitionError> {
     if current.is_awaiting_approval() {
         return Err(TransitionError::AwaitingApproval { current, target });
     }
@@ -148,14 +161,18 @@ pub fn check_transition(current: State, target: State, facts: &Facts) -> Result<
 /// Why an `--approve` is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApproveError {
-    #[error("This phase does not require approval: '{0}' has no approval gate. Use --transition to move on.")]
+    #[error(
+        "This phase does not require approval: '{0}' has no approval gate. Use --transition to move on."
+    )]
     NotGated(State),
     #[error(
         "Current phase is '{0}' (not awaiting approval). Current sub-state must be '{phase}:awaiting_approval' before approval can be granted.",
         phase = .0.phase
     )]
     NotAwaiting(State),
-    #[error("Cannot approve '{current}': required artifact '{artifact}' is missing or empty in task folder. Write it, then ask for approval again.")]
+    #[error(
+        "Cannot approve '{current}': required artifact '{artifact}' is missing or empty in task folder. Write it, then ask for approval again."
+    )]
     MissingArtifact { current: State, artifact: Artifact },
 }
 
@@ -169,7 +186,10 @@ pub fn check_approve(current: State, facts: &Facts) -> Result<State, ApproveErro
     if !ok {
         return Err(ApproveError::NotAwaiting(current));
     }
-    let artifact = current.phase.artifact().expect("every gated phase has an artifact");
+    let artifact = current
+        .phase
+        .artifact()
+        .expect("every gated phase has an artifact");
     if !facts.non_empty.contains(&artifact) {
         return Err(ApproveError::MissingArtifact { current, artifact });
     }
@@ -257,7 +277,11 @@ pub fn required_by(state: State, present: &[Artifact]) -> Vec<Artifact> {
 }
 
 /// Category 2: does `.state` match the artifacts in the folder?
-pub fn check_consistency(state: State, facts: &Facts, approval: Option<ApprovalRecord>) -> Vec<Finding> {
+pub fn check_consistency(
+    state: State,
+    facts: &Facts,
+    approval: Option<ApprovalRecord>,
+) -> Vec<Finding> {
     let mut out = Vec::new();
     let fail = |message: String, suggestion: Option<State>| Finding {
         severity: Severity::Fail,
@@ -300,7 +324,9 @@ pub fn check_consistency(state: State, facts: &Facts, approval: Option<ApprovalR
     {
         out.push(Finding {
             severity: Severity::Warn,
-            message: format!("work in progress: .state says \"{state}\" and {own} is not written yet"),
+            message: format!(
+                "work in progress: .state says \"{state}\" and {own} is not written yet"
+            ),
             suggestion: None,
         });
     }
@@ -329,7 +355,10 @@ mod tests {
         let f = facts(&[Spec]);
         for target in State::all() {
             let e = check_transition(st("research:awaiting_approval"), target, &f);
-            assert!(matches!(e, Err(TransitionError::AwaitingApproval { .. })), "{target}");
+            assert!(
+                matches!(e, Err(TransitionError::AwaitingApproval { .. })),
+                "{target}"
+            );
         }
     }
 
@@ -342,7 +371,10 @@ mod tests {
             "Cannot transition from 'research' to 'research:awaiting_approval'. Required artifact 'SPEC.md' is missing or empty in task folder."
         );
         f.present = vec![Spec];
-        assert!(check_transition(st("research"), st("research:awaiting_approval"), &f).is_err(), "empty");
+        assert!(
+            check_transition(st("research"), st("research:awaiting_approval"), &f).is_err(),
+            "empty"
+        );
         f.non_empty = vec![Spec];
         assert!(check_transition(st("research"), st("research:awaiting_approval"), &f).is_ok());
     }
@@ -350,7 +382,8 @@ mod tests {
     #[test]
     fn transition_refused_with_forbidden_artifacts_listing_all() {
         let f = facts(&[Spec, Implementation, BugReport]);
-        let e = check_transition(st("research"), st("research:awaiting_approval"), &f).expect_err("forbidden");
+        let e = check_transition(st("research"), st("research:awaiting_approval"), &f)
+            .expect_err("forbidden");
         let msg = e.to_string();
         assert!(msg.starts_with("Cannot transition from 'research' to 'research:awaiting_approval'. Found forbidden artifact 'IMPLEMENTATION.md' in task folder. This indicates phase-skipping."), "{msg}");
         assert!(msg.contains("\n  - IMPLEMENTATION.md (belongs to implement phase)"));
@@ -359,7 +392,15 @@ mod tests {
 
     #[test]
     fn referee_follows_verdict() {
-        let mut f = facts(&[Spec, Implementation, CodeReview, BugReport, AdversarialBugReport, DocReview, Verdict]);
+        let mut f = facts(&[
+            Spec,
+            Implementation,
+            CodeReview,
+            BugReport,
+            AdversarialBugReport,
+            DocReview,
+            Verdict,
+        ]);
         let referee = st("referee");
         assert!(matches!(
             check_transition(referee, st("complete"), &f),
@@ -372,7 +413,11 @@ mod tests {
             f.verdict = Some(v);
             assert!(check_transition(referee, st("human_intervention"), &f).is_ok());
             let e = check_transition(referee, st("complete"), &f).expect_err("not PASS");
-            assert!(e.to_string().contains("transition to 'human_intervention' instead"), "{e}");
+            assert!(
+                e.to_string()
+                    .contains("transition to 'human_intervention' instead"),
+                "{e}"
+            );
         }
     }
 
@@ -389,7 +434,14 @@ mod tests {
 
     #[test]
     fn approve_only_from_awaiting_or_stale_approved() {
-        let mut f = facts(&[Spec, Design, TestPlan, Decomposition, Implementation, CodeReview]);
+        let mut f = facts(&[
+            Spec,
+            Design,
+            TestPlan,
+            Decomposition,
+            Implementation,
+            CodeReview,
+        ]);
         for s in State::all() {
             let r = check_approve(s, &f);
             if s.is_awaiting_approval() {
@@ -401,19 +453,29 @@ mod tests {
             }
         }
         f.approval_stale = true;
-        assert_eq!(check_approve(st("design:approved"), &f), Ok(st("design:approved")));
+        assert_eq!(
+            check_approve(st("design:approved"), &f),
+            Ok(st("design:approved"))
+        );
         assert_eq!(
             ApproveError::NotAwaiting(st("research")).to_string(),
             "Current phase is 'research' (not awaiting approval). Current sub-state must be 'research:awaiting_approval' before approval can be granted."
         );
-        assert!(ApproveError::NotGated(st("implement")).to_string().starts_with("This phase does not require approval"));
+        assert!(
+            ApproveError::NotGated(st("implement"))
+                .to_string()
+                .starts_with("This phase does not require approval")
+        );
     }
 
     #[test]
     fn approve_refused_when_artifact_deleted_meanwhile() {
         assert!(matches!(
             check_approve(st("design:awaiting_approval"), &facts(&[Spec])),
-            Err(ApproveError::MissingArtifact { artifact: Design, .. })
+            Err(ApproveError::MissingArtifact {
+                artifact: Design,
+                ..
+            })
         ));
     }
 
@@ -422,7 +484,10 @@ mod tests {
         assert_eq!(infer_state(&[]), None);
         assert_eq!(infer_state(&[Spec]), Some(st("research:awaiting_approval")));
         assert_eq!(infer_state(&[Spec, Implementation]), Some(st("implement")));
-        assert_eq!(infer_state(&[Spec, Implementation, CodeReview]), Some(st("code_review:awaiting_approval")));
+        assert_eq!(
+            infer_state(&[Spec, Implementation, CodeReview]),
+            Some(st("code_review:awaiting_approval"))
+        );
         assert_eq!(infer_state(&[Verdict, Spec]), Some(st("referee")));
     }
 
@@ -430,22 +495,49 @@ mod tests {
     fn consistency_flags_ahead_behind_and_approvals() {
         let ahead = check_consistency(st("research"), &facts(&[Spec, Implementation]), None);
         assert_eq!(ahead[0].severity, Severity::Fail);
-        assert_eq!(ahead[0].message, ".state says \"research\" but IMPLEMENTATION.md exists");
+        assert_eq!(
+            ahead[0].message,
+            ".state says \"research\" but IMPLEMENTATION.md exists"
+        );
         assert_eq!(ahead[0].suggestion, Some(st("implement")));
 
-        let behind = check_consistency(st("bug_find"), &facts(&[Spec, CodeReview, BugReport]), None);
+        let behind =
+            check_consistency(st("bug_find"), &facts(&[Spec, CodeReview, BugReport]), None);
         assert_eq!(behind.len(), 1, "{behind:?}");
         assert_eq!(behind[0].suggestion, Some(st("implement")));
 
         let wip = check_consistency(st("implement"), &facts(&[Spec]), None);
         assert_eq!(wip.len(), 1);
-        assert_eq!(wip[0].severity, Severity::Warn, "work in progress is only a warning");
+        assert_eq!(
+            wip[0].severity,
+            Severity::Warn,
+            "work in progress is only a warning"
+        );
 
-        let missing = check_consistency(st("design:approved"), &facts(&[Spec, Design]), Some(ApprovalRecord::Missing));
+        let missing = check_consistency(
+            st("design:approved"),
+            &facts(&[Spec, Design]),
+            Some(ApprovalRecord::Missing),
+        );
         assert_eq!(missing[0].suggestion, Some(st("design:awaiting_approval")));
-        let stale = check_consistency(st("design:approved"), &facts(&[Spec, Design]), Some(ApprovalRecord::Stale));
-        assert!(stale[0].message.contains("DESIGN.md changed after it was approved"));
-        assert!(check_consistency(st("design:approved"), &facts(&[Spec, Design]), Some(ApprovalRecord::Fresh)).is_empty());
+        let stale = check_consistency(
+            st("design:approved"),
+            &facts(&[Spec, Design]),
+            Some(ApprovalRecord::Stale),
+        );
+        assert!(
+            stale[0]
+                .message
+                .contains("DESIGN.md changed after it was approved")
+        );
+        assert!(
+            check_consistency(
+                st("design:approved"),
+                &facts(&[Spec, Design]),
+                Some(ApprovalRecord::Fresh)
+            )
+            .is_empty()
+        );
 
         let awaiting = check_consistency(st("research:awaiting_approval"), &facts(&[]), None);
         assert_eq!(awaiting[0].severity, Severity::Fail);
@@ -453,9 +545,20 @@ mod tests {
 
     #[test]
     fn consistency_accepts_complete_tasks_both_ways() {
-        let full = [Spec, Implementation, CodeReview, BugReport, AdversarialBugReport, DocReview, Verdict];
+        let full = [
+            Spec,
+            Implementation,
+            CodeReview,
+            BugReport,
+            AdversarialBugReport,
+            DocReview,
+            Verdict,
+        ];
         assert!(check_consistency(st("complete"), &facts(&full), None).is_empty());
         assert!(check_consistency(st("complete"), &facts(&[Spec, Decomposition]), None).is_empty());
-        assert_eq!(check_consistency(st("complete"), &facts(&[Spec]), None).len(), 1);
+        assert_eq!(
+            check_consistency(st("complete"), &facts(&[Spec]), None).len(),
+            1
+        );
     }
 }

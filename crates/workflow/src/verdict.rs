@@ -38,7 +38,10 @@ impl fmt::Display for Verdict {
 /// reads `Verdict: <word>` with one of those words (any case). `None` when no line does.
 pub fn parse_verdict(text: &str) -> Option<Verdict> {
     text.lines().find_map(|line| {
-        let cleaned: String = line.chars().filter(|c| !matches!(c, '#' | '*' | '`')).collect();
+        let cleaned: String = line
+            .chars()
+            .filter(|c| !matches!(c, '#' | '*' | '`'))
+            .collect();
         let cleaned = cleaned.trim().trim_start_matches(['-', '>']).trim();
         let cleaned = strip_underscore_emphasis(cleaned);
         if matches!(cleaned, "PASS" | "FAIL" | "NEEDS_REVIEW") {
@@ -76,22 +79,35 @@ mod tests {
 
     #[test]
     fn verdict_key_value_form_any_case() {
-        assert_eq!(parse_verdict("# Review\n\nVerdict: PASS\n"), Some(Verdict::Pass));
+        assert_eq!(
+            parse_verdict("# Review\n\nVerdict: PASS\n"),
+            Some(Verdict::Pass)
+        );
         assert_eq!(parse_verdict("**Verdict:** fail"), Some(Verdict::Fail));
-        assert_eq!(parse_verdict("- **Verdict**: needs_review"), Some(Verdict::NeedsReview));
+        assert_eq!(
+            parse_verdict("- **Verdict**: needs_review"),
+            Some(Verdict::NeedsReview)
+        );
     }
 
     #[test]
     fn verdict_first_matching_line_wins() {
         assert_eq!(parse_verdict("FAIL\nPASS"), Some(Verdict::Fail));
-        assert_eq!(parse_verdict("Summary\nVerdict: maybe\nPASS"), Some(Verdict::Pass));
+        assert_eq!(
+            parse_verdict("Summary\nVerdict: maybe\nPASS"),
+            Some(Verdict::Pass)
+        );
     }
 
     #[test]
     fn verdict_absent_or_embedded_in_prose_is_none() {
         assert_eq!(parse_verdict(""), None);
         assert_eq!(parse_verdict("The tests PASS mostly"), None);
-        assert_eq!(parse_verdict("pass"), None, "a bare word must be upper case");
+        assert_eq!(
+            parse_verdict("pass"),
+            None,
+            "a bare word must be upper case"
+        );
         assert_eq!(parse_verdict("Verdict: PASSED"), None);
     }
 }

@@ -1,0 +1,420 @@
+//! The plain-text output of each status command (004 §2, §7, §10, §11).
+
+use std::fmt::Write;
+
+use automaton_store::{
+    ApprovalView, ApproveOutcome, AuditReport, Category3, FolderReport, Lease, ListEntry, Project,
+    TaskView, TransitionOutcome, Upgraded, format_time,
+};
+use automaton_workflow::{Severity, State, TaskName};
+
+fn join_states(states: &[State], sep: &str) -> String {
+    if states.is_empty() {
+        return "—".into();
+    }
+    states
+        .iter()
+        .map(State::to_string)
+        .collect::<Vec<_>>()
+        .join(sep)
+}
+
+fn short(sha: &str) -> &str {
+    &sha[..sha.len().min(12)]
+}
+
+pub fn task(v: &TaskView, multi_agent: bool) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "Task: {}", v.task);
+    let phase = match (v.tracked, v.state) {
+        (true, Some(st)) => format!("{st} (from .state)"),
+        (false, Some(st)) => format!(
+            "{st} (inferred from artifacts; untracked: no .state file. Run --upgrade --task {} to track it)",
+            v.task
+        ),
+        (_, None) => "unknown (no .state file found)".to_string(),
+    };
+    let _ = writeln!(s, "Phase: {phase}");
+    let _ = writeln!(s, "State file: {}", v.state_file.display());
+    if let Some((parent, pstate)) = &v.parent {
+        let ps = pstate.map_or("unknown".to_string(), |p| p.to_string());
+        let _ = writeln!(s, "Parent task: {parent} (phase: {ps})");
+    }
+    if let Some(a) = &v.approval {
+        let line = match a {
+            ApprovalView::Required { artifact } => format!(
+                "required: {artifact} needs a person's sign-off once written ({}:awaiting_approval)",
+                v.state.map_or(String::new(), |s| s.phase.to_string())
+            ),
+            ApprovalView::Awaiting { artifact } => {
+                format!("awaiting approval of {artifact}: a person runs --approve")
+            }
+            ApprovalView::Approved {
+                artifact,
+                record: None,
+                ..
+            } => {
+                format!("approved, but .state.approvals has no record of it ({artifact})")
+            }
+            ApprovalView::Approved {
+                artifact,
+                record: Some(r),
+                stale: true,
+            } => format!(
+                "STALE: {artifact} changed after {} approved it at {}. Run --approve to approve the new content",
+                r.approver,
+                format_time(r.at)
+            ),
+            ApprovalView::Approved {
+                artifact,
+                record: Some(r),
+                stale: false,
+            } => match &r.sha256 {
+                Some(h) => format!(
+                    "approved by {} at {} ({artifact} sha256 {})",
+                    r.approver,
+                    format_time(r.at),
+                    short(h)
+                ),
+                None => format!(
+                    "approved by {} at {} (no content hash recorded)",
+                    r.approver,
+                    format_time(r.at)
+                ),
+            },
+        };
+        let _ = writeln!(s, "Approval: {line}");
+    }
+    match &v.lease {
+        Some(l) => {
+            let _ = writeln!(
+                s,
+                "Lease: held by {} until {} (lease {}, token {})",
+                l.agent,
+                format_time(l.expires),
+                l.lease_id,
+                l.token
+            );
+        }
+        None if multi_agent => {
+            let _ = writeln!(s, "Lease: none (claim with --claim --agent ID)");
+        }
+        None => {}
+    }
+    if !v.implementers.is_empty() {
+        let names: Vec<_> = v.implementers.iter().map(|a| a.as_str()).collect();
+        let _ = writeln!(s, "Implementer: {}", names.join(", "));
+    }
+    let arts: Vec<String> = v
+        .artifacts
+        .iter()
+        .map(|a| {
+            if a.bytes == 0 {
+                format!("{} (empty)", a.artifact)
+            } else {
+                a.artifact.to_string()
+            }
+        })
+        .collect();
+    let _ = writeln!(
+        s,
+        "Artifacts: {}",
+        if arts.is_empty() {
+            "none".to_string()
+        } else {
+            arts.join(", ")
+        }
+    );
+    if !v.subtasks.is_empty() {
+        let subs: Vec<_> = v.subtasks.iter().map(TaskName::to_string).collect();
+        let _ = writeln!(s, "Sub-tasks: {}", subs.join(", "));
+    }
+    if let Some(g) = &v.guidance {
+        let _ = writeln!(s, "Allowed actions:");
+        for a in &g.allowed {
+            let _ = writeln!(s, "  - {a}");
+        }
+        let _ = writeln!(s, "Forbidden actions:");
+        for a in &g.forbidden {
+            let _ = writeln!(s, "  - {a}");
+        }
+        let _ = writeln!(
+            s,
+            "Next artifact needed: {}",
+            g.next_artifact.as_deref().unwrap_or("—")
+        );
+        let _ = writeln!(s, "Next phase: {}", join_states(&g.next, " or "));
+        let _ = writeln!(s, "Command to proceed: {}", g.command);
+    } else {
+        let _ = writeln!(s, "Next artifact needed: SPEC.md");
+        let _ = writeln!(
+            s,
+            "Command to proceed: automaton status --upgrade --task {} (writes .state = new)",
+            v.task
+        );
+    }
+    s
+}
+
+fn phase_cell(e: &ListEntry) -> String {
+    let mut cell = match (e.tracked, e.state) {
+        (true, Some(s)) => s.to_string(),
+        (false, Some(s)) => format!("{s} (untracked)"),
+        (_, None) => "unknown (no .state)".to_string(),
+    };
+    if e.approval_stale {
+        cell.push_str(" (stale approval)");
+    }
+    if let Some(a) = &e.lease_holder {
+        let _ = write!(cell, " [leased: {a}]");
+    }
+    cell
+}
+
+fn next_step(e: &ListEntry) -> String {
+    match e.state.and_then(State::approval_target) {
+        Some(approved) => format!("{approved} (needs --approve)"),
+        None => join_states(&e.next, " or "),
+    }
+}
+
+pub fn list(project: &Project, entries: &[ListEntry]) -> String {
+    if entries.is_empty() {
+        return format!(
+            "No tasks in {}/. Create one with --create-task NAME.\n",
+            project.tasks_dir().display()
+        );
+    }
+    let mut rows: Vec<(String, String, String)> = Vec::new();
+    for e in entries {
+        rows.push((e.task.to_string(), phase_cell(e), next_step(e)));
+        for sub in &e.subtasks {
+            rows.push((format!("  {}", sub.task), phase_cell(sub), next_step(sub)));
+        }
+    }
+    // 004's column widths (25, 20), wider when a cell needs it.
+    let w1 = (rows.iter().map(|r| r.0.len()).max().unwrap_or(0) + 2).max(25);
+    let w2 = (rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0) + 2).max(20);
+    let mut s = format!("{:<w1$}{:<w2$}{}\n", "Task", "Phase", "Next Step");
+    for (t, p, n) in rows {
+        let _ = writeln!(s, "{t:<w1$}{p:<w2$}{n}");
+    }
+    s
+}
+
+pub fn folder(r: &FolderReport) -> String {
+    let mut s = format!("Task: {}\n", r.task);
+    let Some(state) = r.state else {
+        s.push_str("Phase: unknown (no .state file found)\n");
+        s.push_str("Folder validation: FAIL — task was created manually (no .state file). Use 'automaton status --create-task' to create tasks properly (or --upgrade for a task from before .state).\n");
+        return s;
+    };
+    let _ = writeln!(s, "Phase: {state} (from .state)");
+    if r.out_of_order.is_empty() {
+        s.push_str("Folder validation: PASS — no out-of-order artifacts found\n");
+        return s;
+    }
+    s.push_str("Folder validation: FAIL — found out-of-order artifacts:\n");
+    for a in &r.out_of_order {
+        let _ = writeln!(
+            s,
+            "  - {a} (belongs to {} phase, not yet reached)",
+            a.phase()
+        );
+    }
+    let _ = writeln!(
+        s,
+        "These artifacts indicate phase-skipping. The task is in {} phase but has artifacts from future phases.",
+        state.phase
+    );
+    s.push_str("Remove the out-of-order artifacts or revert to the correct phase.\n");
+    s
+}
+
+pub fn audit(r: &AuditReport) -> String {
+    let mut s = format!("Audit Report for {}\n", r.project.display());
+    s.push_str("\n=== Category 1: Out-of-order Artifacts ===\n");
+    for t in r.tasks.iter().filter(|t| t.tracked) {
+        let state = t.state.map_or(String::new(), |s| s.to_string());
+        if t.out_of_order.is_empty() {
+            let _ = writeln!(s, "[PASS] {}: no violations", t.task);
+        } else {
+            let found: Vec<String> = t
+                .out_of_order
+                .iter()
+                .map(|a| format!("{a} ({} phase artifact)", a.phase()))
+                .collect();
+            let _ = writeln!(
+                s,
+                "[FAIL] {} (phase: {state}): found {}",
+                t.task,
+                found.join(", ")
+            );
+        }
+    }
+    s.push_str("\n=== Category 2: State-Artifact Inconsistency ===\n");
+    for t in r.tasks.iter().filter(|t| t.tracked) {
+        let Some(state) = t.state else { continue };
+        if let Some(e) = &t.error {
+            let _ = writeln!(s, "[ERROR] {}: not checked: {e}", t.task);
+            continue;
+        }
+        if t.consistency.is_empty() {
+            let arts: Vec<String> = t.present.iter().map(|a| a.to_string()).collect();
+            let what = if arts.is_empty() {
+                "no artifacts yet".to_string()
+            } else {
+                format!(
+                    "{} exist{}",
+                    arts.join(", "),
+                    if arts.len() == 1 { "s" } else { "" }
+                )
+            };
+            let _ = writeln!(
+                s,
+                "[PASS] {}: .state (\"{state}\") matches artifacts ({what})",
+                t.task
+            );
+        }
+        for f in &t.consistency {
+            let tag = if f.severity == Severity::Fail {
+                "FAIL"
+            } else {
+                "WARN"
+            };
+            let fix = f
+                .suggestion
+                .map(|x| format!(" — suggested correction: {x}"))
+                .unwrap_or_default();
+            let _ = writeln!(s, "[{tag}] {}: {}{fix}", t.task, f.message);
+        }
+    }
+    s.push_str("\n=== Category 3: Unauthorized Modifications ===\n");
+    match &r.category3 {
+        Category3::Skipped { reason } => {
+            let _ = writeln!(s, "Skipped: {reason}");
+        }
+        Category3::Checked {
+            checked,
+            modifications,
+        } => {
+            if checked.is_empty() {
+                s.push_str("No task is in a phase that forbids code edits; nothing to check.\n");
+            }
+            for t in checked {
+                let mods: Vec<_> = modifications.iter().filter(|m| &m.task == t).collect();
+                if mods.is_empty() {
+                    let _ = writeln!(
+                        s,
+                        "[PASS] {t}: no code modifications outside implement phase"
+                    );
+                }
+                for m in mods {
+                    let tag = if m.attributed { "FAIL" } else { "WARN" };
+                    let note = if m.attributed {
+                        ""
+                    } else {
+                        "; another task is in an edit phase, so it may be that task's"
+                    };
+                    let _ = writeln!(
+                        s,
+                        "[{tag}] {t}: {} was modified during {} phase (state: {}, commit {} at {}{note})",
+                        m.path, m.state.phase, m.state, m.commit, m.commit_time
+                    );
+                }
+            }
+        }
+    }
+    s.push_str("\n=== Category 4: Manually Created Task Folders ===\n");
+    let untracked: Vec<_> = r
+        .tasks
+        .iter()
+        .filter(|t| !t.tracked && t.error.is_none())
+        .collect();
+    if untracked.is_empty() {
+        s.push_str("[PASS] every task folder has a .state file\n");
+    }
+    for t in untracked {
+        let _ = writeln!(
+            s,
+            "[FAIL] {}: no .state file — task was created manually. Use --create-task for new tasks, or --upgrade to track a task from before .state",
+            t.task
+        );
+    }
+    for e in &r.errors {
+        let _ = writeln!(s, "ERROR: {e}");
+    }
+    s.push_str("\n=== Summary ===\n");
+    let _ = writeln!(s, "{} tasks audited", r.tasks.len());
+    let _ = writeln!(s, "{} violations found", r.violations.len());
+    for v in &r.violations {
+        let _ = writeln!(s, "  - {v}");
+    }
+    if !r.errors.is_empty() {
+        let _ = writeln!(s, "{} errors", r.errors.len());
+    }
+    s
+}
+
+pub fn transitioned(o: &TransitionOutcome) -> String {
+    let mut s = format!(
+        "Transitioned task '{}' from '{}' to '{}'.",
+        o.task, o.from, o.to
+    );
+    if let Some(l) = &o.released {
+        let _ = write!(s, " Released the lease of {} (token {}).", l.agent, l.token);
+    }
+    s.push('\n');
+    s
+}
+
+pub fn approved(o: &ApproveOutcome) -> String {
+    let sha = o.approval.sha256.as_deref().map(short).unwrap_or("-");
+    format!(
+        "Approved task '{}': '{}' → '{}' by {} at {} ({} sha256 {sha}).\n",
+        o.task,
+        o.from,
+        o.to,
+        o.approval.approver,
+        format_time(o.approval.at),
+        o.from
+            .phase
+            .artifact()
+            .map_or("artifact", |a| a.file_name()),
+    )
+}
+
+pub fn claimed(task: &TaskName, l: &Lease, renewed: bool) -> String {
+    let verb = if renewed {
+        "Renewed the lease on"
+    } else {
+        "Claimed"
+    };
+    format!(
+        "{verb} task '{task}' for {} until {} (lease {}, token {}).\n",
+        l.agent,
+        format_time(l.expires),
+        l.lease_id,
+        l.token
+    )
+}
+
+pub fn upgraded(done: &[Upgraded]) -> String {
+    if done.is_empty() {
+        return "Nothing to upgrade: every task has a .state file.\n".into();
+    }
+    let mut s = String::new();
+    for u in done {
+        let how = if u.inferred {
+            "inferred from artifacts"
+        } else {
+            "no artifacts: starts as new"
+        };
+        let _ = writeln!(
+            s,
+            "Upgraded '{}': wrote .state = {} ({how})",
+            u.task, u.state
+        );
+    }
+    s
+}

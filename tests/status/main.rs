@@ -1,0 +1,6 @@
+//! Cross-process tests of `automaton status`: every test runs the real binary against a
+//! project in a fresh temporary folder, with HOME pointed at another one.
+
+mod harness;
+mod leases;
+mod spec;
