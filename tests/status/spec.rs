@@ -782,6 +782,7 @@ fn ac_create_task_refuses_if_task_already_exists() {
     env.drive("add-user-auth", &["research"]);
     env.artifact("add-user-auth", "SPEC.md", "spec\n");
     let r = env.refused(&["--create-task", "add-user-auth"]);
+    r.code(1);
     assert!(
         r.error_line().starts_with(&format!(
             "ERROR: Task 'add-user-auth' already exists in {}/",

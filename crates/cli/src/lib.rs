@@ -157,7 +157,7 @@ pub fn run(cli: Cli) -> i32 {
                 Err(f) => {
                     let (msg, kind, code) = match f {
                         Failure::Store(e) => {
-                            let code = if e.kind() == ErrorKind::Refused { 1 } else { 2 };
+                            let code = exit_code(e.kind());
                             (
                                 e.to_string(),
                                 format!("{:?}", e.kind()).to_lowercase(),
@@ -176,6 +176,14 @@ pub fn run(cli: Cli) -> i32 {
                 }
             }
         }
+    }
+}
+
+/// 1 for a well-formed request that policy refuses, 2 for bad input or unreadable files.
+pub fn exit_code(kind: ErrorKind) -> i32 {
+    match kind {
+        ErrorKind::Refused | ErrorKind::AlreadyExists => 1,
+        ErrorKind::Invalid | ErrorKind::NotFound | ErrorKind::Corrupt | ErrorKind::Io => 2,
     }
 }
 
