@@ -6,13 +6,16 @@
 //! This crate parses arguments and renders results. It must not decide policy: every check
 //! lives in `automaton-workflow` and every file operation in `automaton-store`.
 
+mod backend;
 mod render;
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
-use automaton_store::{Error, ErrorKind, Project};
+use automaton_store::{ErrorKind, Project};
+
+use crate::backend::{Backend, Failure};
 use automaton_workflow::{AgentId, State, TaskName, parse_duration};
 use clap::{ArgGroup, Args, Parser, Subcommand};
 
@@ -108,28 +111,23 @@ pub struct StatusArgs {
     /// Lease length for --claim (default: .agent.md's lock timeout, else 30m).
     #[arg(long, value_name = "DURATION")]
     pub ttl: Option<String>,
+    /// The lease id, presented with --transition under a coordinator's lease.
+    #[arg(long, value_name = "ID")]
+    pub lease: Option<String>,
+    /// Send the request to this coordinator (default: AUTOMATON_COORDINATOR, else the one
+    /// that owns the project, found in .automaton/coordinator.lock).
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+    /// Work on the files even if a coordinator owns the project (reads only are safe).
+    #[arg(long, hide = true)]
+    pub local: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
 }
 
-/// A refusal or error from the command line itself (not the store).
-#[derive(Debug)]
-struct Usage(String);
-
-enum Failure {
-    Store(Error),
-    Usage(Usage),
-}
-
-impl From<Error> for Failure {
-    fn from(e: Error) -> Self {
-        Failure::Store(e)
-    }
-}
-
 fn usage(msg: impl Into<String>) -> Failure {
-    Failure::Usage(Usage(msg.into()))
+    Failure::Usage(msg.into())
 }
 
 /// What a command printed and the exit code it ends with.
@@ -164,7 +162,15 @@ pub fn run(cli: Cli) -> i32 {
                                 code,
                             )
                         }
-                        Failure::Usage(Usage(m)) => (m, "invalid".to_string(), 2),
+                        Failure::Usage(m) => (m, "invalid".to_string(), 2),
+                        Failure::Refused(m) => (m, "refused".to_string(), 1),
+                        Failure::Remote { message, kind } => {
+                            let code = match kind.as_str() {
+                                "refused" | "alreadyexists" => 1,
+                                _ => 2,
+                            };
+                            (message, kind, code)
+                        }
                     };
                     if json {
                         let v = serde_json::json!({"error": msg, "kind": kind, "exit_code": code});
@@ -224,6 +230,10 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     let home = std::env::var_os("HOME").map(PathBuf::from);
     let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
     let now = SystemTime::now();
+    let backend = match backend::find_coordinator(&project, args.coordinator.as_deref()) {
+        Some(address) if !args.local => Backend::remote(project.clone(), address)?,
+        _ => Backend::Local(project.clone()),
+    };
     let json = args.json;
     let emit = |value: &dyn erased::Json, text: String| -> String {
         if json { value.to_json() } else { text }
@@ -241,31 +251,37 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
                     .join(", ")
             ))
         })?;
-        let out = project.transition(&task, target, agent_arg(args)?.as_ref(), args.token, now)?;
+        let out = backend.transition(
+            &task,
+            target,
+            agent_arg(args)?.as_ref(),
+            args.lease.as_deref(),
+            args.token,
+        )?;
         return Ok(Output::ok(emit(&out, render::transitioned(&out))));
     }
     if args.approve {
         let task = task_arg(args, "--approve")?;
-        let out = project.approve(&task, &args.approver, now)?;
+        let out = backend.approve(&task, &args.approver)?;
         return Ok(Output::ok(emit(&out, render::approved(&out))));
     }
     if let Some(name) = &args.create_task {
         let task: TaskName = name
             .parse()
             .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
-        let dir = project.create_task(&task)?;
+        let dir = backend.create_task(&task)?;
         let text =
             format!("Created task '{task}' in state 'new'. Use --transition research to begin.\n");
         let value = serde_json::json!({"task": task, "state": "new", "folder": dir});
         return Ok(Output::ok(emit(&value, text)));
     }
     if args.list {
-        let entries = project.list(now)?;
+        let entries = backend.list()?;
         return Ok(Output::ok(emit(&entries, render::list(&project, &entries))));
     }
     if args.validate_folder {
         let task = task_arg(args, "--validate-folder")?;
-        let report = project.validate_folder(&task)?;
+        let report = backend.validate_folder(&task)?;
         let code = if report.passed() { 0 } else { 1 };
         return Ok(Output {
             stdout: emit(&report, render::folder(&report)),
@@ -273,7 +289,7 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         });
     }
     if args.audit {
-        let report = project.audit()?;
+        let report = backend.audit()?;
         return Ok(Output {
             stdout: emit(&report, render::audit(&report)),
             code: report.exit_code(),
@@ -353,6 +369,11 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
             .as_deref()
             .map(|t| t.parse::<TaskName>().map_err(|e| Failure::Store(e.into())))
             .transpose()?;
+        if let Some(address) = backend.coordinator() {
+            return Err(Failure::Refused(format!(
+                "A coordinator owns this project ({address}): stop it to run --upgrade, which writes task files directly."
+            )));
+        }
         let done = project.upgrade(only.as_ref())?;
         return Ok(Output::ok(emit(&done, render::upgraded(&done))));
     }
@@ -364,7 +385,7 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
             .as_deref()
             .map(|t| duration_arg("--ttl", t))
             .transpose()?;
-        let (lease, renewed) = project.claim(&task, &agent, ttl, now)?;
+        let (lease, renewed) = backend.claim(&task, &agent, ttl)?;
         let value = serde_json::json!({"task": task, "lease": lease, "renewed": renewed});
         return Ok(Output::ok(emit(
             &value,
@@ -374,7 +395,7 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     if args.release {
         let task = task_arg(args, "--release")?;
         let agent = agent_arg(args)?.ok_or_else(|| usage("--release needs --agent ID"))?;
-        let lease = project.release(&task, &agent, now)?;
+        let lease = backend.release(&task, &agent)?;
         let value = serde_json::json!({"task": task, "released": lease});
         return Ok(Output::ok(emit(
             &value,
@@ -385,7 +406,7 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         )));
     }
     let task = task_arg(args, "automaton status")?;
-    let view = project.view(&task, now)?;
+    let view = backend.view(&task)?;
     let policy = project.policy()?;
     Ok(Output::ok(emit(
         &view,

@@ -6,12 +6,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use automaton_workflow::{
     Artifact, Finding, Severity, State, TaskName, check_consistency, out_of_order,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{Error, Project};
 
 /// One task's findings in categories 1, 2 and 4.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AuditTask {
     pub task: TaskName,
     pub state: Option<State>,
@@ -24,7 +24,7 @@ pub struct AuditTask {
 }
 
 /// A commit that changed code while a task was in a phase that forbids code edits.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Modification {
     pub task: TaskName,
     pub state: State,
@@ -36,7 +36,7 @@ pub struct Modification {
     pub attributed: bool,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum Category3 {
     Skipped {
@@ -49,7 +49,7 @@ pub enum Category3 {
     },
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AuditReport {
     pub project: PathBuf,
     pub tasks: Vec<AuditTask>,
@@ -135,7 +135,7 @@ impl Project {
             }
             tasks.push(entry);
         }
-        let category3 = match git_modifications(self.root(), self.meta_dir(), &mtimes) {
+        let category3 = match git_modifications(self.root(), self.meta(), &mtimes) {
             Ok(c) => c,
             Err(e) => {
                 errors.push(format!("git: {e}"));

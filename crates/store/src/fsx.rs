@@ -49,6 +49,23 @@ pub(crate) fn atomic_write(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Resul
     sync_dir(target.parent().unwrap_or(Path::new(".")))
 }
 
+/// Replaces `target` atomically (no reader sees a torn file) but without syncing: for files
+/// that a durable log can rebuild. Temporary names are unique per write, so concurrent writers
+/// in one process do not collide.
+pub(crate) fn replace_unsynced(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Result<(), Error> {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    fs::create_dir_all(tmp_dir).map_err(io_err("create", tmp_dir))?;
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = tmp_dir.join(format!("view.{}.{seq}.tmp", std::process::id()));
+    let result = fs::write(&tmp, bytes)
+        .map_err(io_err("write", &tmp))
+        .and_then(|()| fs::rename(&tmp, target).map_err(io_err("rename into place", target)));
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// Removes `path` durably; a file already gone is fine.
 pub(crate) fn remove_durably(path: &Path) -> Result<(), Error> {
     match fs::remove_file(path) {

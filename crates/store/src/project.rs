@@ -8,7 +8,7 @@ use automaton_workflow::{
     AgentId, ApprovalRecord, Artifact, Facts, Guidance, Phase, Policy, PolicyFile, State, TaskName,
     check_approve, check_transition, guidance, infer_state, out_of_order, parse_verdict,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::Error;
@@ -32,14 +32,14 @@ pub struct Project {
 }
 
 /// An artifact file in a task folder.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ArtifactInfo {
     pub artifact: Artifact,
     pub bytes: u64,
 }
 
 /// Where a gated phase stands with its approval.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum ApprovalView {
     /// The phase is open: its artifact needs a person's sign-off once written.
@@ -57,7 +57,7 @@ pub enum ApprovalView {
 }
 
 /// Everything `status --task` shows.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TaskView {
     pub task: TaskName,
     pub state_file: PathBuf,
@@ -75,7 +75,7 @@ pub struct TaskView {
     pub guidance: Option<Guidance>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TransitionOutcome {
     pub task: TaskName,
     pub from: State,
@@ -84,7 +84,7 @@ pub struct TransitionOutcome {
     pub released: Option<Lease>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ApproveOutcome {
     pub task: TaskName,
     pub from: State,
@@ -92,7 +92,7 @@ pub struct ApproveOutcome {
     pub approval: Approval,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ListEntry {
     pub task: TaskName,
     pub state: Option<State>,
@@ -103,7 +103,7 @@ pub struct ListEntry {
     pub subtasks: Vec<ListEntry>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FolderReport {
     pub task: TaskName,
     pub state: Option<State>,
@@ -117,7 +117,7 @@ impl FolderReport {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Upgraded {
     pub task: TaskName,
     pub state: State,
@@ -589,7 +589,8 @@ impl Project {
         Ok(dir)
     }
 
-    /// Checks the lease rules for a change made by `agent` (with `token`, if presented).
+    /// Checks the lease rules for a change made by `agent` (with `token`, if presented)
+    /// against the lease in `.state.lock`.
     fn check_holder(
         &self,
         task: &TaskName,
@@ -620,8 +621,15 @@ impl Project {
         Ok(())
     }
 
-    /// `status --transition`. A live lease must be held by `agent` (and match `token` when
-    /// given); the lease ends with the phase it was granted for.
+    /// Checks `from → target` against the lifecycle and writes `.state`.
+    fn apply_transition(&self, folder: &Folder, from: State, target: State) -> Result<(), Error> {
+        check_transition(from, target, &self.facts_for(folder, from)?)?;
+        self.write(&folder.dir.join(STATE), format!("{target}\n").as_bytes())
+    }
+
+    /// `status --transition` without a coordinator. A live lease in `.state.lock` must be
+    /// held by `agent` (and match `token` when given); the lease ends with the phase it was
+    /// granted for.
     pub fn transition(
         &self,
         task: &TaskName,
@@ -634,8 +642,7 @@ impl Project {
         let (folder, from) = self.tracked(task)?;
         let lease = self.lease(&folder.dir)?;
         self.check_holder(task, lease.as_ref(), agent, token, now)?;
-        check_transition(from, target, &self.facts_for(&folder, from)?)?;
-        self.write(&folder.dir.join(STATE), format!("{target}\n").as_bytes())?;
+        self.apply_transition(&folder, from, target)?;
         if lease.is_some() {
             remove_durably(&folder.dir.join(LOCK))?;
         }
@@ -647,12 +654,45 @@ impl Project {
         })
     }
 
-    /// `status --approve`: records who approved which content, then moves to `:approved`.
+    /// A transition by the coordinator, which has already checked its own lease table:
+    /// `.state.lock` is neither read nor touched. Returns the state it left.
+    pub fn transition_owned(&self, task: &TaskName, target: State) -> Result<State, Error> {
+        let _lock = self.lock(task)?;
+        let (folder, from) = self.tracked(task)?;
+        self.apply_transition(&folder, from, target)?;
+        Ok(from)
+    }
+
+    /// `status --approve` without a coordinator: the lease holder is read from `.state.lock`.
     pub fn approve(
         &self,
         task: &TaskName,
         approver: &str,
         now: SystemTime,
+    ) -> Result<ApproveOutcome, Error> {
+        self.approve_inner(task, approver, now, |dir| {
+            Ok(self.lease(dir)?.filter(|l| l.is_live(now)).map(|l| l.agent))
+        })
+    }
+
+    /// `--approve` by the coordinator, which knows the live lease holder itself.
+    pub fn approve_as(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        holder: Option<&AgentId>,
+        now: SystemTime,
+    ) -> Result<ApproveOutcome, Error> {
+        self.approve_inner(task, approver, now, |_| Ok(holder.cloned()))
+    }
+
+    /// Records who approved which content, then moves to `:approved`.
+    fn approve_inner(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        now: SystemTime,
+        holder: impl FnOnce(&Path) -> Result<Option<AgentId>, Error>,
     ) -> Result<ApproveOutcome, Error> {
         let approver_id: AgentId = approver.parse()?;
         let _lock = self.lock(task)?;
@@ -671,9 +711,7 @@ impl Project {
                 action: "approve",
             });
         }
-        if let Some(l) = self.lease(&folder.dir)?.filter(|l| l.is_live(now))
-            && l.agent == approver_id
-        {
+        if holder(&folder.dir)?.as_ref() == Some(&approver_id) {
             return Err(Error::SelfApproval {
                 task: task.clone(),
                 agent: approver.to_string(),
@@ -702,22 +740,15 @@ impl Project {
         })
     }
 
-    /// `status --claim`: grants (or, for the holder, renews) the task's lease.
-    pub fn claim(
+    /// May `agent` hold `task` now, lease aside? The task must be tracked, neither waiting for
+    /// approval nor finished, and `agent` must not be barred from its phase (reviewer ≠
+    /// implementer). Returns the task's state.
+    pub fn claimable(
         &self,
         task: &TaskName,
         agent: &AgentId,
-        ttl: Option<Duration>,
-        now: SystemTime,
-    ) -> Result<(Lease, bool), Error> {
-        let policy = self.policy()?;
-        if !policy.multi_agent {
-            return Err(Error::NotMultiAgent {
-                project: self.root.clone(),
-            });
-        }
-        let ttl = ttl.unwrap_or(policy.lock_timeout);
-        let _lock = self.lock(task)?;
+        policy: &Policy,
+    ) -> Result<State, Error> {
         let (folder, state) = self.tracked(task)?;
         let why = if state.is_awaiting_approval() {
             Some("it waits for a person's approval (--approve)")
@@ -733,8 +764,60 @@ impl Project {
                 why,
             });
         }
-        let lock_path = folder.dir.join(LOCK);
-        if let Some(l) = self.lease(&folder.dir)?.filter(|l| l.is_live(now)) {
+        if policy.separated.contains(&state.phase)
+            && self.implementers(&folder.dir)?.contains(agent)
+        {
+            return Err(Error::Separation {
+                task: task.clone(),
+                agent: agent.to_string(),
+                phase: state.phase,
+                action: "claim",
+            });
+        }
+        Ok(state)
+    }
+
+    /// Adds `agent` to `.state.implementer` when it takes the implement phase.
+    pub fn record_implementer(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        state: State,
+    ) -> Result<(), Error> {
+        if state.phase != Phase::Implement {
+            return Ok(());
+        }
+        let dir = self.task_dir(task);
+        let implementers = self.implementers(&dir)?;
+        if implementers.contains(agent) {
+            return Ok(());
+        }
+        let mut text: String = implementers.iter().map(|a| format!("{a}\n")).collect();
+        text.push_str(&format!("{agent}\n"));
+        self.write(&dir.join(IMPLEMENTER), text.as_bytes())
+    }
+
+    /// `status --claim` without a coordinator: grants (or, for the holder, renews) the
+    /// task's lease in `.state.lock`.
+    pub fn claim(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+        now: SystemTime,
+    ) -> Result<(Lease, bool), Error> {
+        let policy = self.policy()?;
+        if !policy.multi_agent {
+            return Err(Error::NotMultiAgent {
+                project: self.root.clone(),
+            });
+        }
+        let ttl = ttl.unwrap_or(policy.lock_timeout);
+        let _lock = self.lock(task)?;
+        let state = self.claimable(task, agent, &policy)?;
+        let dir = self.task_dir(task);
+        let lock_path = dir.join(LOCK);
+        if let Some(l) = self.lease(&dir)?.filter(|l| l.is_live(now)) {
             if &l.agent != agent {
                 return Err(Error::Leased {
                     task: task.clone(),
@@ -750,21 +833,9 @@ impl Project {
             self.write(&lock_path, renewed.render().as_bytes())?;
             return Ok((renewed, true));
         }
-        let implementers = self.implementers(&folder.dir)?;
-        if policy.separated.contains(&state.phase) && implementers.contains(agent) {
-            return Err(Error::Separation {
-                task: task.clone(),
-                agent: agent.to_string(),
-                phase: state.phase,
-                action: "claim",
-            });
-        }
-        let token = self.next_token()?;
-        if state.phase == Phase::Implement && !implementers.contains(agent) {
-            let mut text: String = implementers.iter().map(|a| format!("{a}\n")).collect();
-            text.push_str(&format!("{agent}\n"));
-            self.write(&folder.dir.join(IMPLEMENTER), text.as_bytes())?;
-        }
+        let token = self.fencing_mark()? + 1;
+        self.set_fencing_mark(token)?;
+        self.record_implementer(task, agent, state)?;
         let lease = Lease {
             agent: agent.clone(),
             phase: state,
@@ -777,22 +848,25 @@ impl Project {
         Ok((lease, false))
     }
 
-    /// Bumps and persists the project's fencing high-water mark (under the project lock).
-    fn next_token(&self) -> Result<u64, Error> {
+    /// The project's fencing high-water mark: no token at or below it will be issued again.
+    pub fn fencing_mark(&self) -> Result<u64, Error> {
         let path = self.meta.join("fencing");
-        let current = match read_optional(&path)? {
-            None => 0,
+        match read_optional(&path)? {
+            None => Ok(0),
             Some(t) => t
                 .trim()
                 .parse::<u64>()
-                .map_err(|_| Error::CorruptFencing { path: path.clone() })?,
-        };
-        let next = current + 1;
-        self.write(&path, format!("{next}\n").as_bytes())?;
-        Ok(next)
+                .map_err(|_| Error::CorruptFencing { path }),
+        }
     }
 
-    /// `status --release`: ends `agent`'s own lease.
+    /// Persists a new high-water mark (durably: tokens must never repeat after a crash).
+    pub fn set_fencing_mark(&self, mark: u64) -> Result<(), Error> {
+        fs::create_dir_all(&self.meta).map_err(io_err("create", &self.meta))?;
+        self.write(&self.meta.join("fencing"), format!("{mark}\n").as_bytes())
+    }
+
+    /// `status --release` without a coordinator: ends `agent`'s own lease.
     pub fn release(
         &self,
         task: &TaskName,
@@ -816,6 +890,41 @@ impl Project {
                 agent: agent.clone(),
             }),
         }
+    }
+
+    /// The lease mirrored in a task's `.state.lock`, if any.
+    pub fn read_lease(&self, task: &TaskName) -> Result<Option<Lease>, Error> {
+        self.lease(&self.task_dir(task))
+    }
+
+    /// The coordinator's materialised view of a lease: `.state.lock` rewritten (or removed)
+    /// atomically but without a sync of its own. The coordinator's log is what is durable;
+    /// it repairs these files at start.
+    pub fn write_lease_view(&self, task: &TaskName, lease: Option<&Lease>) -> Result<(), Error> {
+        let dir = self.task_dir(task);
+        let path = dir.join(LOCK);
+        match lease {
+            None => match fs::remove_file(&path) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(io_err("remove", &path)(e)),
+            },
+            Some(l) if dir.is_dir() => {
+                fsx::replace_unsynced(&self.tmp_dir(), &path, l.render().as_bytes())
+            }
+            // The task folder is gone: there is nothing to mirror into.
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// The state in a task's `.state`, `None` when the folder has none.
+    pub fn read_state(&self, task: &TaskName) -> Result<Option<State>, Error> {
+        Ok(self.folder(task)?.state)
+    }
+
+    /// `{project}/.automaton` (or `~/.automaton`): where the coordinator keeps its files.
+    pub fn meta(&self) -> &Path {
+        &self.meta
     }
 
     /// `status --upgrade`: writes `.state` (and an empty `.state.approvals`) for task folders
@@ -874,10 +983,6 @@ impl Project {
         fs::metadata(folder.dir.join(STATE))
             .and_then(|m| m.modified())
             .ok()
-    }
-
-    pub(crate) fn meta_dir(&self) -> &Path {
-        &self.meta
     }
 }
 

@@ -3,7 +3,7 @@
 use std::time::{Duration, SystemTime};
 
 use automaton_workflow::{AgentId, Phase, State};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// `2026-06-14T14:30:00Z`: seconds precision, UTC, as the seeds write it.
 pub fn format_time(t: SystemTime) -> String {
@@ -15,14 +15,14 @@ pub fn parse_time(s: &str) -> Option<SystemTime> {
 }
 
 /// A task lease as mirrored in `.state.lock` (seed 001's four lines plus `lease:` and `token:`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     pub agent: AgentId,
     /// The task's state when the lease was granted.
     pub phase: State,
-    #[serde(serialize_with = "ser_time")]
+    #[serde(serialize_with = "ser_time", deserialize_with = "de_time")]
     pub claimed: SystemTime,
-    #[serde(serialize_with = "ser_time")]
+    #[serde(serialize_with = "ser_time", deserialize_with = "de_time")]
     pub expires: SystemTime,
     /// Empty for lock files written before leases had ids.
     pub lease_id: String,
@@ -32,6 +32,11 @@ pub struct Lease {
 
 fn ser_time<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(&format_time(*t))
+}
+
+fn de_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SystemTime, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_time(&s).ok_or_else(|| serde::de::Error::custom(format!("'{s}' is not an RFC 3339 time")))
 }
 
 impl Lease {
@@ -99,10 +104,10 @@ impl Lease {
 }
 
 /// One line of `.state.approvals`: `{phase}:approved|{ISO-8601}|{approver}[|{sha256}]`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Approval {
     pub phase: Phase,
-    #[serde(serialize_with = "ser_time")]
+    #[serde(serialize_with = "ser_time", deserialize_with = "de_time")]
     pub at: SystemTime,
     pub approver: String,
     /// sha256 of the approved artifact; absent in lines written before approvals were bound

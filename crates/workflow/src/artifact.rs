@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::phase::{Phase, State};
 
@@ -82,6 +82,14 @@ impl fmt::Display for Artifact {
 impl Serialize for Artifact {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.file_name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Artifact {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        Artifact::from_file_name(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown artifact '{name}'")))
     }
 }
 

@@ -1,12 +1,12 @@
 //! What `status --task` tells an agent: allowed and forbidden actions, the next artifact,
 //! the next phase and the command to proceed (004 §2).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::artifact::forbidden_in;
 use crate::phase::{Gate, Phase, State};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Guidance {
     pub allowed: Vec<String>,
     pub forbidden: Vec<String>,

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Longest task name (each part of `parent/sub`).
 pub const MAX_NAME_LEN: usize = 64;
@@ -108,11 +108,27 @@ impl Serialize for TaskName {
     }
 }
 
+impl<'de> Deserialize<'de> for TaskName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// An agent's id, as written into `.state.lock`, `.state.implementer` and approvals. The
 /// character set keeps it one token in every one of those line formats.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(transparent)]
 pub struct AgentId(String);
+
+impl<'de> Deserialize<'de> for AgentId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
 
 impl AgentId {
     pub fn as_str(&self) -> &str {

@@ -1,6 +1,6 @@
 //! The checks every state change must pass, as pure functions over what the store read.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::artifact::{Artifact, out_of_order};
 use crate::phase::{Phase, State};
@@ -210,7 +210,7 @@ pub fn infer_state(present: &[Artifact]) -> Option<State> {
 }
 
 /// Severity of an audit finding: a violation changes the exit code, a warning does not.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
     Warn,
@@ -218,7 +218,7 @@ pub enum Severity {
 }
 
 /// One finding of the state/artifact consistency check (004 §11, Category 2).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finding {
     pub severity: Severity,
     pub message: String,

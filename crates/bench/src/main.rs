@@ -1,0 +1,504 @@
+//! `automaton-bench leases`: lease throughput and latency of the automaton coordinator, side
+//! by side with etcd 3.4 doing the equivalent work with its own leases.
+//!
+//! | op      | automaton                                  | etcd                                    |
+//! |---------|--------------------------------------------|-----------------------------------------|
+//! | claim   | `Leases.Claim` of a task in `research`     | `LeaseGrant` + put-if-absent `Txn`      |
+//! | renew   | one `KeepAlive` request → one response     | one `LeaseKeepAlive` request → response |
+//! | release | `Leases.Release` with lease id and token   | `LeaseRevoke`                           |
+//!
+//! Each of C clients works on its own tasks (keys), so every call succeeds and nothing
+//! contends: the figures are throughput, not refusals. Clients are closed-loop (one call in
+//! flight each). By default each client has its own HTTP/2 connection (`--connections 0`),
+//! for both systems alike; `--connections N` spreads the clients over N shared connections.
+//! See `backend.rs` for how the phases are timed.
+
+mod backend;
+mod coord;
+mod etcd;
+mod spawn;
+mod stats;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use serde::Serialize;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::backend::Backend;
+use crate::stats::{OpStats, fmt_ms};
+
+const AUTOMATON: &str = "automaton";
+const ETCD: &str = "etcd";
+const OPS: [&str; 3] = ["claim", "renew", "release"];
+
+#[derive(Parser)]
+#[command(name = "automaton-bench", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Claim, renew (KeepAlive) and release throughput and latency at each client count.
+    Leases(LeasesArgs),
+}
+
+#[derive(clap::Args)]
+struct LeasesArgs {
+    /// A running coordinator, e.g. http://127.0.0.1:7070 (its project must be in
+    /// multi-agent mode; the benchmark creates tasks `bench-c{C}-{i}` in it).
+    #[arg(long, conflicts_with = "spawn_coordinator")]
+    coordinator: Option<String>,
+    /// Start this coordinator binary on a fresh temp project (`--listen 127.0.0.1:0`) and
+    /// stop it at the end.
+    #[arg(long, value_name = "PATH")]
+    spawn_coordinator: Option<PathBuf>,
+    /// A running etcd 3.4, e.g. http://127.0.0.1:2379: adds etcd rows and ratios.
+    #[arg(long, conflicts_with = "spawn_etcd")]
+    etcd: Option<String>,
+    /// Start etcd (`--etcd-bin`) on a temp data dir on 127.0.0.1 with free ports, and stop
+    /// it at the end.
+    #[arg(long)]
+    spawn_etcd: bool,
+    /// The etcd binary for --spawn-etcd.
+    #[arg(long, default_value = "etcd", value_name = "PATH")]
+    etcd_bin: String,
+    /// Client counts, each measured in turn.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    clients: Vec<usize>,
+    /// How long each operation is measured at each client count: `10s`, `500ms`, `1m`.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    duration: Duration,
+    /// Write every figure here as JSON.
+    #[arg(long, value_name = "FILE")]
+    json_out: Option<PathBuf>,
+    /// Tasks (etcd keys) per client, claimed and released per round.
+    #[arg(long, default_value_t = 100)]
+    tasks_per_client: usize,
+    /// HTTP/2 connections per system and client count; 0 = one per client.
+    #[arg(long, default_value_t = 0)]
+    connections: usize,
+    /// Lease TTL requested on claim (etcd gets it rounded up to whole seconds).
+    #[arg(long, default_value_t = 60_000)]
+    ttl_ms: u64,
+    /// Concurrent callers creating the coordinator's tasks before measuring.
+    #[arg(long, default_value_t = 16)]
+    prepare_workers: usize,
+    /// Keep the temp folder (project, data dirs, logs) of spawned systems.
+    #[arg(long)]
+    keep_temp: bool,
+}
+
+/// `10s`, `500ms`, `1m`, `2.5s`, or a bare number of seconds.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("not a duration: {s:?} (e.g. 10s, 500ms, 1m)"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("unknown unit in {s:?}: use ms, s or m")),
+    };
+    if !(secs > 0.0 && secs <= 3600.0) {
+        return Err(format!("duration {s:?} must be above 0 and at most 1h"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[derive(Serialize)]
+struct Prepared {
+    clients: usize,
+    tasks: usize,
+    seconds: f64,
+    tasks_per_s: f64,
+}
+
+#[derive(Serialize)]
+struct Comparison {
+    op: String,
+    clients: usize,
+    automaton_ops_per_s: f64,
+    etcd_ops_per_s: f64,
+    throughput_ratio: f64,
+    /// The target ratio (it applies at 16 and 64 clients).
+    target_ratio: f64,
+    target_applies: bool,
+    throughput_met: bool,
+    automaton_p99_ms: f64,
+    etcd_p99_ms: f64,
+    p99_met: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    command: String,
+    unix_time: u64,
+    coordinator: Option<String>,
+    etcd: Option<String>,
+    clients: Vec<usize>,
+    duration_s: f64,
+    tasks_per_client: usize,
+    connections: String,
+    ttl_ms: u64,
+    results: Vec<OpStats>,
+    prepare: Vec<Prepared>,
+    comparisons: Vec<Comparison>,
+    shutdown: Vec<String>,
+}
+
+fn target(op: &str) -> f64 {
+    match op {
+        "claim" => 6.0,
+        "renew" => 8.0,
+        "release" => 3.0,
+        _ => 0.0,
+    }
+}
+
+async fn connect(url: &str, n: usize) -> Result<Vec<Channel>> {
+    let endpoint = Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("bad URL {url}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5));
+    let mut channels = Vec::with_capacity(n);
+    for _ in 0..n {
+        channels.push(
+            endpoint
+                .connect()
+                .await
+                .with_context(|| format!("connect to {url}"))?,
+        );
+    }
+    Ok(channels)
+}
+
+fn progress(s: &OpStats) {
+    let err = match &s.first_error {
+        Some(e) => format!("  errors {} (first: {e})", s.errors),
+        None => String::new(),
+    };
+    eprintln!(
+        "  {:<10} {:<8} C={:<3} {:>9.0} ops/s  p50 {}  p99 {}  max {}{err}",
+        s.system,
+        s.op,
+        s.clients,
+        s.ops_per_s,
+        fmt_ms(s.p50_ms),
+        fmt_ms(s.p99_ms),
+        fmt_ms(s.max_ms)
+    );
+}
+
+async fn measure<B: Backend>(
+    system: &str,
+    backend: B,
+    clients: usize,
+    args: &LeasesArgs,
+) -> Result<Vec<OpStats>> {
+    let backend = Arc::new(backend);
+    let (claims, releases) = backend::claim_release(
+        backend.clone(),
+        clients,
+        args.tasks_per_client,
+        args.duration,
+    )
+    .await?;
+    let claim = OpStats::new(system, "claim", clients, claims);
+    progress(&claim);
+    let release = OpStats::new(system, "release", clients, releases);
+    progress(&release);
+    let renew = OpStats::new(
+        system,
+        "renew",
+        clients,
+        backend::renew(backend, clients, args.duration).await?,
+    );
+    progress(&renew);
+    Ok(vec![claim, renew, release])
+}
+
+fn find<'a>(results: &'a [OpStats], system: &str, op: &str, c: usize) -> Option<&'a OpStats> {
+    results
+        .iter()
+        .find(|s| s.system == system && s.op == op && s.clients == c)
+}
+
+fn compare(results: &[OpStats], clients: &[usize]) -> Vec<Comparison> {
+    let mut out = Vec::new();
+    for &c in clients {
+        for op in OPS {
+            let (Some(a), Some(e)) = (find(results, AUTOMATON, op, c), find(results, ETCD, op, c))
+            else {
+                continue;
+            };
+            let ratio = if e.ops_per_s > 0.0 {
+                a.ops_per_s / e.ops_per_s
+            } else {
+                0.0
+            };
+            out.push(Comparison {
+                op: op.to_string(),
+                clients: c,
+                automaton_ops_per_s: a.ops_per_s,
+                etcd_ops_per_s: e.ops_per_s,
+                throughput_ratio: ratio,
+                target_ratio: target(op),
+                target_applies: c >= 16,
+                throughput_met: ratio >= target(op),
+                automaton_p99_ms: a.p99_ms,
+                etcd_p99_ms: e.p99_ms,
+                p99_met: a.ops > 0 && e.ops > 0 && a.p99_ms <= e.p99_ms,
+            });
+        }
+    }
+    out
+}
+
+fn row(s: &OpStats) -> String {
+    let errors = if s.errors > 0 {
+        format!("   errors {}", s.errors)
+    } else {
+        String::new()
+    };
+    format!(
+        "{:<12} {:<8} {:>7} {:>9.0} {:>8} {:>8} {:>8}{errors}",
+        s.system,
+        s.op,
+        s.clients,
+        s.ops_per_s,
+        fmt_ms(s.p50_ms),
+        fmt_ms(s.p99_ms),
+        fmt_ms(s.max_ms)
+    )
+}
+
+fn table(results: &[OpStats], comparisons: &[Comparison], clients: &[usize]) -> String {
+    let mut out = format!(
+        "{:<12} {:<8} {:>7} {:>9} {:>8} {:>8} {:>8}\n",
+        "system", "op", "clients", "ops/s", "p50", "p99", "max"
+    );
+    for &c in clients {
+        for op in OPS {
+            for system in [AUTOMATON, ETCD] {
+                if let Some(s) = find(results, system, op, c) {
+                    out.push_str(&row(s));
+                    out.push('\n');
+                }
+            }
+            if let Some(k) = comparisons.iter().find(|k| k.op == op && k.clients == c) {
+                let verdict = if !k.target_applies {
+                    "target applies at 16 and 64 clients".to_string()
+                } else {
+                    format!(
+                        "target >= {}x: {}; p99: {}",
+                        k.target_ratio,
+                        if k.throughput_met { "met" } else { "NOT met" },
+                        if k.p99_met { "met" } else { "NOT met" }
+                    )
+                };
+                out.push_str(&format!(
+                    "{:<12} {:<8} {:>7} {:>8.1}x   (p99 automaton {} vs etcd {}; {verdict})\n",
+                    "ratio",
+                    op,
+                    c,
+                    k.throughput_ratio,
+                    fmt_ms(k.automaton_p99_ms),
+                    fmt_ms(k.etcd_p99_ms),
+                ));
+            }
+        }
+    }
+    out
+}
+
+async fn leases(args: LeasesArgs) -> Result<()> {
+    if args.clients.is_empty()
+        || args.clients.contains(&0)
+        || args.clients.iter().any(|&c| c > 4096)
+    {
+        bail!("--clients must list counts between 1 and 4096");
+    }
+    if args.tasks_per_client == 0 || args.tasks_per_client > 100_000 {
+        bail!("--tasks-per-client must be between 1 and 100000");
+    }
+    let want_coord = args.coordinator.is_some() || args.spawn_coordinator.is_some();
+    let want_etcd = args.etcd.is_some() || args.spawn_etcd;
+    if !want_coord && !want_etcd {
+        bail!(
+            "nothing to measure: give --coordinator URL or --spawn-coordinator PATH, and/or --etcd URL or --spawn-etcd"
+        );
+    }
+    let scratch = if args.spawn_coordinator.is_some() || args.spawn_etcd {
+        Some(spawn::scratch_dir()?)
+    } else {
+        None
+    };
+
+    let mut spawned = Vec::new();
+    let outcome = run(&args, scratch.as_deref(), &mut spawned).await;
+    let mut shutdown = Vec::new();
+    for s in spawned.iter_mut() {
+        let how = s.stop();
+        eprintln!("{how} (log: {})", s.log.display());
+        shutdown.push(how);
+    }
+    if let Some(dir) = &scratch {
+        if args.keep_temp || outcome.is_err() {
+            eprintln!("kept {}", dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+    let (mut report, text) = outcome?;
+    report.shutdown = shutdown;
+    print!("{text}");
+    if let Some(path) = &args.json_out {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("write {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+async fn run(
+    args: &LeasesArgs,
+    scratch: Option<&std::path::Path>,
+    spawned: &mut Vec<spawn::Spawned>,
+) -> Result<(Report, String)> {
+    let mut etcd_url = args.etcd.clone();
+    if args.spawn_etcd {
+        let dir = scratch.context("no temp dir")?;
+        let s = spawn::etcd(&args.etcd_bin, dir)?;
+        eprintln!("spawned etcd at {} (log {})", s.url, s.log.display());
+        etcd_url = Some(s.url.clone());
+        spawned.push(s);
+    }
+    let mut coord_url = args.coordinator.clone();
+    if let Some(bin) = &args.spawn_coordinator {
+        let dir = scratch.context("no temp dir")?;
+        let s = spawn::coordinator(bin, dir)?;
+        eprintln!("spawned coordinator at {} (log {})", s.url, s.log.display());
+        coord_url = Some(s.url.clone());
+        spawned.push(s);
+    }
+    if let Some(url) = &etcd_url {
+        let ch = connect_retry(url).await?;
+        etcd::wait_ready(&ch, Duration::from_secs(30)).await?;
+    }
+    if let Some(url) = &coord_url {
+        let ch = connect_retry(url).await?;
+        coord::wait_ready(&ch, Duration::from_secs(30)).await?;
+    }
+
+    let ttl_s = args.ttl_ms.div_ceil(1000).max(1) as i64;
+    let mut results = Vec::new();
+    let mut prepare = Vec::new();
+    for &c in &args.clients {
+        let n = if args.connections == 0 {
+            c
+        } else {
+            args.connections.min(c)
+        };
+        eprintln!("C={c}: {n} connection(s) per system");
+        if let Some(url) = &coord_url {
+            let channels = connect(url, n).await?;
+            let (tasks, secs) =
+                coord::prepare(&channels, c, args.tasks_per_client, args.prepare_workers).await?;
+            eprintln!(
+                "  prepared {tasks} tasks in {secs:.2}s ({:.0} tasks/s: CreateTask + Transition)",
+                tasks as f64 / secs.max(1e-9)
+            );
+            prepare.push(Prepared {
+                clients: c,
+                tasks,
+                seconds: secs,
+                tasks_per_s: tasks as f64 / secs.max(1e-9),
+            });
+            let b = coord::Coordinator::new(&channels, c, args.tasks_per_client, args.ttl_ms);
+            results.extend(measure(AUTOMATON, b, c, args).await?);
+        }
+        if let Some(url) = &etcd_url {
+            let channels = connect(url, n).await?;
+            let b = etcd::Etcd::new(&channels, c, args.tasks_per_client, ttl_s);
+            results.extend(measure(ETCD, b, c, args).await?);
+        }
+    }
+    let comparisons = compare(&results, &args.clients);
+    let text = table(&results, &comparisons, &args.clients);
+    let report = Report {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        unix_time: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default(),
+        coordinator: coord_url,
+        etcd: etcd_url,
+        clients: args.clients.clone(),
+        duration_s: args.duration.as_secs_f64(),
+        tasks_per_client: args.tasks_per_client,
+        connections: if args.connections == 0 {
+            "one per client".to_string()
+        } else {
+            format!("{} shared", args.connections)
+        },
+        ttl_ms: args.ttl_ms,
+        results,
+        prepare,
+        comparisons,
+        shutdown: Vec::new(),
+    };
+    Ok((report, text))
+}
+
+/// A freshly spawned server may need a moment before it accepts connections.
+async fn connect_retry(url: &str) -> Result<Channel> {
+    let mut last = None;
+    for _ in 0..100 {
+        match connect(url, 1).await {
+            Ok(mut ch) => return ch.pop().context("no channel"),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("cannot connect to {url}")))
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> Result<()> {
+    match Cli::parse().command {
+        Cmd::Leases(args) => leases(args).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("5h").is_err());
+        assert!(parse_duration("x").is_err());
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,233 @@
+//! Starting and stopping the systems under test on loopback, in a temp folder.
+
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+
+/// A folder under the system temp dir for this run: project, data dirs and logs.
+pub fn scratch_dir() -> Result<PathBuf> {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("automaton-bench-{}-{nanos}", std::process::id()));
+    fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// A child process that is stopped (SIGTERM, then SIGKILL after 10 s) when dropped.
+pub struct Spawned {
+    name: &'static str,
+    child: Child,
+    pub url: String,
+    pub log: PathBuf,
+    stopped: bool,
+}
+
+impl Spawned {
+    /// Stops the process; says how it ended.
+    pub fn stop(&mut self) -> String {
+        self.stopped = true;
+        if let Ok(Some(st)) = self.child.try_wait() {
+            return format!("{} had already exited: {st}", self.name);
+        }
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return format!("{} stopped by SIGTERM: {st}", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let st = self.child.wait();
+        format!(
+            "{} did not exit within 10 s of SIGTERM; killed ({st:?})",
+            self.name
+        )
+    }
+
+    fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(Some(st)) => Some(st.to_string()),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if !self.stopped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn tail(path: &Path) -> String {
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Starts `automaton-coordinator --project DIR/project --listen 127.0.0.1:0` on a fresh
+/// project in multi-agent mode, and waits for its `listening on ADDR` line.
+pub fn coordinator(bin: &Path, scratch: &Path) -> Result<Spawned> {
+    let project = scratch.join("project");
+    fs::create_dir_all(&project)?;
+    fs::write(project.join(".agent.md"), "Mode: multi-agent\n")?;
+    let log = scratch.join("coordinator.log");
+    let stderr = File::create(&log)?;
+    let mut child = Command::new(bin)
+        .arg("--project")
+        .arg(&project)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .with_context(|| format!("start {}", bin.display()))?;
+    let stdout = child.stdout.take().context("coordinator stdout")?;
+    let mut spawned = Spawned {
+        name: "coordinator",
+        child,
+        url: String::new(),
+        log: log.clone(),
+        stopped: false,
+    };
+    // Read stdout on a thread for the whole run (so the pipe never fills), copying it to
+    // the log, and hand over the first address announced.
+    let (tx, rx) = mpsc::channel();
+    let out_log = scratch.join("coordinator.stdout");
+    std::thread::spawn(move || {
+        let mut copy = File::create(out_log).ok();
+        let mut tx = Some(tx);
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(f) = copy.as_mut() {
+                let _ = writeln!(f, "{line}");
+            }
+            if let Some(addr) = listening_addr(&line)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr);
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(addr) => {
+                spawned.url = if addr.starts_with("http") {
+                    addr
+                } else {
+                    format!("http://{addr}")
+                };
+                return Ok(spawned);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                bail!(
+                    "the coordinator closed stdout without printing `listening on`; stderr ({}):\n{}",
+                    log.display(),
+                    tail(&log)
+                );
+            }
+        }
+        if let Some(st) = spawned.exited() {
+            bail!(
+                "the coordinator exited ({st}) before listening; stderr ({}):\n{}",
+                log.display(),
+                tail(&log)
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the coordinator printed no `listening on` line within 60 s; stderr ({}):\n{}",
+                log.display(),
+                tail(&log)
+            );
+        }
+    }
+}
+
+/// `listening on 127.0.0.1:PORT` (also with a scheme, or trailing punctuation) → the address.
+pub fn listening_addr(line: &str) -> Option<String> {
+    let at = line.find("listening on ")?;
+    let rest = line[at + "listening on ".len()..].trim_start();
+    let token = rest.split_whitespace().next()?;
+    let token = token.trim_end_matches([',', '.', ';', ')']);
+    (!token.is_empty()).then(|| token.to_string())
+}
+
+fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("find a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Starts a single-member etcd on 127.0.0.1 with free ports and a data dir under `scratch`,
+/// default durability (fsync of its WAL). The caller waits for it to answer.
+pub fn etcd(bin: &str, scratch: &Path) -> Result<Spawned> {
+    let client = free_port()?;
+    let mut peer = free_port()?;
+    for _ in 0..10 {
+        if peer != client {
+            break;
+        }
+        peer = free_port()?;
+    }
+    let data = scratch.join("etcd-data");
+    let log = scratch.join("etcd.log");
+    let out = File::create(&log)?;
+    let client_url = format!("http://127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let child = Command::new(bin)
+        .args(["--name", "bench"])
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--listen-client-urls", &client_url])
+        .args(["--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url])
+        .args(["--initial-advertise-peer-urls", &peer_url])
+        .args(["--initial-cluster", &format!("bench={peer_url}")])
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("start {bin}"))?;
+    Ok(Spawned {
+        name: "etcd",
+        child,
+        url: client_url,
+        log,
+        stopped: false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::listening_addr;
+
+    #[test]
+    fn parses_the_listening_line() {
+        assert_eq!(
+            listening_addr("listening on 127.0.0.1:4242").as_deref(),
+            Some("127.0.0.1:4242")
+        );
+        assert_eq!(
+            listening_addr(
+                "automaton-coordinator: listening on http://127.0.0.1:1 (loopback only)"
+            )
+            .as_deref(),
+            Some("http://127.0.0.1:1")
+        );
+        assert_eq!(listening_addr("starting"), None);
+    }
+}

@@ -1,0 +1,419 @@
+//! Where a status command is carried out: on the files directly (no coordinator), or by the
+//! coordinator that owns the project. Both hand back the store's types, so the output is
+//! rendered by one code path and is identical either way.
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use automaton_proto::v1 as pb;
+use automaton_store::{
+    Approval, ApproveOutcome, AuditReport, Error, FolderReport, Lease, ListEntry, Project,
+    TaskView, TransitionOutcome, parse_time,
+};
+use automaton_workflow::{AgentId, State, TaskName};
+use tonic::transport::Channel;
+
+/// A failure, with the exit code it ends the command with.
+pub enum Failure {
+    Store(Error),
+    Usage(String),
+    /// A well-formed request refused by the command line itself (exit 1).
+    Refused(String),
+    /// A refusal or error reported by the coordinator: its message and error kind.
+    Remote {
+        message: String,
+        kind: String,
+    },
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure::Store(e)
+    }
+}
+
+impl From<tonic::Status> for Failure {
+    fn from(s: tonic::Status) -> Self {
+        let kind = s
+            .metadata()
+            .get("automaton-error-kind")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .unwrap_or_else(|| match s.code() {
+                tonic::Code::FailedPrecondition
+                | tonic::Code::PermissionDenied
+                | tonic::Code::AlreadyExists => "refused".into(),
+                tonic::Code::Unavailable | tonic::Code::Unauthenticated => "io".into(),
+                _ => "invalid".into(),
+            });
+        let message = match s.code() {
+            tonic::Code::Unavailable => format!(
+                "the coordinator is unavailable ({}): start it, or pass --coordinator URL",
+                s.message()
+            ),
+            _ => s.message().to_string(),
+        };
+        Failure::Remote { message, kind }
+    }
+}
+
+pub enum Backend {
+    Local(Project),
+    Remote {
+        project: Project,
+        address: String,
+        runtime: tokio::runtime::Runtime,
+        channel: Channel,
+        token: Option<String>,
+    },
+}
+
+/// The coordinator to talk to: `--coordinator URL`, else `AUTOMATON_COORDINATOR`, else the
+/// address in `.automaton/coordinator.lock` while a live coordinator holds that lock.
+pub fn find_coordinator(project: &Project, flag: Option<&str>) -> Option<String> {
+    if let Some(url) = flag
+        .map(str::to_string)
+        .or_else(|| std::env::var("AUTOMATON_COORDINATOR").ok())
+    {
+        return (!url.is_empty()).then_some(url);
+    }
+    let path = project.meta().join("coordinator.lock");
+    let file = std::fs::File::open(&path).ok()?;
+    // A lock we can take is a lock nobody holds: the coordinator that wrote the file is gone.
+    if fs4::FileExt::try_lock_shared(&file).is_ok() {
+        return None;
+    }
+    std::fs::read_to_string(&path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("address: ").map(|a| a.trim().to_string()))
+}
+
+fn lease_from_pb(l: &pb::Lease) -> Result<Lease, Failure> {
+    let bad =
+        |what: &str| Failure::Usage(format!("the coordinator sent an unreadable lease ({what})"));
+    Ok(Lease {
+        agent: l.agent.parse().map_err(|_| bad("agent"))?,
+        phase: l.state.parse().map_err(|_| bad("state"))?,
+        claimed: SystemTime::now(),
+        expires: parse_time(&l.expires_at).ok_or_else(|| bad("expires_at"))?,
+        lease_id: l.lease_id.clone(),
+        token: l.token,
+    })
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Failure> {
+    serde_json::from_str(text)
+        .map_err(|e| Failure::Usage(format!("the coordinator sent unreadable JSON: {e}")))
+}
+
+fn state(s: &str) -> Result<State, Failure> {
+    s.parse()
+        .map_err(|_| Failure::Usage(format!("the coordinator sent an unknown state '{s}'")))
+}
+
+impl Backend {
+    /// Talks to `address` (lazily: the first call connects).
+    pub fn remote(project: Project, address: String) -> Result<Backend, Failure> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Failure::Usage(format!("cannot start the async runtime: {e}")))?;
+        let endpoint = Channel::from_shared(address.clone())
+            .map_err(|_| {
+                Failure::Usage(format!(
+                    "invalid coordinator address '{address}': write e.g. http://127.0.0.1:7070"
+                ))
+            })?
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(60));
+        let channel = {
+            let _guard = runtime.enter();
+            endpoint.connect_lazy()
+        };
+        let token = std::env::var("AUTOMATON_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty());
+        Ok(Backend::Remote {
+            project,
+            address,
+            runtime,
+            channel,
+            token,
+        })
+    }
+
+    pub fn coordinator(&self) -> Option<&str> {
+        match self {
+            Backend::Local(_) => None,
+            Backend::Remote { address, .. } => Some(address),
+        }
+    }
+
+    fn request<T>(token: &Option<String>, msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        if let Some(t) = token
+            && let Ok(v) = format!("Bearer {t}").parse()
+        {
+            req.metadata_mut().insert("authorization", v);
+        }
+        req
+    }
+
+    pub fn create_task(&self, task: &TaskName) -> Result<PathBuf, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.create_task(task)?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                project,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                runtime.block_on(c.create_task(Self::request(
+                    token,
+                    pb::CreateTaskRequest {
+                        task: task.to_string(),
+                    },
+                )))?;
+                Ok(project.task_dir(task))
+            }
+        }
+    }
+
+    pub fn view(&self, task: &TaskName) -> Result<TaskView, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.view(task, SystemTime::now())?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                let r = runtime.block_on(c.get_task(Self::request(
+                    token,
+                    pb::GetTaskRequest {
+                        task: task.to_string(),
+                    },
+                )))?;
+                from_json(&r.into_inner().view_json)
+            }
+        }
+    }
+
+    pub fn list(&self) -> Result<Vec<ListEntry>, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.list(SystemTime::now())?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                let r = runtime
+                    .block_on(c.list_tasks(Self::request(token, pb::ListTasksRequest {})))?;
+                from_json(&r.into_inner().list_json)
+            }
+        }
+    }
+
+    pub fn transition(
+        &self,
+        task: &TaskName,
+        target: State,
+        agent: Option<&AgentId>,
+        lease_id: Option<&str>,
+        fencing: Option<u64>,
+    ) -> Result<TransitionOutcome, Failure> {
+        match self {
+            Backend::Local(p) => {
+                Ok(p.transition(task, target, agent, fencing, SystemTime::now())?)
+            }
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                let r = runtime
+                    .block_on(c.transition(Self::request(
+                        token,
+                        pb::TransitionRequest {
+                            task: task.to_string(),
+                            target: target.to_string(),
+                            agent: agent.map(|a| a.to_string()).unwrap_or_default(),
+                            lease_id: lease_id.unwrap_or_default().to_string(),
+                            token: fencing.unwrap_or(0),
+                        },
+                    )))?
+                    .into_inner();
+                Ok(TransitionOutcome {
+                    task: task.clone(),
+                    from: state(&r.from)?,
+                    to: state(&r.to)?,
+                    released: r.released.as_ref().map(lease_from_pb).transpose()?,
+                })
+            }
+        }
+    }
+
+    pub fn approve(&self, task: &TaskName, approver: &str) -> Result<ApproveOutcome, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.approve(task, approver, SystemTime::now())?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                let r = runtime
+                    .block_on(c.approve(Self::request(
+                        token,
+                        pb::ApproveRequest {
+                            task: task.to_string(),
+                            approver: approver.to_string(),
+                        },
+                    )))?
+                    .into_inner();
+                let from = state(&r.from)?;
+                Ok(ApproveOutcome {
+                    task: task.clone(),
+                    from,
+                    to: state(&r.to)?,
+                    approval: Approval {
+                        phase: from.phase,
+                        at: parse_time(&r.approved_at).unwrap_or_else(SystemTime::now),
+                        approver: r.approver,
+                        sha256: (!r.sha256.is_empty()).then_some(r.sha256),
+                    },
+                })
+            }
+        }
+    }
+
+    pub fn validate_folder(&self, task: &TaskName) -> Result<FolderReport, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.validate_folder(task)?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                let r = runtime.block_on(c.validate_folder(Self::request(
+                    token,
+                    pb::ValidateFolderRequest {
+                        task: task.to_string(),
+                    },
+                )))?;
+                from_json(&r.into_inner().report_json)
+            }
+        }
+    }
+
+    pub fn audit(&self) -> Result<AuditReport, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.audit()?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
+                let r = runtime.block_on(c.audit(Self::request(token, pb::AuditRequest {})))?;
+                from_json(&r.into_inner().report_json)
+            }
+        }
+    }
+
+    pub fn claim(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<(Lease, bool), Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.claim(task, agent, ttl, SystemTime::now())?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut c = pb::leases_client::LeasesClient::new(channel.clone());
+                let r = runtime
+                    .block_on(c.claim(Self::request(
+                        token,
+                        pb::ClaimRequest {
+                            task: task.to_string(),
+                            agent: agent.to_string(),
+                            ttl_ms: ttl.map_or(0, |t| t.as_millis() as u64),
+                        },
+                    )))?
+                    .into_inner();
+                Ok((lease_from_pb(&r)?, r.renewed))
+            }
+        }
+    }
+
+    /// Releases `agent`'s lease on `task`. The coordinator releases by lease id, so the CLI
+    /// looks the live lease up first and refuses exactly as the local mode does.
+    pub fn release(&self, task: &TaskName, agent: &AgentId) -> Result<Lease, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.release(task, agent, SystemTime::now())?),
+            Backend::Remote {
+                runtime,
+                channel,
+                token,
+                ..
+            } => {
+                let mut tasks = pb::tasks_client::TasksClient::new(channel.clone());
+                let detail = runtime
+                    .block_on(tasks.get_task(Self::request(
+                        token,
+                        pb::GetTaskRequest {
+                            task: task.to_string(),
+                        },
+                    )))?
+                    .into_inner();
+                let live = match detail.lease {
+                    Some(l) if l.agent == agent.as_str() => l,
+                    Some(l) => {
+                        return Err(Error::NotHolder {
+                            task: task.clone(),
+                            holder: l
+                                .agent
+                                .parse()
+                                .map_err(|_| Failure::Usage("unreadable holder".into()))?,
+                            agent: agent.clone(),
+                        }
+                        .into());
+                    }
+                    None => {
+                        return Err(Error::NoLease {
+                            task: task.clone(),
+                            agent: agent.clone(),
+                        }
+                        .into());
+                    }
+                };
+                let mut leases = pb::leases_client::LeasesClient::new(channel.clone());
+                runtime.block_on(leases.release(Self::request(
+                    token,
+                    pb::ReleaseRequest {
+                        lease_id: live.lease_id.clone(),
+                        token: live.token,
+                    },
+                )))?;
+                lease_from_pb(&live)
+            }
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! The coordinator's configuration: defaults < TOML file < `AUTOMATON_*` environment <
+//! flags, validated once before any socket is bound.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+
+/// Who a bearer token speaks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Claim, renew, release, transition under its lease, read.
+    Agent,
+    /// Everything, including approve and create.
+    Operator,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Token {
+    /// Who this is: the default approver for an operator.
+    pub name: String,
+    pub role: Role,
+    pub token: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The project whose task store this coordinator owns.
+    pub project: PathBuf,
+    pub listen: SocketAddr,
+    /// Serve a non-loopback address without any token.
+    pub insecure: bool,
+    /// After a restart every lease lives at least this long, so holders can reconnect.
+    #[serde(with = "duration")]
+    pub grace_period: Duration,
+    /// Longest a unary request may take before it is answered DEADLINE_EXCEEDED.
+    #[serde(with = "duration")]
+    pub rpc_timeout: Duration,
+    /// Requests served at once per connection; beyond it, load is shed (UNAVAILABLE).
+    pub max_in_flight: usize,
+    /// Largest request message; larger ones get RESOURCE_EXHAUSTED.
+    pub max_message_bytes: usize,
+    pub tls: Option<Tls>,
+    pub tokens: Vec<Token>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            project: PathBuf::from("."),
+            listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            insecure: false,
+            grace_period: Duration::from_secs(30),
+            rpc_timeout: Duration::from_secs(30),
+            max_in_flight: 1024,
+            max_message_bytes: 4 * 1024 * 1024,
+            tls: None,
+            tokens: Vec::new(),
+        }
+    }
+}
+
+/// Flags that override the file and the environment (all optional).
+#[derive(Debug, Default, Clone)]
+pub struct Overrides {
+    pub config_file: Option<PathBuf>,
+    pub project: Option<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub insecure: bool,
+    pub grace_period: Option<Duration>,
+}
+
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        if d.subsec_millis() == 0 {
+            s.serialize_str(&format!("{}s", d.as_secs()))
+        } else {
+            s.serialize_str(&format!("{}ms", d.as_millis()))
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        super::parse_duration(&text).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "'{text}' is not a duration: write e.g. '500ms', '30s', '5m'"
+            ))
+        })
+    }
+}
+
+/// `500ms`, `30s`, `5m`, `1h` (a bare number is seconds here: these are service timeouts).
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    if let Some(ms) = s.strip_suffix("ms") {
+        return ms.trim().parse().ok().map(Duration::from_millis);
+    }
+    if s.bytes().all(|b| b.is_ascii_digit()) {
+        return s.parse().ok().map(Duration::from_secs);
+    }
+    automaton_workflow::parse_duration(s)
+}
+
+fn env_var(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.is_empty())
+}
+
+impl Config {
+    /// Defaults, then the TOML file, then `AUTOMATON_*` variables, then flags.
+    pub fn load(flags: &Overrides) -> Result<Config, Error> {
+        let file = flags
+            .config_file
+            .clone()
+            .or_else(|| env_var("AUTOMATON_CONFIG").map(PathBuf::from));
+        let mut cfg = match &file {
+            Some(path) => Self::from_file(path)?,
+            None => Config::default(),
+        };
+        cfg.apply_env()?;
+        if let Some(p) = &flags.project {
+            cfg.project = p.clone();
+        }
+        if let Some(l) = flags.listen {
+            cfg.listen = l;
+        }
+        if flags.insecure {
+            cfg.insecure = true;
+        }
+        if let Some(g) = flags.grace_period {
+            cfg.grace_period = g;
+        }
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &Path) -> Result<Config, Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::Config(format!("cannot read config file {}: {e}", path.display()))
+        })?;
+        toml::from_str(&text).map_err(|e| {
+            Error::Config(format!(
+                "invalid config file {}: {}",
+                path.display(),
+                e.message().replace('\n', " ")
+            ))
+        })
+    }
+
+    fn apply_env(&mut self) -> Result<(), Error> {
+        let bad =
+            |key: &str, v: &str, what: &str| Error::Config(format!("{key}='{v}' is not {what}"));
+        if let Some(v) = env_var("AUTOMATON_PROJECT") {
+            self.project = PathBuf::from(v);
+        }
+        if let Some(v) = env_var("AUTOMATON_LISTEN") {
+            self.listen = v
+                .parse()
+                .map_err(|_| bad("AUTOMATON_LISTEN", &v, "an address like 127.0.0.1:7070"))?;
+        }
+        if let Some(v) = env_var("AUTOMATON_INSECURE") {
+            self.insecure = matches!(v.as_str(), "1" | "true" | "yes");
+        }
+        for (key, slot) in [
+            ("AUTOMATON_GRACE_PERIOD", &mut self.grace_period),
+            ("AUTOMATON_RPC_TIMEOUT", &mut self.rpc_timeout),
+        ] {
+            if let Some(v) = env_var(key) {
+                *slot = parse_duration(&v).ok_or_else(|| bad(key, &v, "a duration like 30s"))?;
+            }
+        }
+        for (key, slot) in [
+            ("AUTOMATON_MAX_IN_FLIGHT", &mut self.max_in_flight),
+            ("AUTOMATON_MAX_MESSAGE_BYTES", &mut self.max_message_bytes),
+        ] {
+            if let Some(v) = env_var(key) {
+                *slot = v.parse().map_err(|_| bad(key, &v, "a number"))?;
+            }
+        }
+        if let (Some(cert), Some(key)) =
+            (env_var("AUTOMATON_TLS_CERT"), env_var("AUTOMATON_TLS_KEY"))
+        {
+            self.tls = Some(Tls {
+                cert: cert.into(),
+                key: key.into(),
+            });
+        }
+        for (key, role) in [
+            ("AUTOMATON_OPERATOR_TOKEN", Role::Operator),
+            ("AUTOMATON_AGENT_TOKEN", Role::Agent),
+        ] {
+            if let Some(token) = env_var(key) {
+                self.tokens.push(Token {
+                    name: format!("{role:?}").to_lowercase(),
+                    role,
+                    token,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a configuration that would be unsafe or cannot work, before anything binds.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.tokens.is_empty() && !self.listen.ip().is_loopback() && !self.insecure {
+            return Err(Error::Config(format!(
+                "refusing to listen on {} without authentication: configure [[tokens]] (or AUTOMATON_OPERATOR_TOKEN / AUTOMATON_AGENT_TOKEN), listen on 127.0.0.1, or pass --insecure",
+                self.listen
+            )));
+        }
+        for t in &self.tokens {
+            if t.token.len() < 16 {
+                return Err(Error::Config(format!(
+                    "token of '{}' is shorter than 16 characters: use a long random secret",
+                    t.name
+                )));
+            }
+        }
+        if self.max_in_flight == 0 || self.max_message_bytes < 1024 {
+            return Err(Error::Config(
+                "max_in_flight must be at least 1 and max_message_bytes at least 1024".into(),
+            ));
+        }
+        if let Some(tls) = &self.tls {
+            for p in [&tls.cert, &tls.key] {
+                if !p.is_file() {
+                    return Err(Error::Config(format!(
+                        "TLS file {} does not exist",
+                        p.display()
+                    )));
+                }
+            }
+        }
+        if !self.project.is_dir() {
+            return Err(Error::Config(format!(
+                "project folder {} does not exist: pass --project DIR",
+                self.project.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The effective configuration as TOML, tokens masked.
+    pub fn to_toml(&self) -> String {
+        let mut shown = self.clone();
+        for t in &mut shown.tokens {
+            t.token = "********".into();
+        }
+        toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+
+    /// One line for the log: how this coordinator is protected.
+    pub fn mode(&self) -> String {
+        let tls = if self.tls.is_some() {
+            ", TLS"
+        } else {
+            ", plaintext"
+        };
+        if self.tokens.is_empty() {
+            if self.listen.ip().is_loopback() {
+                format!("loopback only, no authentication{tls}")
+            } else {
+                format!("INSECURE: no authentication on {}{tls}", self.listen)
+            }
+        } else {
+            let ops = self
+                .tokens
+                .iter()
+                .filter(|t| t.role == Role::Operator)
+                .count();
+            format!(
+                "bearer tokens ({ops} operator, {} agent){tls}",
+                self.tokens.len() - ops
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_config_keys_are_an_error() {
+        let e = toml::from_str::<Config>("listen = \"127.0.0.1:1\"\nlisten_port = 3\n")
+            .expect_err("unknown key");
+        assert!(e.to_string().contains("listen_port"), "{e}");
+    }
+
+    #[test]
+    fn config_file_round_trips_through_print() {
+        let cfg: Config =
+            toml::from_str("grace_period = \"45s\"\nrpc_timeout = \"500ms\"\n[[tokens]]\nname = \"ops\"\nrole = \"operator\"\ntoken = \"0123456789abcdef0\"\n")
+                .expect("valid");
+        assert_eq!(cfg.grace_period, Duration::from_secs(45));
+        assert_eq!(cfg.rpc_timeout, Duration::from_millis(500));
+        let printed = cfg.to_toml();
+        assert!(printed.contains("grace_period = \"45s\""), "{printed}");
+        assert!(
+            !printed.contains("0123456789abcdef0"),
+            "tokens must be masked"
+        );
+    }
+
+    #[test]
+    fn non_loopback_without_tokens_needs_insecure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cfg = Config {
+            project: dir.path().to_path_buf(),
+            listen: "0.0.0.0:7070".parse().expect("addr"),
+            ..Config::default()
+        };
+        assert!(cfg.validate().is_err());
+        cfg.insecure = true;
+        assert!(cfg.validate().is_ok());
+        assert!(cfg.mode().starts_with("INSECURE"));
+    }
+}

@@ -1,0 +1,194 @@
+//! The automaton coordinator: the one writer of a project's task store while it runs. It
+//! owns the leases (expiry by its own monotonic clock, fencing tokens that strictly increase
+//! across restarts, reviewer ≠ implementer at claim time), makes every acknowledged claim and
+//! release durable through a group-committed log, applies task changes through
+//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`).
+//!
+//! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,
+//! `automaton-store` reads and writes the files.
+
+pub mod auth;
+pub mod config;
+mod layers;
+mod leases;
+pub mod owner;
+mod service;
+mod state;
+mod wal;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use automaton_proto::v1 as pb;
+use automaton_store::ErrorKind;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::Status;
+use tonic::metadata::MetadataValue;
+
+pub use config::{Config, Overrides, Role};
+pub use leases::Live;
+pub use owner::Ownership;
+pub use state::{Coordinator, Event, Granted, Presented};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Store(#[from] automaton_store::Error),
+    #[error(
+        "No live lease '{0}': it expired, was released, or never existed. Claim the task again."
+    )]
+    LeaseNotFound(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    PermissionDenied(String),
+    #[error("project is owned by another coordinator ({holder}); stop it first, or talk to it (see {})", path.display())]
+    Owned {
+        path: std::path::PathBuf,
+        holder: String,
+    },
+    #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// The one place that chooses gRPC codes. The `automaton-error-kind` metadata lets the CLI
+/// give the same exit code it gives without a coordinator.
+impl From<Error> for Status {
+    fn from(e: Error) -> Status {
+        let (code, kind) = match &e {
+            Error::Store(s) => match s.kind() {
+                ErrorKind::Refused => (tonic::Code::FailedPrecondition, "refused"),
+                ErrorKind::Invalid => (tonic::Code::InvalidArgument, "invalid"),
+                ErrorKind::NotFound => (tonic::Code::NotFound, "notfound"),
+                ErrorKind::AlreadyExists => (tonic::Code::AlreadyExists, "alreadyexists"),
+                ErrorKind::Corrupt => (tonic::Code::DataLoss, "corrupt"),
+                ErrorKind::Io => (tonic::Code::Internal, "io"),
+            },
+            Error::LeaseNotFound(_) => (tonic::Code::NotFound, "notfound"),
+            Error::Invalid(_) => (tonic::Code::InvalidArgument, "invalid"),
+            Error::PermissionDenied(_) => (tonic::Code::PermissionDenied, "refused"),
+            Error::Owned { .. } | Error::Config(_) => (tonic::Code::FailedPrecondition, "refused"),
+            Error::Internal(_) => (tonic::Code::Internal, "io"),
+        };
+        let mut status = Status::new(code, e.to_string());
+        status
+            .metadata_mut()
+            .insert("automaton-error-kind", MetadataValue::from_static(kind));
+        status
+    }
+}
+
+/// How often expired leases are swept: the granularity by which a lease may outlive its TTL.
+const EXPIRY_SWEEP: Duration = Duration::from_millis(20);
+
+/// Serves `coord` on `listener` until `shutdown` resolves, then drains in-flight requests,
+/// ends the streams, and returns. Leases stay on disk for the next start.
+pub async fn serve(
+    coord: Arc<Coordinator>,
+    cfg: &Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let svc = service::Service {
+        coord: coord.clone(),
+        shutdown: stop_rx.clone(),
+    };
+    let auth = auth::interceptor(&cfg.tokens);
+    let limit = cfg.max_message_bytes;
+    use tonic::service::interceptor::InterceptedService;
+    let tasks = InterceptedService::new(
+        pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit),
+        auth.clone(),
+    );
+    let leases = InterceptedService::new(
+        pb::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(limit),
+        auth.clone(),
+    );
+    let events = InterceptedService::new(
+        pb::events_server::EventsServer::new(svc).max_decoding_message_size(limit),
+        auth,
+    );
+
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<pb::tasks_server::TasksServer<service::Service>>()
+        .await;
+    health
+        .set_serving::<pb::leases_server::LeasesServer<service::Service>>()
+        .await;
+    health
+        .set_serving::<pb::events_server::EventsServer<service::Service>>()
+        .await;
+    health
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
+
+    let sweeper = {
+        let coord = coord.clone();
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(EXPIRY_SWEEP);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => { coord.expire(); }
+                    _ = stop.changed() => return,
+                }
+            }
+        })
+    };
+
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &cfg.tls {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| Error::Config(format!("cannot read {}: {e}", p.display())))
+        };
+        let identity = tonic::transport::Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
+        builder = builder
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+            .map_err(|e| Error::Config(format!("invalid TLS certificate or key: {e}")))?;
+    }
+    let signal = {
+        let health = health.clone();
+        async move {
+            shutdown.await;
+            tracing::info!("shutting down: draining in-flight requests");
+            health
+                .set_service_status("", tonic_health::ServingStatus::NotServing)
+                .await;
+            // Streams never finish on their own: tell them to end so the drain can complete.
+            let _ = stop_tx.send(true);
+        }
+    };
+    let result = builder
+        // A stuck request must not hold a client forever.
+        .timeout(cfg.rpc_timeout)
+        // Bound the work one connection can pile onto the server.
+        .concurrency_limit_per_connection(cfg.max_in_flight)
+        // Dead peers are noticed even on idle KeepAlive streams.
+        .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        .layer(layers::OversizeIsResourceExhausted)
+        .add_service(health_svc)
+        .add_service(reflection)
+        .add_service(tasks)
+        .add_service(leases)
+        .add_service(events)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            signal,
+        )
+        .await
+        .map_err(|e| Error::Internal(format!("server failed: {e}")));
+    sweeper.abort();
+    result
+}

@@ -1,0 +1,129 @@
+//! `automaton-coordinator --project DIR --listen 127.0.0.1:7070`: owns one project's task
+//! store and serves it over gRPC until SIGTERM or Ctrl-C.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use automaton_coordinator::{
+    Config, Coordinator, Overrides, Ownership, config::parse_duration, serve,
+};
+use automaton_store::Project;
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "automaton-coordinator",
+    version,
+    about = "Owns one project's task leases and serves them over gRPC"
+)]
+struct Flags {
+    /// The project whose task store this coordinator owns.
+    #[arg(long, value_name = "DIR")]
+    project: Option<PathBuf>,
+    /// Address to listen on (port 0 picks a free one; the chosen address is printed).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// TOML configuration file (also AUTOMATON_CONFIG).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Serve a non-loopback address without any token.
+    #[arg(long)]
+    insecure: bool,
+    /// Minimum life of every lease after a restart (e.g. 30s).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 30s or 2m"))]
+    grace_period: Option<std::time::Duration>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// Log format on stderr: text (default) or json.
+    #[arg(long, value_name = "FORMAT", default_value = "text")]
+    log_format: String,
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ERROR: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let flags = Flags::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match flags.log_format.as_str() {
+        "json" => logs.json().init(),
+        "text" => logs.init(),
+        other => anyhow::bail!("unknown --log-format '{other}': use text or json"),
+    }
+    let cfg = Config::load(&Overrides {
+        config_file: flags.config,
+        project: flags.project,
+        listen: flags.listen,
+        insecure: flags.insecure,
+        grace_period: flags.grace_period,
+    })?;
+    if flags.print_config {
+        print!("{}", cfg.to_toml());
+        return Ok(());
+    }
+    cfg.validate()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let project = Project::open(&cfg.project, home.as_deref());
+        let mut ownership = Ownership::acquire(project.meta())?;
+        let listener = tokio::net::TcpListener::bind(cfg.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+        let addr = listener
+            .local_addr()
+            .context("cannot read the bound address")?;
+        let (coord, notes) = Coordinator::open(project.clone(), cfg.grace_period)?;
+        for n in &notes {
+            tracing::warn!(note = %n, "recovery");
+        }
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+        ownership.publish(&format!("{scheme}://{addr}"))?;
+        tracing::info!(
+            project = %project.root().display(),
+            address = %addr,
+            mode = %cfg.mode(),
+            leases = coord.live_leases(),
+            "coordinator serving"
+        );
+        // The one line on stdout: what a script or test waits for.
+        println!("listening on {addr}");
+        serve(coord, &cfg, listener, shutdown_signal()).await?;
+        tracing::info!("stopped; leases kept on disk for the next start");
+        drop(ownership);
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

@@ -1,0 +1,559 @@
+//! The coordinator's state and every operation on it, independent of the wire format.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use automaton_store::{ApproveOutcome, Project, format_time};
+use automaton_workflow::{AgentId, Policy, State, TaskName};
+use tokio::sync::broadcast;
+
+use crate::Error;
+use crate::leases::{Live, Table};
+use crate::wal::{Record, Wal};
+
+/// One entry of the operators' live feed.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub seq: u64,
+    pub at: SystemTime,
+    pub kind: &'static str,
+    pub task: String,
+    pub agent: String,
+    pub token: u64,
+    pub detail: String,
+}
+
+/// A lease that is gone, for the KeepAlive streams that have named it.
+#[derive(Debug, Clone)]
+pub struct Lost {
+    pub lease_id: String,
+    pub task: TaskName,
+    pub token: u64,
+    pub reason: &'static str,
+}
+
+/// What a grant, renewal or release hands back.
+#[derive(Debug, Clone)]
+pub struct Granted {
+    pub live: Live,
+    pub renewed: bool,
+}
+
+/// How a mutating call proves it holds the lease.
+#[derive(Debug, Clone, Default)]
+pub struct Presented {
+    pub agent: Option<AgentId>,
+    pub lease_id: Option<String>,
+    pub token: Option<u64>,
+}
+
+impl Presented {
+    fn any(&self) -> bool {
+        self.lease_id.is_some() || self.token.is_some()
+    }
+}
+
+pub struct Coordinator {
+    pub(crate) project: Project,
+    policy: Policy,
+    table: Mutex<Table>,
+    wal: Wal,
+    /// Serialises task changes with claims, so a claim never grants a lease on a state that a
+    /// transition is replacing. Held across the transition's disk writes.
+    tasks_guard: tokio::sync::Mutex<()>,
+    views: std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)>,
+    events: broadcast::Sender<Event>,
+    lost: broadcast::Sender<Lost>,
+    seq: AtomicU64,
+}
+
+impl Coordinator {
+    /// Rebuilds the lease table from the log and the files, compacts the log, repairs the
+    /// `.state.lock` views. Returns the coordinator and what recovery noticed.
+    pub fn open(
+        project: Project,
+        grace: Duration,
+    ) -> Result<(Arc<Coordinator>, Vec<String>), Error> {
+        let policy = project.policy()?;
+        let wal_path = project.meta().join("leases.wal");
+        let log = crate::wal::read(&wal_path).map_err(Error::Internal)?;
+        let (table, notes) = crate::leases::recover(&project, &log, grace)?;
+        let wal = Wal::create(&wal_path, &table.records())
+            .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
+        // Views: every live lease written, every other lock file removed.
+        for task in project.all_task_names()? {
+            let view = table.live(&task, Instant::now()).map(Live::view);
+            let on_disk = project.read_lease(&task).ok().flatten();
+            if view.is_some() || on_disk.is_some() {
+                project.write_lease_view(&task, view.as_ref())?;
+            }
+        }
+        let views = spawn_view_writer(project.clone());
+        let (events, _) = broadcast::channel(4096);
+        let (lost, _) = broadcast::channel(4096);
+        Ok((
+            Arc::new(Coordinator {
+                project,
+                policy,
+                table: Mutex::new(table),
+                wal,
+                tasks_guard: tokio::sync::Mutex::new(()),
+                views,
+                events,
+                lost,
+                seq: AtomicU64::new(0),
+            }),
+            notes,
+        ))
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        // A panic while holding the table cannot leave it half-updated in a way that matters
+        // more than stopping the service would: keep serving.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn live_leases(&self) -> usize {
+        self.table().len()
+    }
+
+    pub fn subscribe_events(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    pub fn subscribe_lost(&self) -> broadcast::Receiver<Lost> {
+        self.lost.subscribe()
+    }
+
+    pub(crate) fn emit(
+        &self,
+        kind: &'static str,
+        task: &str,
+        agent: &str,
+        token: u64,
+        detail: String,
+    ) {
+        if self.events.receiver_count() == 0 {
+            return;
+        }
+        tracing::debug!(kind, task, agent, token, detail = %detail, "event");
+        let _ = self.events.send(Event {
+            seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            at: SystemTime::now(),
+            kind,
+            task: task.to_string(),
+            agent: agent.to_string(),
+            token,
+            detail,
+        });
+    }
+
+    fn view(&self, task: &TaskName, lease: Option<automaton_store::Lease>) {
+        let _ = self.views.send((task.clone(), lease));
+    }
+
+    pub(crate) fn emit_renewed(&self, l: &Live) {
+        if self.events.receiver_count() > 0 {
+            self.emit(
+                "lease_renewed",
+                &l.task.to_string(),
+                l.agent.as_str(),
+                l.token,
+                String::new(),
+            );
+        }
+    }
+
+    /// The live lease on `task`.
+    pub(crate) fn live_of(&self, task: &TaskName) -> Option<Live> {
+        self.table().live(task, Instant::now()).cloned()
+    }
+
+    /// The live lease on `task`, as the store's type (for task views).
+    pub fn lease_of(&self, task: &TaskName) -> Option<automaton_store::Lease> {
+        let now = Instant::now();
+        self.table()
+            .live(task, now)
+            .map(|l| automaton_store::Lease {
+                expires: l.expires_at(now),
+                ..l.view()
+            })
+    }
+
+    /// Grants `task` to `agent` (or renews it for its holder). Acknowledged only once the
+    /// grant is in the log on disk.
+    pub async fn claim(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<Granted, Error> {
+        let result = self.claim_inner(task, agent, ttl).await;
+        if let Err(e) = &result {
+            self.emit(
+                "lease_refused",
+                &task.to_string(),
+                agent.as_str(),
+                0,
+                e.to_string(),
+            );
+        }
+        result
+    }
+
+    async fn claim_inner(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<Granted, Error> {
+        let ttl = ttl.unwrap_or(self.policy.lock_timeout);
+        let guard = self.tasks_guard.lock().await;
+        let state = self.project.claimable(task, agent, &self.policy)?;
+        let now = Instant::now();
+        let live = {
+            let mut table = self.table();
+            if let Some(l) = table.live(task, now) {
+                if &l.agent != agent {
+                    return Err(Error::Store(automaton_store::Error::Leased {
+                        task: task.clone(),
+                        holder: l.agent.clone(),
+                        expires: l.expires_at(now),
+                        token: l.token,
+                    }));
+                }
+                let id = l.lease_id.clone();
+                let l = table.by_id_mut(&id, now).expect("just found");
+                l.ttl = ttl;
+                l.deadline = now + ttl;
+                let rewrite = l.view_expires < l.expires_at(now);
+                if rewrite {
+                    l.view_expires = l.next_view_expires();
+                }
+                let l = l.clone();
+                drop(table);
+                if rewrite {
+                    self.view(task, Some(l.view()));
+                }
+                self.emit(
+                    "lease_renewed",
+                    &task.to_string(),
+                    agent.as_str(),
+                    l.token,
+                    String::new(),
+                );
+                return Ok(Granted {
+                    live: l,
+                    renewed: true,
+                });
+            }
+            let token = table.next_token(|bound| self.project.set_fencing_mark(bound))?;
+            let claimed = SystemTime::now();
+            let mut live = Live {
+                task: task.clone(),
+                agent: agent.clone(),
+                lease_id: lease_id(task, token),
+                token,
+                state,
+                ttl,
+                deadline: now + ttl,
+                claimed,
+                view_expires: claimed,
+            };
+            live.view_expires = live.next_view_expires();
+            table.insert(live.clone());
+            live
+        };
+        if let Err(e) = self.project.record_implementer(task, agent, state) {
+            self.table().remove(task);
+            return Err(e.into());
+        }
+        drop(guard);
+        if let Err(e) = self.wal.append(&live.as_record()).await {
+            self.table().remove(task);
+            return Err(Error::Internal(e));
+        }
+        self.view(task, Some(live.view()));
+        self.emit(
+            "lease_granted",
+            &task.to_string(),
+            agent.as_str(),
+            live.token,
+            format!("{state}"),
+        );
+        Ok(Granted {
+            live,
+            renewed: false,
+        })
+    }
+
+    /// Extends a live lease to now + its TTL. No disk sync: the log records TTLs, not
+    /// expiries, and a restart gives every lease at least max(TTL, grace) again.
+    pub fn renew(&self, lease_id: &str, token: Option<u64>) -> Result<Live, Error> {
+        let now = Instant::now();
+        let mut table = self.table();
+        let l = table
+            .by_id_mut(lease_id, now)
+            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+        if let Some(t) = token
+            && t != l.token
+        {
+            return Err(Error::Store(automaton_store::Error::StaleToken {
+                task: l.task.clone(),
+                given: t,
+                current: Some(l.token),
+            }));
+        }
+        l.deadline = now + l.ttl;
+        let rewrite = l.view_expires < l.expires_at(now);
+        if rewrite {
+            l.view_expires = l.next_view_expires();
+        }
+        let l = l.clone();
+        drop(table);
+        if rewrite {
+            self.view(&l.task, Some(l.view()));
+        }
+        Ok(l)
+    }
+
+    /// Ends a lease at its holder's request; acknowledged once the end is in the log.
+    pub async fn release(&self, lease_id: &str, token: Option<u64>) -> Result<Live, Error> {
+        let now = Instant::now();
+        let l = {
+            let mut table = self.table();
+            let l = table
+                .by_id(lease_id, now)
+                .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+            if let Some(t) = token
+                && t != l.token
+            {
+                return Err(Error::Store(automaton_store::Error::StaleToken {
+                    task: l.task.clone(),
+                    given: t,
+                    current: Some(l.token),
+                }));
+            }
+            let task = l.task.clone();
+            table.remove(&task).expect("just found")
+        };
+        self.end(&l, "released").await?;
+        Ok(l)
+    }
+
+    /// Logs the end of a removed lease durably, updates the view, tells the world.
+    async fn end(&self, l: &Live, reason: &'static str) -> Result<(), Error> {
+        self.wal
+            .append(&Record::End {
+                lease_id: l.lease_id.clone(),
+            })
+            .await
+            .map_err(Error::Internal)?;
+        self.after_end(l, reason);
+        Ok(())
+    }
+
+    fn after_end(&self, l: &Live, reason: &'static str) {
+        self.view(&l.task, None);
+        let _ = self.lost.send(Lost {
+            lease_id: l.lease_id.clone(),
+            task: l.task.clone(),
+            token: l.token,
+            reason,
+        });
+        let kind = if reason == "expired" {
+            "lease_expired"
+        } else {
+            "lease_released"
+        };
+        self.emit(
+            kind,
+            &l.task.to_string(),
+            l.agent.as_str(),
+            l.token,
+            reason.to_string(),
+        );
+    }
+
+    /// Removes every lease past its deadline.
+    pub fn expire(&self) -> usize {
+        let expired = self.table().take_expired(Instant::now());
+        for l in &expired {
+            self.wal.append_nowait(&Record::End {
+                lease_id: l.lease_id.clone(),
+            });
+            self.after_end(l, "expired");
+        }
+        expired.len()
+    }
+
+    /// Checks a mutating call against the task's live lease: with one standing, the call must
+    /// present it (and nothing stale); without one, presenting a lease is presenting a stale one.
+    fn check_presented(&self, task: &TaskName, p: &Presented) -> Result<Option<Live>, Error> {
+        let now = Instant::now();
+        let table = self.table();
+        let live = table.live(task, now);
+        match live {
+            None if p.any() => Err(Error::Store(automaton_store::Error::StaleToken {
+                task: task.clone(),
+                given: p.token.unwrap_or(0),
+                current: None,
+            })),
+            None => Ok(None),
+            Some(l) => {
+                let stale = p.token.is_some_and(|t| t != l.token)
+                    || p.lease_id.as_ref().is_some_and(|id| id != &l.lease_id);
+                if stale {
+                    return Err(Error::Store(automaton_store::Error::StaleToken {
+                        task: task.clone(),
+                        given: p.token.unwrap_or(0),
+                        current: Some(l.token),
+                    }));
+                }
+                if !p.any() || p.agent.as_ref().is_some_and(|a| a != &l.agent) {
+                    return Err(Error::Store(automaton_store::Error::HolderRequired {
+                        task: task.clone(),
+                        holder: l.agent.clone(),
+                        expires: l.expires_at(now),
+                    }));
+                }
+                Ok(Some(l.clone()))
+            }
+        }
+    }
+
+    /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
+    pub async fn transition(
+        &self,
+        task: &TaskName,
+        target: State,
+        p: &Presented,
+    ) -> Result<(State, Option<Live>), Error> {
+        let _guard = self.tasks_guard.lock().await;
+        let live = self.check_presented(task, p)?;
+        let project = self.project.clone();
+        let t = task.clone();
+        let from = tokio::task::spawn_blocking(move || project.transition_owned(&t, target))
+            .await
+            .map_err(|e| Error::Internal(format!("transition task failed: {e}")))??;
+        let ended = match live {
+            Some(l) => {
+                let removed = self.table().remove(task);
+                if let Some(r) = &removed {
+                    self.end(r, "transitioned").await?;
+                }
+                removed.or(Some(l))
+            }
+            None => None,
+        };
+        self.emit(
+            "transitioned",
+            &task.to_string(),
+            p.agent.as_ref().map_or("", |a| a.as_str()),
+            0,
+            format!("{from} → {target}"),
+        );
+        Ok((from, ended))
+    }
+
+    /// Approves for `approver`; the live lease holder is never its own approver.
+    pub async fn approve(&self, task: &TaskName, approver: &str) -> Result<ApproveOutcome, Error> {
+        let _guard = self.tasks_guard.lock().await;
+        let holder = self.lease_of(task).map(|l| l.agent);
+        let project = self.project.clone();
+        let (t, a) = (task.clone(), approver.to_string());
+        let out = tokio::task::spawn_blocking(move || {
+            project.approve_as(&t, &a, holder.as_ref(), SystemTime::now())
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("approve task failed: {e}")))??;
+        self.emit(
+            "approved",
+            &task.to_string(),
+            approver,
+            0,
+            format!("{} → {}", out.from, out.to),
+        );
+        Ok(out)
+    }
+
+    pub async fn create_task(&self, task: &TaskName) -> Result<(), Error> {
+        let _guard = self.tasks_guard.lock().await;
+        let project = self.project.clone();
+        let t = task.clone();
+        tokio::task::spawn_blocking(move || project.create_task(&t))
+            .await
+            .map_err(|e| Error::Internal(format!("create task failed: {e}")))??;
+        self.emit("task_created", &task.to_string(), "", 0, "new".into());
+        Ok(())
+    }
+
+    /// Runs a read-only store query off the async threads.
+    pub async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Project) -> Result<T, automaton_store::Error> + Send + 'static,
+    ) -> Result<T, Error> {
+        let project = self.project.clone();
+        tokio::task::spawn_blocking(move || f(&project))
+            .await
+            .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
+            .map_err(Error::from)
+    }
+}
+
+/// A lease id unique per grant: the token is unique per project, the rest makes it hard to
+/// guess.
+fn lease_id(task: &TaskName, token: u64) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    let mut h = nanos ^ (std::process::id() as u64).rotate_left(32);
+    for b in task.to_string().bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    format!(
+        "{token:x}-{:016x}",
+        h ^ token.wrapping_mul(0x9e3779b97f4a7c15)
+    )
+}
+
+/// Writes `.state.lock` views off the request path, coalescing bursts: within one batch only
+/// the last view of each task is written.
+fn spawn_view_writer(
+    project: Project,
+) -> std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)> {
+    let (tx, rx) = std::sync::mpsc::channel::<(TaskName, Option<automaton_store::Lease>)>();
+    let _ = std::thread::Builder::new()
+        .name("lease-views".into())
+        .spawn(move || {
+            while let Ok(first) = rx.recv() {
+                let mut batch = std::collections::HashMap::new();
+                batch.insert(first.0, first.1);
+                while let Ok((t, l)) = rx.try_recv() {
+                    batch.insert(t, l);
+                }
+                for (task, lease) in batch {
+                    if let Err(e) = project.write_lease_view(&task, lease.as_ref()) {
+                        tracing::warn!(task = %task, error = %e, "cannot write the lease view");
+                    }
+                }
+            }
+        });
+    tx
+}
+
+/// RFC 3339 with milliseconds, for events.
+pub fn format_millis(t: SystemTime) -> String {
+    humantime_millis(t)
+}
+
+fn humantime_millis(t: SystemTime) -> String {
+    let secs = format_time(t);
+    let ms = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_millis())
+        .unwrap_or(0);
+    format!("{}.{ms:03}Z", secs.trim_end_matches('Z'))
+}

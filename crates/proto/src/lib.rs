@@ -1,0 +1,14 @@
+//! Code generated from `proto/automaton/v1/*.proto`: messages, clients and servers of the
+//! `automaton.v1` package, and the encoded descriptor set for server reflection.
+//!
+//! This crate must not contain hand-written logic.
+
+#![allow(clippy::all, missing_docs)]
+
+pub mod v1 {
+    tonic::include_proto!("automaton.v1");
+
+    /// The encoded `FileDescriptorSet` of `automaton.v1`, for gRPC server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/automaton_descriptor.bin"));
+}
