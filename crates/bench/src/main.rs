@@ -50,8 +50,8 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct LeasesArgs {
-    /// A running coordinator, e.g. http://127.0.0.1:7070 (its project must be in
-    /// multi-agent mode; the benchmark creates tasks `bench-c{C}-{i}` in it).
+    /// A running coordinator, e.g. http://127.0.0.1:7070 (the benchmark creates tasks
+    /// `bench-c{C}-{i}` in its project).
     #[arg(long, conflicts_with = "spawn_coordinator")]
     coordinator: Option<String>,
     /// Start this coordinator binary on a fresh temp project (`--listen 127.0.0.1:0`) and

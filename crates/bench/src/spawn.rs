@@ -78,11 +78,10 @@ fn tail(path: &Path) -> String {
 }
 
 /// Starts `automaton-coordinator --project DIR/project --listen 127.0.0.1:0` on a fresh
-/// project in multi-agent mode, and waits for its `listening on ADDR` line.
+/// project, and waits for its `listening on ADDR` line.
 pub fn coordinator(bin: &Path, scratch: &Path) -> Result<Spawned> {
     let project = scratch.join("project");
     fs::create_dir_all(&project)?;
-    fs::write(project.join(".agent.md"), "Mode: multi-agent\n")?;
     let log = scratch.join("coordinator.log");
     let stderr = File::create(&log)?;
     let mut child = Command::new(bin)

@@ -230,7 +230,18 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     let home = std::env::var_os("HOME").map(PathBuf::from);
     let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
     let now = SystemTime::now();
+    let mutating = args.transition.is_some()
+        || args.approve
+        || args.create_task.is_some()
+        || args.claim
+        || args.release
+        || args.upgrade;
     let backend = match backend::find_coordinator(&project, args.coordinator.as_deref()) {
+        Some(address) if args.local && mutating => {
+            return Err(Failure::Refused(format!(
+                "A coordinator owns this project ({address}): --local is for reads; send changes through the coordinator (drop --local)."
+            )));
+        }
         Some(address) if !args.local => Backend::remote(project.clone(), address)?,
         _ => Backend::Local(project.clone()),
     };

@@ -184,7 +184,8 @@ pub async fn serve(
         .add_service(leases)
         .add_service(events)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            // Small request/response messages: Nagle plus delayed ACKs would add ~40 ms.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             signal,
         )
         .await

@@ -12,6 +12,12 @@ use crate::Error;
 use crate::leases::{Live, Table};
 use crate::wal::{Record, Wal};
 
+const GUARD_SHARDS: usize = 64;
+
+/// How long a `.state.lock` view may lag the table: views are written in batches this far
+/// apart, and a lease granted and ended within one batch never touches the disk at all.
+const VIEW_DELAY: Duration = Duration::from_millis(200);
+
 /// One entry of the operators' live feed.
 #[derive(Debug, Clone)]
 pub struct Event {
@@ -59,9 +65,10 @@ pub struct Coordinator {
     policy: Policy,
     table: Mutex<Table>,
     wal: Wal,
-    /// Serialises task changes with claims, so a claim never grants a lease on a state that a
-    /// transition is replacing. Held across the transition's disk writes.
-    tasks_guard: tokio::sync::Mutex<()>,
+    /// Serialise changes of one task with claims of it, so a claim never grants a lease on a
+    /// state that a transition is replacing (held across the transition's disk writes).
+    /// Sharded by task name: claims of different tasks do not wait for each other.
+    guards: Vec<tokio::sync::Mutex<()>>,
     views: std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)>,
     events: broadcast::Sender<Event>,
     lost: broadcast::Sender<Lost>,
@@ -98,7 +105,9 @@ impl Coordinator {
                 policy,
                 table: Mutex::new(table),
                 wal,
-                tasks_guard: tokio::sync::Mutex::new(()),
+                guards: (0..GUARD_SHARDS)
+                    .map(|_| tokio::sync::Mutex::new(()))
+                    .collect(),
                 views,
                 events,
                 lost,
@@ -106,6 +115,16 @@ impl Coordinator {
             }),
             notes,
         ))
+    }
+
+    /// The guard of `task`'s shard.
+    async fn guard(&self, task: &TaskName) -> tokio::sync::MutexGuard<'_, ()> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        task.hash(&mut h);
+        self.guards[(h.finish() % GUARD_SHARDS as u64) as usize]
+            .lock()
+            .await
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -209,7 +228,7 @@ impl Coordinator {
         ttl: Option<Duration>,
     ) -> Result<Granted, Error> {
         let ttl = ttl.unwrap_or(self.policy.lock_timeout);
-        let guard = self.tasks_guard.lock().await;
+        let guard = self.guard(task).await;
         let state = self.project.claimable(task, agent, &self.policy)?;
         let now = Instant::now();
         let live = {
@@ -430,7 +449,7 @@ impl Coordinator {
         target: State,
         p: &Presented,
     ) -> Result<(State, Option<Live>), Error> {
-        let _guard = self.tasks_guard.lock().await;
+        let _guard = self.guard(task).await;
         let live = self.check_presented(task, p)?;
         let project = self.project.clone();
         let t = task.clone();
@@ -459,7 +478,7 @@ impl Coordinator {
 
     /// Approves for `approver`; the live lease holder is never its own approver.
     pub async fn approve(&self, task: &TaskName, approver: &str) -> Result<ApproveOutcome, Error> {
-        let _guard = self.tasks_guard.lock().await;
+        let _guard = self.guard(task).await;
         let holder = self.lease_of(task).map(|l| l.agent);
         let project = self.project.clone();
         let (t, a) = (task.clone(), approver.to_string());
@@ -479,7 +498,7 @@ impl Coordinator {
     }
 
     pub async fn create_task(&self, task: &TaskName) -> Result<(), Error> {
-        let _guard = self.tasks_guard.lock().await;
+        let _guard = self.guard(task).await;
         let project = self.project.clone();
         let t = task.clone();
         tokio::task::spawn_blocking(move || project.create_task(&t))
@@ -519,8 +538,9 @@ fn lease_id(task: &TaskName, token: u64) -> String {
     )
 }
 
-/// Writes `.state.lock` views off the request path, coalescing bursts: within one batch only
-/// the last view of each task is written.
+/// Writes `.state.lock` views off the request path. Jobs are gathered for [`VIEW_DELAY`] and
+/// only the last view of each task is written, so the file work does not compete with the
+/// requests for the CPU, and a short-lived lease costs no file operation at all.
 fn spawn_view_writer(
     project: Project,
 ) -> std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)> {
@@ -531,8 +551,15 @@ fn spawn_view_writer(
             while let Ok(first) = rx.recv() {
                 let mut batch = std::collections::HashMap::new();
                 batch.insert(first.0, first.1);
-                while let Ok((t, l)) = rx.try_recv() {
-                    batch.insert(t, l);
+                let deadline = Instant::now() + VIEW_DELAY;
+                loop {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match rx.recv_timeout(left) {
+                        Ok((t, l)) => {
+                            batch.insert(t, l);
+                        }
+                        Err(_) => break,
+                    }
                 }
                 for (task, lease) in batch {
                     if let Err(e) = project.write_lease_view(&task, lease.as_ref()) {

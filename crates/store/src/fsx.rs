@@ -25,6 +25,25 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), Error> {
         .map_err(io_err("sync directory", dir))
 }
 
+/// A temporary file name unique to this write: `{pid}.{seq}.{what}.tmp`. Unique per write
+/// because one process (the coordinator) writes many files at once; prefixed with the pid so
+/// that cleanup can tell a dead writer's leftovers from a live writer's work in progress.
+pub(crate) fn temp_name(what: &str) -> String {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}.{seq}.{what}.tmp", std::process::id())
+}
+
+/// Whether a temporary entry was left by a process that no longer runs. Entries of this
+/// process, of a live process, or with no readable pid are kept.
+fn left_by_dead_process(name: &str) -> bool {
+    let Some(pid) = name.split('.').next().and_then(|p| p.parse::<u32>().ok()) else {
+        return false;
+    };
+    let proc = Path::new("/proc");
+    pid != std::process::id() && proc.is_dir() && !proc.join(pid.to_string()).exists()
+}
+
 /// Replaces `target` with `bytes` so that a crash at any instant leaves the old or the new
 /// content, never a torn file: write a temporary file in `tmp_dir` (same filesystem, outside
 /// the task folder so no `.tmp` is ever left beside `.state`), fsync it, rename it over the
@@ -35,7 +54,7 @@ pub(crate) fn atomic_write(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Resul
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or("file");
-    let tmp = tmp_dir.join(format!("{name}.{}.tmp", std::process::id()));
+    let tmp = tmp_dir.join(temp_name(name));
     let result = (|| {
         let mut f = File::create(&tmp).map_err(io_err("create", &tmp))?;
         f.write_all(bytes).map_err(io_err("write", &tmp))?;
@@ -53,10 +72,8 @@ pub(crate) fn atomic_write(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Resul
 /// that a durable log can rebuild. Temporary names are unique per write, so concurrent writers
 /// in one process do not collide.
 pub(crate) fn replace_unsynced(tmp_dir: &Path, target: &Path, bytes: &[u8]) -> Result<(), Error> {
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     fs::create_dir_all(tmp_dir).map_err(io_err("create", tmp_dir))?;
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = tmp_dir.join(format!("view.{}.{seq}.tmp", std::process::id()));
+    let tmp = tmp_dir.join(temp_name("view"));
     let result = fs::write(&tmp, bytes)
         .map_err(io_err("write", &tmp))
         .and_then(|()| fs::rename(&tmp, target).map_err(io_err("rename into place", target)));
@@ -101,10 +118,14 @@ impl ProjectLock {
         let dir = File::open(meta).map_err(io_err("open", meta))?;
         // std::fs::File has an inherent `lock` since Rust 1.89; call fs4's explicitly.
         fs4::FileExt::lock(&dir).map_err(io_err("lock", meta))?;
-        // Whoever held the lock before us may have died between creating a temporary file and
-        // renaming it: under the lock no write is in flight, so anything left is garbage.
+        // A writer that died between creating a temporary file and renaming it left it
+        // behind. Only dead processes' leftovers are removed: a coordinator writes some files
+        // (lease views) without this lock, and its work in progress must survive.
         if let Ok(entries) = fs::read_dir(tmp_dir) {
             for e in entries.flatten() {
+                if !left_by_dead_process(&e.file_name().to_string_lossy()) {
+                    continue;
+                }
                 let p = e.path();
                 let _ = if p.is_dir() {
                     fs::remove_dir_all(&p)
@@ -156,6 +177,16 @@ mod tests {
             .map(|e| e.file_name())
             .collect();
         assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn temp_names_are_unique_and_only_dead_writers_leftovers_are_garbage() {
+        let (a, b) = (temp_name(".state"), temp_name(".state"));
+        assert_ne!(a, b);
+        assert!(!left_by_dead_process(&a), "this process is alive");
+        assert!(!left_by_dead_process("1.0.x.tmp"), "pid 1 is alive");
+        assert!(left_by_dead_process("4194303999.0.x.tmp") || !Path::new("/proc").is_dir());
+        assert!(!left_by_dead_process("no-pid.tmp"));
     }
 
     #[test]

@@ -569,7 +569,7 @@ impl Project {
         fs::create_dir_all(&parent_dir).map_err(io_err("create", &parent_dir))?;
         let staging = self
             .tmp_dir()
-            .join(format!("create-{}-{}", task.leaf(), std::process::id()));
+            .join(fsx::temp_name(&format!("create-{}", task.leaf())));
         let built = (|| {
             fs::create_dir_all(&staging).map_err(io_err("create", &staging))?;
             for (name, content) in [(STATE, &b"new\n"[..]), (APPROVALS, &b""[..])] {
@@ -749,7 +749,25 @@ impl Project {
         agent: &AgentId,
         policy: &Policy,
     ) -> Result<State, Error> {
-        let (folder, state) = self.tracked(task)?;
+        // The claim path is hot under a coordinator: read `.state` alone, not the folder.
+        let dir = self.task_dir(task);
+        let state_path = dir.join(STATE);
+        let state = match read_optional(&state_path)? {
+            Some(text) => text
+                .trim()
+                .parse::<State>()
+                .map_err(|source| Error::UnknownPhase {
+                    source,
+                    path: state_path.clone(),
+                })?,
+            None if dir.is_dir() => return Err(Error::Untracked { task: task.clone() }),
+            None => {
+                return Err(Error::TaskNotFound {
+                    task: task.clone(),
+                    tasks: self.tasks_display(),
+                });
+            }
+        };
         let why = if state.is_awaiting_approval() {
             Some("it waits for a person's approval (--approve)")
         } else if state.is_terminal() {
@@ -764,9 +782,7 @@ impl Project {
                 why,
             });
         }
-        if policy.separated.contains(&state.phase)
-            && self.implementers(&folder.dir)?.contains(agent)
-        {
+        if policy.separated.contains(&state.phase) && self.implementers(&dir)?.contains(agent) {
             return Err(Error::Separation {
                 task: task.clone(),
                 agent: agent.to_string(),

@@ -1,0 +1,9 @@
+//! Cross-process tests of automaton-coordinator: every test starts the real
+//! `automaton-coordinator` binary on `127.0.0.1:0` over a fresh temporary project and talks
+//! to it over real gRPC (and through the real `automaton` CLI).
+
+mod cli;
+mod harness;
+mod leases;
+mod restart;
+mod service;
