@@ -285,11 +285,26 @@ impl pb::leases_server::Leases for Service {
                     msg = inbound.message() => {
                         let Ok(Some(m)) = msg else { return };
                         for id in m.lease_ids {
-                            let resp = match coord.renew(&id, None) {
-                                Ok(l) => {
+                            let watched = coord.watched();
+                            let renewed = coord.renew_with(&id, None, |l| {
+                                // The hot path: only what the holder does not already know.
+                                let lease = pb::Lease {
+                                    lease_id: l.lease_id.clone(),
+                                    token: l.token,
+                                    ttl_ms: l.ttl.as_millis() as u64,
+                                    remaining_ms: l.ttl.as_millis() as u64,
+                                    renewed: true,
+                                    ..Default::default()
+                                };
+                                (lease, watched.then(|| l.clone()))
+                            });
+                            let resp = match renewed {
+                                Ok((lease, event)) => {
                                     named.insert(id.clone());
-                                    coord.emit_renewed(&l);
-                                    pb::KeepAliveResponse { lease_id: id, lease: Some(lease_pb(&l, true)), lost: None }
+                                    if let Some(l) = event {
+                                        coord.emit_renewed(&l);
+                                    }
+                                    pb::KeepAliveResponse { lease_id: id, lease: Some(lease), lost: None }
                                 }
                                 Err(_) => pb::KeepAliveResponse {
                                     lost: Some(pb::LeaseLost { task: String::new(), token: 0, reason: "unknown".into() }),

@@ -16,7 +16,7 @@ const GUARD_SHARDS: usize = 64;
 
 /// How long a `.state.lock` view may lag the table: views are written in batches this far
 /// apart, and a lease granted and ended within one batch never touches the disk at all.
-const VIEW_DELAY: Duration = Duration::from_millis(200);
+const VIEW_DELAY: Duration = Duration::from_secs(1);
 
 /// One entry of the operators' live feed.
 #[derive(Debug, Clone)]
@@ -310,6 +310,17 @@ impl Coordinator {
     /// Extends a live lease to now + its TTL. No disk sync: the log records TTLs, not
     /// expiries, and a restart gives every lease at least max(TTL, grace) again.
     pub fn renew(&self, lease_id: &str, token: Option<u64>) -> Result<Live, Error> {
+        self.renew_with(lease_id, token, Live::clone)
+    }
+
+    /// Renews and builds the answer from the lease in place (no copy): the KeepAlive stream
+    /// is the hottest path of the service.
+    pub fn renew_with<R>(
+        &self,
+        lease_id: &str,
+        token: Option<u64>,
+        answer: impl FnOnce(&Live) -> R,
+    ) -> Result<R, Error> {
         let now = Instant::now();
         let mut table = self.table();
         let l = table
@@ -329,12 +340,18 @@ impl Coordinator {
         if rewrite {
             l.view_expires = l.next_view_expires();
         }
-        let l = l.clone();
+        let out = answer(l);
+        let view = rewrite.then(|| (l.task.clone(), l.view()));
         drop(table);
-        if rewrite {
-            self.view(&l.task, Some(l.view()));
+        if let Some((task, v)) = view {
+            self.view(&task, Some(v));
         }
-        Ok(l)
+        Ok(out)
+    }
+
+    /// Whether anyone watches the events (building an event costs allocations).
+    pub(crate) fn watched(&self) -> bool {
+        self.events.receiver_count() > 0
     }
 
     /// Ends a lease at its holder's request; acknowledged once the end is in the log.
