@@ -7,8 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use automaton_proto::v1 as pb;
 use automaton_store::{
-    Approval, ApproveOutcome, AuditReport, Error, FolderReport, Lease, ListEntry, Project,
-    TaskView, TransitionOutcome, parse_time,
+    Approval, ApproveOutcome, AuditReport, Error, ErrorKind, FolderReport, Lease, ListEntry,
+    Project, TaskView, TransitionOutcome, parse_time,
 };
 use automaton_workflow::{AgentId, State, TaskName};
 use tonic::transport::Channel;
@@ -39,12 +39,20 @@ impl From<tonic::Status> for Failure {
             .get("automaton-error-kind")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string)
-            .unwrap_or_else(|| match s.code() {
-                tonic::Code::FailedPrecondition
-                | tonic::Code::PermissionDenied
-                | tonic::Code::AlreadyExists => "refused".into(),
-                tonic::Code::Unavailable | tonic::Code::Unauthenticated => "io".into(),
-                _ => "invalid".into(),
+            // Not from a coordinator's handler (a proxy, the transport, authentication).
+            .unwrap_or_else(|| {
+                match s.code() {
+                    tonic::Code::FailedPrecondition
+                    | tonic::Code::PermissionDenied
+                    | tonic::Code::AlreadyExists => ErrorKind::Refused,
+                    tonic::Code::InvalidArgument | tonic::Code::ResourceExhausted => {
+                        ErrorKind::Invalid
+                    }
+                    tonic::Code::NotFound => ErrorKind::NotFound,
+                    _ => ErrorKind::Io,
+                }
+                .as_str()
+                .to_string()
             });
         let message = match s.code() {
             tonic::Code::Unavailable => format!(

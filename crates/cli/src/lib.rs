@@ -153,25 +153,16 @@ pub fn run(cli: Cli) -> i32 {
                     out.code
                 }
                 Err(f) => {
-                    let (msg, kind, code) = match f {
-                        Failure::Store(e) => {
-                            let code = exit_code(e.kind());
-                            (
-                                e.to_string(),
-                                format!("{:?}", e.kind()).to_lowercase(),
-                                code,
-                            )
-                        }
-                        Failure::Usage(m) => (m, "invalid".to_string(), 2),
-                        Failure::Refused(m) => (m, "refused".to_string(), 1),
+                    let (msg, kind) = match f {
+                        Failure::Store(e) => (e.to_string(), e.kind()),
+                        Failure::Usage(m) => (m, ErrorKind::Invalid),
+                        Failure::Refused(m) => (m, ErrorKind::Refused),
                         Failure::Remote { message, kind } => {
-                            let code = match kind.as_str() {
-                                "refused" | "alreadyexists" => 1,
-                                _ => 2,
-                            };
-                            (message, kind, code)
+                            (message, ErrorKind::parse(&kind).unwrap_or(ErrorKind::Io))
                         }
                     };
+                    let code = exit_code(kind);
+                    let kind = kind.as_str();
                     if json {
                         let v = serde_json::json!({"error": msg, "kind": kind, "exit_code": code});
                         print(&format!("{v}\n"));

@@ -60,24 +60,30 @@ pub enum Error {
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
         let (code, kind) = match &e {
-            Error::Store(s) => match s.kind() {
-                ErrorKind::Refused => (tonic::Code::FailedPrecondition, "refused"),
-                ErrorKind::Invalid => (tonic::Code::InvalidArgument, "invalid"),
-                ErrorKind::NotFound => (tonic::Code::NotFound, "notfound"),
-                ErrorKind::AlreadyExists => (tonic::Code::AlreadyExists, "alreadyexists"),
-                ErrorKind::Corrupt => (tonic::Code::DataLoss, "corrupt"),
-                ErrorKind::Io => (tonic::Code::Internal, "io"),
-            },
-            Error::LeaseNotFound(_) => (tonic::Code::NotFound, "notfound"),
-            Error::Invalid(_) => (tonic::Code::InvalidArgument, "invalid"),
-            Error::PermissionDenied(_) => (tonic::Code::PermissionDenied, "refused"),
-            Error::Owned { .. } | Error::Config(_) => (tonic::Code::FailedPrecondition, "refused"),
-            Error::Internal(_) => (tonic::Code::Internal, "io"),
+            Error::Store(s) => {
+                let code = match s.kind() {
+                    ErrorKind::Refused => tonic::Code::FailedPrecondition,
+                    ErrorKind::Invalid => tonic::Code::InvalidArgument,
+                    ErrorKind::NotFound => tonic::Code::NotFound,
+                    ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
+                    ErrorKind::Corrupt => tonic::Code::DataLoss,
+                    ErrorKind::Io => tonic::Code::Internal,
+                };
+                (code, s.kind())
+            }
+            Error::LeaseNotFound(_) => (tonic::Code::NotFound, ErrorKind::NotFound),
+            Error::Invalid(_) => (tonic::Code::InvalidArgument, ErrorKind::Invalid),
+            Error::PermissionDenied(_) => (tonic::Code::PermissionDenied, ErrorKind::Refused),
+            Error::Owned { .. } | Error::Config(_) => {
+                (tonic::Code::FailedPrecondition, ErrorKind::Refused)
+            }
+            Error::Internal(_) => (tonic::Code::Internal, ErrorKind::Io),
         };
         let mut status = Status::new(code, e.to_string());
-        status
-            .metadata_mut()
-            .insert("automaton-error-kind", MetadataValue::from_static(kind));
+        status.metadata_mut().insert(
+            "automaton-error-kind",
+            MetadataValue::from_static(kind.as_str()),
+        );
         status
     }
 }

@@ -237,7 +237,8 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::leases_server::Leases for Service {
-    #[tracing::instrument(skip_all, fields(task = %req.get_ref().task, agent = %req.get_ref().agent))]
+    // DEBUG, not INFO: the default filter would otherwise build a span on every claim.
+    #[tracing::instrument(level = "debug", skip_all, fields(task = %req.get_ref().task, agent = %req.get_ref().agent))]
     async fn claim(&self, req: Request<pb::ClaimRequest>) -> Res<pb::Lease> {
         let r = req.into_inner();
         let task = task_name(&r.task)?;

@@ -39,6 +39,33 @@ pub enum ErrorKind {
     Io,
 }
 
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 6] = [
+        ErrorKind::Refused,
+        ErrorKind::Invalid,
+        ErrorKind::NotFound,
+        ErrorKind::AlreadyExists,
+        ErrorKind::Corrupt,
+        ErrorKind::Io,
+    ];
+
+    /// The name used in JSON errors and in the coordinator's `automaton-error-kind` metadata.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Refused => "refused",
+            ErrorKind::Invalid => "invalid",
+            ErrorKind::NotFound => "notfound",
+            ErrorKind::AlreadyExists => "alreadyexists",
+            ErrorKind::Corrupt => "corrupt",
+            ErrorKind::Io => "io",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<ErrorKind> {
+        ErrorKind::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
 /// Why a store operation failed. Every message is one line that says what is wrong and what
 /// to do (004's multi-line messages keep their extra lines below the first).
 #[derive(Debug, thiserror::Error)]
