@@ -1,6 +1,7 @@
 //! The service as a whole: separation of duties, roles, health, reflection, bad input and
 //! configuration.
 
+use std::path::Path;
 use std::time::Duration;
 
 use automaton_proto::v1 as pb;
@@ -641,4 +642,71 @@ async fn cli_sends_automaton_token() {
         .expect("get")
         .into_inner();
     assert_eq!(got.summary.expect("summary").state, "research");
+}
+
+/// Issue §"Who may do what": "TLS (rustls) when a certificate and key are configured".
+/// The fixtures are a throw-away CA and a localhost certificate it signed.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_when_certificate_and_key_are_configured() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/coordinator/fixtures");
+    let config = format!(
+        "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+        fixtures.join("server.crt").display(),
+        fixtures.join("server.key").display()
+    );
+    let coord = Coord::start(&Env::with_config(&config), &[]);
+    assert!(
+        coord.stderr().contains("TLS"),
+        "the mode line names TLS: {}",
+        coord.stderr()
+    );
+    let ca = std::fs::read(fixtures.join("ca.crt")).expect("ca.crt");
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name("localhost");
+    let url = format!("https://127.0.0.1:{}", coord.addr.port());
+    let ch = Endpoint::from_shared(url)
+        .expect("url")
+        .tls_config(tls)
+        .expect("tls config")
+        .connect()
+        .await
+        .expect("TLS handshake with the coordinator");
+    let mut api = crate::harness::Api::new(ch.clone(), None);
+    api.create("over-tls").await.expect("create over TLS");
+    assert!(api.get("over-tls").await.is_ok());
+    let status = HealthClient::new(ch)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .expect("health over TLS")
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    // A plaintext client gets nowhere.
+    let plain = Endpoint::from_shared(coord.url.clone())
+        .expect("url")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await;
+    if let Ok(ch) = plain {
+        assert!(
+            HealthClient::new(ch)
+                .check(HealthCheckRequest {
+                    service: String::new()
+                })
+                .await
+                .is_err(),
+            "plaintext must not be served when TLS is configured"
+        );
+    }
 }
