@@ -568,15 +568,11 @@ fn spawn_view_writer(
             while let Ok(first) = rx.recv() {
                 let mut batch = std::collections::HashMap::new();
                 batch.insert(first.0, first.1);
-                let deadline = Instant::now() + VIEW_DELAY;
-                loop {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    match rx.recv_timeout(left) {
-                        Ok((t, l)) => {
-                            batch.insert(t, l);
-                        }
-                        Err(_) => break,
-                    }
+                // Sleep through the window rather than wait on the channel: a sender then
+                // never has to wake this thread, which would cost a context switch per lease.
+                std::thread::sleep(VIEW_DELAY);
+                while let Ok((t, l)) = rx.try_recv() {
+                    batch.insert(t, l);
                 }
                 for (task, lease) in batch {
                     if let Err(e) = project.write_lease_view(&task, lease.as_ref()) {
