@@ -660,7 +660,7 @@ async fn tls_when_certificate_and_key_are_configured() {
     );
     let coord = Coord::start(&Env::with_config(&config), &[]);
     assert!(
-        coord.stderr().contains("TLS"),
+        coord.wait_stderr("TLS", Duration::from_secs(5)),
         "the mode line names TLS: {}",
         coord.stderr()
     );
