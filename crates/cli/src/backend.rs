@@ -67,13 +67,49 @@ impl From<tonic::Status> for Failure {
 
 pub enum Backend {
     Local(Project),
-    Remote {
-        project: Project,
-        address: String,
-        runtime: tokio::runtime::Runtime,
-        channel: Channel,
-        token: Option<String>,
-    },
+    Remote(Remote),
+}
+
+/// A coordinator and what it takes to call it from this synchronous command.
+pub struct Remote {
+    project: Project,
+    address: String,
+    runtime: tokio::runtime::Runtime,
+    channel: Channel,
+    bearer: Bearer,
+}
+
+/// Sends `AUTOMATON_TOKEN` as `authorization: Bearer …` on every call.
+#[derive(Clone)]
+struct Bearer(Option<tonic::metadata::AsciiMetadataValue>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Intercepted = tonic::service::interceptor::InterceptedService<Channel, Bearer>;
+
+impl Remote {
+    fn tasks(&self) -> pb::tasks_client::TasksClient<Intercepted> {
+        pb::tasks_client::TasksClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+    }
+
+    fn leases(&self) -> pb::leases_client::LeasesClient<Intercepted> {
+        pb::leases_client::LeasesClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+    }
+
+    /// Runs one call to completion.
+    fn run<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, Failure> {
+        Ok(self.runtime.block_on(call)?.into_inner())
+    }
 }
 
 /// The coordinator to talk to: `--coordinator URL`, else `AUTOMATON_COORDINATOR`, else the
@@ -139,53 +175,37 @@ impl Backend {
             let _guard = runtime.enter();
             endpoint.connect_lazy()
         };
-        let token = std::env::var("AUTOMATON_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty());
-        Ok(Backend::Remote {
+        let bearer = match std::env::var("AUTOMATON_TOKEN") {
+            Ok(t) if !t.is_empty() => Some(format!("Bearer {t}").parse().map_err(|_| {
+                Failure::Usage("AUTOMATON_TOKEN holds characters a header cannot carry".into())
+            })?),
+            _ => None,
+        };
+        Ok(Backend::Remote(Remote {
             project,
             address,
             runtime,
             channel,
-            token,
-        })
+            bearer: Bearer(bearer),
+        }))
     }
 
     pub fn coordinator(&self) -> Option<&str> {
         match self {
             Backend::Local(_) => None,
-            Backend::Remote { address, .. } => Some(address),
+            Backend::Remote(r) => Some(&r.address),
         }
-    }
-
-    fn request<T>(token: &Option<String>, msg: T) -> tonic::Request<T> {
-        let mut req = tonic::Request::new(msg);
-        if let Some(t) = token
-            && let Ok(v) = format!("Bearer {t}").parse()
-        {
-            req.metadata_mut().insert("authorization", v);
-        }
-        req
     }
 
     pub fn create_task(&self, task: &TaskName) -> Result<PathBuf, Failure> {
         match self {
             Backend::Local(p) => Ok(p.create_task(task)?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                project,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                runtime.block_on(c.create_task(Self::request(
-                    token,
-                    pb::CreateTaskRequest {
-                        task: task.to_string(),
-                    },
-                )))?;
-                Ok(project.task_dir(task))
+            Backend::Remote(r) => {
+                let req = pb::CreateTaskRequest {
+                    task: task.to_string(),
+                };
+                r.run(r.tasks().create_task(req))?;
+                Ok(r.project.task_dir(task))
             }
         }
     }
@@ -193,20 +213,11 @@ impl Backend {
     pub fn view(&self, task: &TaskName) -> Result<TaskView, Failure> {
         match self {
             Backend::Local(p) => Ok(p.view(task, SystemTime::now())?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                let r = runtime.block_on(c.get_task(Self::request(
-                    token,
-                    pb::GetTaskRequest {
-                        task: task.to_string(),
-                    },
-                )))?;
-                from_json(&r.into_inner().view_json)
+            Backend::Remote(r) => {
+                let req = pb::GetTaskRequest {
+                    task: task.to_string(),
+                };
+                from_json(&r.run(r.tasks().get_task(req))?.view_json)
             }
         }
     }
@@ -214,17 +225,10 @@ impl Backend {
     pub fn list(&self) -> Result<Vec<ListEntry>, Failure> {
         match self {
             Backend::Local(p) => Ok(p.list(SystemTime::now())?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                let r = runtime
-                    .block_on(c.list_tasks(Self::request(token, pb::ListTasksRequest {})))?;
-                from_json(&r.into_inner().list_json)
-            }
+            Backend::Remote(r) => from_json(
+                &r.run(r.tasks().list_tasks(pb::ListTasksRequest {}))?
+                    .list_json,
+            ),
         }
     }
 
@@ -240,30 +244,20 @@ impl Backend {
             Backend::Local(p) => {
                 Ok(p.transition(task, target, agent, fencing, SystemTime::now())?)
             }
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                let r = runtime
-                    .block_on(c.transition(Self::request(
-                        token,
-                        pb::TransitionRequest {
-                            task: task.to_string(),
-                            target: target.to_string(),
-                            agent: agent.map(|a| a.to_string()).unwrap_or_default(),
-                            lease_id: lease_id.unwrap_or_default().to_string(),
-                            token: fencing.unwrap_or(0),
-                        },
-                    )))?
-                    .into_inner();
+            Backend::Remote(r) => {
+                let req = pb::TransitionRequest {
+                    task: task.to_string(),
+                    target: target.to_string(),
+                    agent: agent.map(|a| a.to_string()).unwrap_or_default(),
+                    lease_id: lease_id.unwrap_or_default().to_string(),
+                    token: fencing.unwrap_or(0),
+                };
+                let out = r.run(r.tasks().transition(req))?;
                 Ok(TransitionOutcome {
                     task: task.clone(),
-                    from: state(&r.from)?,
-                    to: state(&r.to)?,
-                    released: r.released.as_ref().map(lease_from_pb).transpose()?,
+                    from: state(&out.from)?,
+                    to: state(&out.to)?,
+                    released: out.released.as_ref().map(lease_from_pb).transpose()?,
                 })
             }
         }
@@ -272,32 +266,22 @@ impl Backend {
     pub fn approve(&self, task: &TaskName, approver: &str) -> Result<ApproveOutcome, Failure> {
         match self {
             Backend::Local(p) => Ok(p.approve(task, approver, SystemTime::now())?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                let r = runtime
-                    .block_on(c.approve(Self::request(
-                        token,
-                        pb::ApproveRequest {
-                            task: task.to_string(),
-                            approver: approver.to_string(),
-                        },
-                    )))?
-                    .into_inner();
-                let from = state(&r.from)?;
+            Backend::Remote(r) => {
+                let req = pb::ApproveRequest {
+                    task: task.to_string(),
+                    approver: approver.to_string(),
+                };
+                let out = r.run(r.tasks().approve(req))?;
+                let from = state(&out.from)?;
                 Ok(ApproveOutcome {
                     task: task.clone(),
                     from,
-                    to: state(&r.to)?,
+                    to: state(&out.to)?,
                     approval: Approval {
                         phase: from.phase,
-                        at: parse_time(&r.approved_at).unwrap_or_else(SystemTime::now),
-                        approver: r.approver,
-                        sha256: (!r.sha256.is_empty()).then_some(r.sha256),
+                        at: parse_time(&out.approved_at).unwrap_or_else(SystemTime::now),
+                        approver: out.approver,
+                        sha256: (!out.sha256.is_empty()).then_some(out.sha256),
                     },
                 })
             }
@@ -307,20 +291,11 @@ impl Backend {
     pub fn validate_folder(&self, task: &TaskName) -> Result<FolderReport, Failure> {
         match self {
             Backend::Local(p) => Ok(p.validate_folder(task)?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                let r = runtime.block_on(c.validate_folder(Self::request(
-                    token,
-                    pb::ValidateFolderRequest {
-                        task: task.to_string(),
-                    },
-                )))?;
-                from_json(&r.into_inner().report_json)
+            Backend::Remote(r) => {
+                let req = pb::ValidateFolderRequest {
+                    task: task.to_string(),
+                };
+                from_json(&r.run(r.tasks().validate_folder(req))?.report_json)
             }
         }
     }
@@ -328,15 +303,8 @@ impl Backend {
     pub fn audit(&self) -> Result<AuditReport, Failure> {
         match self {
             Backend::Local(p) => Ok(p.audit()?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::tasks_client::TasksClient::new(channel.clone());
-                let r = runtime.block_on(c.audit(Self::request(token, pb::AuditRequest {})))?;
-                from_json(&r.into_inner().report_json)
+            Backend::Remote(r) => {
+                from_json(&r.run(r.tasks().audit(pb::AuditRequest {}))?.report_json)
             }
         }
     }
@@ -349,24 +317,14 @@ impl Backend {
     ) -> Result<(Lease, bool), Failure> {
         match self {
             Backend::Local(p) => Ok(p.claim(task, agent, ttl, SystemTime::now())?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut c = pb::leases_client::LeasesClient::new(channel.clone());
-                let r = runtime
-                    .block_on(c.claim(Self::request(
-                        token,
-                        pb::ClaimRequest {
-                            task: task.to_string(),
-                            agent: agent.to_string(),
-                            ttl_ms: ttl.map_or(0, |t| t.as_millis() as u64),
-                        },
-                    )))?
-                    .into_inner();
-                Ok((lease_from_pb(&r)?, r.renewed))
+            Backend::Remote(r) => {
+                let req = pb::ClaimRequest {
+                    task: task.to_string(),
+                    agent: agent.to_string(),
+                    ttl_ms: ttl.map_or(0, |t| t.as_millis() as u64),
+                };
+                let out = r.run(r.leases().claim(req))?;
+                Ok((lease_from_pb(&out)?, out.renewed))
             }
         }
     }
@@ -376,30 +334,18 @@ impl Backend {
     pub fn release(&self, task: &TaskName, agent: &AgentId) -> Result<Lease, Failure> {
         match self {
             Backend::Local(p) => Ok(p.release(task, agent, SystemTime::now())?),
-            Backend::Remote {
-                runtime,
-                channel,
-                token,
-                ..
-            } => {
-                let mut tasks = pb::tasks_client::TasksClient::new(channel.clone());
-                let detail = runtime
-                    .block_on(tasks.get_task(Self::request(
-                        token,
-                        pb::GetTaskRequest {
-                            task: task.to_string(),
-                        },
-                    )))?
-                    .into_inner();
-                let live = match detail.lease {
+            Backend::Remote(r) => {
+                let req = pb::GetTaskRequest {
+                    task: task.to_string(),
+                };
+                let live = match r.run(r.tasks().get_task(req))?.lease {
                     Some(l) if l.agent == agent.as_str() => l,
                     Some(l) => {
                         return Err(Error::NotHolder {
                             task: task.clone(),
-                            holder: l
-                                .agent
-                                .parse()
-                                .map_err(|_| Failure::Usage("unreadable holder".into()))?,
+                            holder: l.agent.parse().map_err(|_| {
+                                Failure::Usage("the coordinator sent an unreadable holder".into())
+                            })?,
                             agent: agent.clone(),
                         }
                         .into());
@@ -412,14 +358,11 @@ impl Backend {
                         .into());
                     }
                 };
-                let mut leases = pb::leases_client::LeasesClient::new(channel.clone());
-                runtime.block_on(leases.release(Self::request(
-                    token,
-                    pb::ReleaseRequest {
-                        lease_id: live.lease_id.clone(),
-                        token: live.token,
-                    },
-                )))?;
+                let req = pb::ReleaseRequest {
+                    lease_id: live.lease_id.clone(),
+                    token: live.token,
+                };
+                r.run(r.leases().release(req))?;
                 lease_from_pb(&live)
             }
         }
