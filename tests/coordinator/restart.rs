@@ -462,3 +462,34 @@ async fn fencing_tokens_increase_across_restarts() {
         .token;
     assert!(t4 > t3);
 }
+
+/// design §2 "Never grant one task to two holders" / docs "a promise made before the crash is
+/// never shortened": a holder that re-claims with a longer TTL keeps it across `kill -9`,
+/// although the log first recorded the shorter one.
+#[tokio::test(flavor = "multi_thread")]
+async fn longer_ttl_from_a_reclaim_survives_kill_9() {
+    let env = Env::new();
+    let mut coord = Coord::start(&env, &["--grace-period", "1s"]);
+    let mut api = coord.api().await;
+    api.claimable_task("t").await;
+    let first = api.claim("t", "agent-a", 300).await.expect("claim");
+    let again = api.claim("t", "agent-a", 20_000).await.expect("re-claim");
+    assert!(again.renewed);
+    assert_eq!(
+        (again.lease_id.as_str(), again.token),
+        (first.lease_id.as_str(), first.token)
+    );
+    coord.restart_after_kill(&["--grace-period", "1s"]);
+    let mut api = coord.api().await;
+    // Past both the first TTL and the grace period: only the longer TTL keeps it alive.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let l = api
+        .lease_of("t")
+        .await
+        .expect("the 20 s lease must survive the restart");
+    assert_eq!((l.agent.as_str(), l.token), ("agent-a", first.token));
+    assert!(
+        api.claim("t", "agent-b", 60_000).await.is_err(),
+        "nobody else may take it"
+    );
+}

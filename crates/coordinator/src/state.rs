@@ -231,10 +231,11 @@ impl Coordinator {
         let guard = self.guard(task).await;
         let state = self.project.claimable(task, agent, &self.policy)?;
         let now = Instant::now();
-        let live = {
+        // Decide under the table lock; anything that awaits happens after it is released.
+        let renewal = {
             let mut table = self.table();
-            if let Some(l) = table.live(task, now) {
-                if &l.agent != agent {
+            match table.live(task, now) {
+                Some(l) if &l.agent != agent => {
                     return Err(Error::Store(automaton_store::Error::Leased {
                         task: task.clone(),
                         holder: l.agent.clone(),
@@ -242,31 +243,48 @@ impl Coordinator {
                         token: l.token,
                     }));
                 }
-                let id = l.lease_id.clone();
-                let l = table.by_id_mut(&id, now).expect("just found");
-                l.ttl = ttl;
-                l.deadline = now + ttl;
-                let rewrite = l.view_expires < l.expires_at(now);
-                if rewrite {
-                    l.view_expires = l.next_view_expires();
+                Some(l) => {
+                    let id = l.lease_id.clone();
+                    let l = table.by_id_mut(&id, now).expect("just found");
+                    let longer = ttl > l.ttl;
+                    l.ttl = ttl;
+                    l.deadline = now + ttl;
+                    let rewrite = l.view_expires < l.expires_at(now);
+                    if rewrite {
+                        l.view_expires = l.next_view_expires();
+                    }
+                    Some((l.clone(), longer, rewrite))
                 }
-                let l = l.clone();
-                drop(table);
-                if rewrite {
-                    self.view(task, Some(l.view()));
-                }
-                self.emit(
-                    "lease_renewed",
-                    &task.to_string(),
-                    agent.as_str(),
-                    l.token,
-                    String::new(),
-                );
-                return Ok(Granted {
-                    live: l,
-                    renewed: true,
-                });
+                None => None,
             }
+        };
+        if let Some((l, longer, rewrite)) = renewal {
+            drop(guard);
+            // A restart gives every lease max(logged TTL, grace): a longer TTL must be in the
+            // log before it is promised, or a restart could shorten the promise.
+            if longer {
+                self.wal
+                    .append(&l.as_record())
+                    .await
+                    .map_err(Error::Internal)?;
+            }
+            if rewrite {
+                self.view(task, Some(l.view()));
+            }
+            self.emit(
+                "lease_renewed",
+                &task.to_string(),
+                agent.as_str(),
+                l.token,
+                String::new(),
+            );
+            return Ok(Granted {
+                live: l,
+                renewed: true,
+            });
+        }
+        let live = {
+            let mut table = self.table();
             let token = table.next_token(|bound| self.project.set_fencing_mark(bound))?;
             let claimed = SystemTime::now();
             let mut live = Live {
