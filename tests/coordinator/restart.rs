@@ -493,3 +493,23 @@ async fn longer_ttl_from_a_reclaim_survives_kill_9() {
         "nobody else may take it"
     );
 }
+
+/// Issue §Restart "loads live leases from the .state.lock files": a lock file that cannot be
+/// read is a broken view, not a lease — the coordinator starts, and removes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn corrupt_state_lock_is_repaired_at_start() {
+    let env = Env::new();
+    env.cli(&["--create-task", "t"]).ok();
+    env.cli(&["--task", "t", "--transition", "research"]).ok();
+    env.artifact("t", ".state.lock", "agent: a\nthis is not a lease\n");
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    assert!(api.lease_of("t").await.is_none());
+    assert!(
+        env.task_file("t", ".state.lock").is_none(),
+        "the corrupt view must be removed at start"
+    );
+    api.claim("t", "agent-a", 60_000)
+        .await
+        .expect("claimable again");
+}

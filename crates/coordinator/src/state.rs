@@ -91,8 +91,9 @@ impl Coordinator {
         // Views: every live lease written, every other lock file removed.
         for task in project.all_task_names()? {
             let view = table.live(&task, Instant::now()).map(Live::view);
-            let on_disk = project.read_lease(&task).ok().flatten();
-            if view.is_some() || on_disk.is_some() {
+            // A file that cannot be read is replaced (or removed) like any stale one.
+            let stale_or_corrupt = !matches!(project.read_lease(&task), Ok(None));
+            if view.is_some() || stale_or_corrupt {
                 project.write_lease_view(&task, view.as_ref())?;
             }
         }
