@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod config;
+mod keepalive;
 mod layers;
 mod leases;
 pub mod owner;

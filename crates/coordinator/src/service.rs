@@ -1,6 +1,5 @@
 //! The gRPC services: proto in, `Coordinator` operations, proto out.
 
-use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -274,69 +273,11 @@ impl pb::leases_server::Leases for Service {
         &self,
         req: Request<Streaming<pb::KeepAliveRequest>>,
     ) -> Res<Self::KeepAliveStream> {
-        let mut inbound = req.into_inner();
-        let (tx, rx) = mpsc::channel(1024);
-        let coord = self.coord.clone();
-        let mut lost = coord.subscribe_lost();
-        let mut stop = self.shutdown.clone();
-        tokio::spawn(async move {
-            let mut named: HashSet<String> = HashSet::new();
-            loop {
-                tokio::select! {
-                    msg = inbound.message() => {
-                        let Ok(Some(m)) = msg else { return };
-                        for id in m.lease_ids {
-                            let watched = coord.watched();
-                            let renewed = coord.renew_with(&id, None, |l| {
-                                // The hot path: only what the holder does not already know.
-                                let lease = pb::Lease {
-                                    lease_id: l.lease_id.clone(),
-                                    token: l.token,
-                                    ttl_ms: l.ttl.as_millis() as u64,
-                                    remaining_ms: l.ttl.as_millis() as u64,
-                                    renewed: true,
-                                    ..Default::default()
-                                };
-                                (lease, watched.then(|| l.clone()))
-                            });
-                            let resp = match renewed {
-                                Ok((lease, event)) => {
-                                    named.insert(id.clone());
-                                    if let Some(l) = event {
-                                        coord.emit_renewed(&l);
-                                    }
-                                    pb::KeepAliveResponse { lease_id: id, lease: Some(lease), lost: None }
-                                }
-                                Err(_) => pb::KeepAliveResponse {
-                                    lost: Some(pb::LeaseLost { task: String::new(), token: 0, reason: "unknown".into() }),
-                                    lease_id: id,
-                                    lease: None,
-                                },
-                            };
-                            if tx.send(Ok(resp)).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    note = lost.recv() => match note {
-                        Ok(n) if named.remove(&n.lease_id) => {
-                            let resp = pb::KeepAliveResponse {
-                                lease_id: n.lease_id,
-                                lease: None,
-                                lost: Some(pb::LeaseLost { task: n.task.to_string(), token: n.token, reason: n.reason.into() }),
-                            };
-                            if tx.send(Ok(resp)).await.is_err() {
-                                return;
-                            }
-                        }
-                        Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-                    },
-                    _ = stop.changed() => return,
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(crate::keepalive::KeepAlive::new(
+            self.coord.clone(),
+            req.into_inner(),
+            self.shutdown.clone(),
+        ))))
     }
 }
 
