@@ -190,12 +190,13 @@ async fn short_ttl_expires_emits_lease_expired_and_keepalive_reports_lost() {
     let m = next(&mut stream).await;
     assert!(m.lease.is_some(), "{m:?}");
 
-    // Still live well inside the TTL (a minimum).
+    // Still live well inside the TTL (a minimum). The check means something only if its answer
+    // came back inside the TTL: a stalled test machine must not turn into a false failure.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(
-        api.lease_of("short").await.is_some(),
-        "expired before its TTL"
-    );
+    let live = api.lease_of("short").await.is_some();
+    if sent.elapsed() < Duration::from_millis(280) {
+        assert!(live, "expired before its TTL");
+    }
 
     let m = tokio::time::timeout(Duration::from_secs(3), stream.message())
         .await
