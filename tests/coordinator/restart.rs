@@ -513,3 +513,22 @@ async fn corrupt_state_lock_is_repaired_at_start() {
         .await
         .expect("claimable again");
 }
+
+/// docs/coordinator.md "the `.state.lock` files are the log's materialised view": a view that
+/// the start-up repair wrote is removed when its lease ends after the restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn view_written_at_start_is_removed_when_its_lease_ends() {
+    let env = Env::new();
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    api.claimable_task("t").await;
+    let l = api.claim("t", "agent-a", 60_000).await.expect("claim");
+    crate::harness::lock_view(&env, "t", Some(l.token)).await;
+    coord.restart(&[]);
+    let mut api = coord.api().await;
+    crate::harness::lock_view(&env, "t", Some(l.token)).await;
+    api.release(&l.lease_id, l.token)
+        .await
+        .expect("release after the restart");
+    crate::harness::lock_view(&env, "t", None).await;
+}

@@ -70,6 +70,11 @@ pub struct Coordinator {
     /// Sharded by task name: claims of different tasks do not wait for each other.
     guards: Vec<tokio::sync::Mutex<()>>,
     views: std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)>,
+    /// Each task's state as last read or written by this coordinator, the project's only
+    /// writer while it runs: a claim then needs no path lookup (slow in a large `tasks/`
+    /// folder on this filesystem). Filled on first use; updated under the task's guard by
+    /// every change the coordinator makes.
+    states: Mutex<std::collections::HashMap<TaskName, State>>,
     events: broadcast::Sender<Event>,
     lost: broadcast::Sender<Lost>,
     seq: AtomicU64,
@@ -89,6 +94,7 @@ impl Coordinator {
         let wal = Wal::create(&wal_path, &table.records())
             .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
         // Views: every live lease written, every other lock file removed.
+        let mut written = std::collections::HashSet::new();
         for task in project.all_task_names()? {
             let view = table.live(&task, Instant::now()).map(Live::view);
             // A file that cannot be read is replaced (or removed) like any stale one.
@@ -96,8 +102,11 @@ impl Coordinator {
             if view.is_some() || stale_or_corrupt {
                 project.write_lease_view(&task, view.as_ref())?;
             }
+            if view.is_some() {
+                written.insert(task);
+            }
         }
-        let views = spawn_view_writer(project.clone());
+        let views = spawn_view_writer(project.clone(), written);
         let (events, _) = broadcast::channel(4096);
         let (lost, _) = broadcast::channel(4096);
         Ok((
@@ -110,6 +119,7 @@ impl Coordinator {
                     .map(|_| tokio::sync::Mutex::new(()))
                     .collect(),
                 views,
+                states: Mutex::new(std::collections::HashMap::new()),
                 events,
                 lost,
                 seq: AtomicU64::new(0),
@@ -230,7 +240,9 @@ impl Coordinator {
     ) -> Result<Granted, Error> {
         let ttl = ttl.unwrap_or(self.policy.lock_timeout);
         let guard = self.guard(task).await;
-        let state = self.project.claimable(task, agent, &self.policy)?;
+        let state = self.state_of(task)?;
+        self.project
+            .claimable_in(task, state, agent, &self.policy)?;
         let now = Instant::now();
         // Decide under the table lock; anything that awaits happens after it is released.
         let renewal = {
@@ -324,6 +336,20 @@ impl Coordinator {
             live,
             renewed: false,
         })
+    }
+
+    /// A task's state: from memory, or read once from `.state` (call under the task's guard).
+    fn state_of(&self, task: &TaskName) -> Result<State, Error> {
+        if let Some(s) = self.states().get(task) {
+            return Ok(*s);
+        }
+        let s = self.project.tracked_state(task)?;
+        self.states().insert(task.clone(), s);
+        Ok(s)
+    }
+
+    fn states(&self) -> MutexGuard<'_, std::collections::HashMap<TaskName, State>> {
+        self.states.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Extends a live lease to now + its TTL. No disk sync: the log records TTLs, not
@@ -492,6 +518,7 @@ impl Coordinator {
         let from = tokio::task::spawn_blocking(move || project.transition_owned(&t, target))
             .await
             .map_err(|e| Error::Internal(format!("transition task failed: {e}")))??;
+        self.states().insert(task.clone(), target);
         let ended = match live {
             Some(l) => {
                 let removed = self.table().remove(task);
@@ -523,6 +550,7 @@ impl Coordinator {
         })
         .await
         .map_err(|e| Error::Internal(format!("approve task failed: {e}")))??;
+        self.states().insert(task.clone(), out.to);
         self.emit(
             "approved",
             &task.to_string(),
@@ -540,6 +568,8 @@ impl Coordinator {
         tokio::task::spawn_blocking(move || project.create_task(&t))
             .await
             .map_err(|e| Error::Internal(format!("create task failed: {e}")))??;
+        self.states()
+            .insert(task.clone(), State::open(automaton_workflow::Phase::New));
         self.emit("task_created", &task.to_string(), "", 0, "new".into());
         Ok(())
     }
@@ -574,30 +604,66 @@ fn lease_id(task: &TaskName, token: u64) -> String {
     )
 }
 
-/// Writes `.state.lock` views off the request path. Jobs are gathered for [`VIEW_DELAY`] and
-/// only the last view of each task is written, so the file work does not compete with the
-/// requests for the CPU, and a short-lived lease costs no file operation at all.
+/// Writes `.state.lock` views off the request path. A task's change is written once it is
+/// [`VIEW_DELAY`] old, with only the latest view of that task; removing a view that was never
+/// written is skipped. So a lease that lives less than `VIEW_DELAY` never touches the disk,
+/// and the file work (path lookups in a large `tasks/` folder are slow on this filesystem)
+/// does not compete with requests for the CPU. The thread sleeps between passes rather than
+/// waiting on the channel, so senders never have to wake it.
 fn spawn_view_writer(
     project: Project,
+    written_at_start: std::collections::HashSet<TaskName>,
 ) -> std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)> {
     let (tx, rx) = std::sync::mpsc::channel::<(TaskName, Option<automaton_store::Lease>)>();
     let _ = std::thread::Builder::new()
         .name("lease-views".into())
         .spawn(move || {
-            while let Ok(first) = rx.recv() {
-                let mut batch = std::collections::HashMap::new();
-                batch.insert(first.0, first.1);
-                // Sleep through the window rather than wait on the channel: a sender then
-                // never has to wake this thread, which would cost a context switch per lease.
-                std::thread::sleep(VIEW_DELAY);
-                while let Ok((t, l)) = rx.try_recv() {
-                    batch.insert(t, l);
-                }
-                for (task, lease) in batch {
-                    if let Err(e) = project.write_lease_view(&task, lease.as_ref()) {
-                        tracing::warn!(task = %task, error = %e, "cannot write the lease view");
+            let mut pending: std::collections::HashMap<
+                TaskName,
+                (Option<automaton_store::Lease>, Instant),
+            > = std::collections::HashMap::new();
+            // Views on disk: those the repair at start wrote, then what this thread writes.
+            let mut on_disk = written_at_start;
+            let tick = VIEW_DELAY / 10;
+            loop {
+                loop {
+                    match rx.try_recv() {
+                        Ok((task, lease)) => {
+                            let now = Instant::now();
+                            pending
+                                .entry(task)
+                                .and_modify(|e| e.0 = lease.clone())
+                                .or_insert((lease, now));
+                        }
+                        Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
                     }
                 }
+                let due: Vec<TaskName> = pending
+                    .iter()
+                    .filter(|(_, (_, since))| since.elapsed() >= VIEW_DELAY)
+                    .map(|(t, _)| t.clone())
+                    .collect();
+                for task in due {
+                    let Some((lease, _)) = pending.remove(&task) else {
+                        continue;
+                    };
+                    if lease.is_none() && !on_disk.contains(&task) {
+                        continue;
+                    }
+                    match project.write_lease_view(&task, lease.as_ref()) {
+                        Ok(()) if lease.is_some() => {
+                            on_disk.insert(task);
+                        }
+                        Ok(()) => {
+                            on_disk.remove(&task);
+                        }
+                        Err(e) => {
+                            tracing::warn!(task = %task, error = %e, "cannot write the lease view")
+                        }
+                    }
+                }
+                std::thread::sleep(tick);
             }
         });
     tx

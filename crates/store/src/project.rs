@@ -749,25 +749,40 @@ impl Project {
         agent: &AgentId,
         policy: &Policy,
     ) -> Result<State, Error> {
-        // The claim path is hot under a coordinator: read `.state` alone, not the folder.
+        let state = self.tracked_state(task)?;
+        self.claimable_in(task, state, agent, policy)?;
+        Ok(state)
+    }
+
+    /// A tracked task's state, read from `.state` alone (not the whole folder).
+    pub fn tracked_state(&self, task: &TaskName) -> Result<State, Error> {
         let dir = self.task_dir(task);
         let state_path = dir.join(STATE);
-        let state = match read_optional(&state_path)? {
+        match read_optional(&state_path)? {
             Some(text) => text
                 .trim()
                 .parse::<State>()
                 .map_err(|source| Error::UnknownPhase {
                     source,
                     path: state_path.clone(),
-                })?,
-            None if dir.is_dir() => return Err(Error::Untracked { task: task.clone() }),
-            None => {
-                return Err(Error::TaskNotFound {
-                    task: task.clone(),
-                    tasks: self.tasks_display(),
-                });
-            }
-        };
+                }),
+            None if dir.is_dir() => Err(Error::Untracked { task: task.clone() }),
+            None => Err(Error::TaskNotFound {
+                task: task.clone(),
+                tasks: self.tasks_display(),
+            }),
+        }
+    }
+
+    /// The claim rules for a task known to be in `state` (a caller that owns the project may
+    /// know it without reading `.state`).
+    pub fn claimable_in(
+        &self,
+        task: &TaskName,
+        state: State,
+        agent: &AgentId,
+        policy: &Policy,
+    ) -> Result<(), Error> {
         let why = if state.is_awaiting_approval() {
             Some("it waits for a person's approval (--approve)")
         } else if state.is_terminal() {
@@ -782,7 +797,9 @@ impl Project {
                 why,
             });
         }
-        if policy.separated.contains(&state.phase) && self.implementers(&dir)?.contains(agent) {
+        if policy.separated.contains(&state.phase)
+            && self.implementers(&self.task_dir(task))?.contains(agent)
+        {
             return Err(Error::Separation {
                 task: task.clone(),
                 agent: agent.to_string(),
@@ -790,7 +807,7 @@ impl Project {
                 action: "claim",
             });
         }
-        Ok(state)
+        Ok(())
     }
 
     /// Adds `agent` to `.state.implementer` when it takes the implement phase.
