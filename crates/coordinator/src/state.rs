@@ -325,13 +325,15 @@ impl Coordinator {
             return Err(Error::Internal(e));
         }
         self.view(task, Some(live.view()));
-        self.emit(
-            "lease_granted",
-            &task.to_string(),
-            agent.as_str(),
-            live.token,
-            format!("{state}"),
-        );
+        if self.watched() {
+            self.emit(
+                "lease_granted",
+                &task.to_string(),
+                agent.as_str(),
+                live.token,
+                format!("{state}"),
+            );
+        }
         Ok(Granted {
             live,
             renewed: false,
@@ -437,24 +439,29 @@ impl Coordinator {
 
     fn after_end(&self, l: &Live, reason: &'static str) {
         self.view(&l.task, None);
-        let _ = self.lost.send(Lost {
-            lease_id: l.lease_id.clone(),
-            task: l.task.clone(),
-            token: l.token,
-            reason,
-        });
-        let kind = if reason == "expired" {
-            "lease_expired"
-        } else {
-            "lease_released"
-        };
-        self.emit(
-            kind,
-            &l.task.to_string(),
-            l.agent.as_str(),
-            l.token,
-            reason.to_string(),
-        );
+        // Only KeepAlive streams listen; without one, building the note is wasted work.
+        if self.lost.receiver_count() > 0 {
+            let _ = self.lost.send(Lost {
+                lease_id: l.lease_id.clone(),
+                task: l.task.clone(),
+                token: l.token,
+                reason,
+            });
+        }
+        if self.watched() {
+            let kind = if reason == "expired" {
+                "lease_expired"
+            } else {
+                "lease_released"
+            };
+            self.emit(
+                kind,
+                &l.task.to_string(),
+                l.agent.as_str(),
+                l.token,
+                reason.to_string(),
+            );
+        }
     }
 
     /// Removes every lease past its deadline.
