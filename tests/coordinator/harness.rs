@@ -73,36 +73,9 @@ pub fn cli_bin() -> PathBuf {
     bin
 }
 
-/// What one run of a binary returned.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Run {
-    pub code: i32,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-impl Run {
-    pub fn ok(&self) -> &Self {
-        assert_eq!(
-            self.code, 0,
-            "expected success:\nstdout: {}\nstderr: {}",
-            self.stdout, self.stderr
-        );
-        self
-    }
-    /// The first line of stderr: the one-line error every refusal starts with.
-    pub fn error_line(&self) -> &str {
-        self.stderr.lines().next().unwrap_or("")
-    }
-}
-
-fn to_run(o: std::process::Output) -> Run {
-    Run {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
-}
+#[path = "../common/run.rs"]
+mod run;
+pub use run::Run;
 
 /// A project folder, a HOME folder and (optionally) a config file, removed on drop.
 pub struct Env {
@@ -292,11 +265,11 @@ pub fn run_bounded(mut c: Command, timeout: Duration) -> Run {
         let _ = child.wait();
         panic!("{c:?} did not finish within {timeout:?}");
     });
-    Run {
-        code: status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.join().expect("stdout reader")).into_owned(),
-        stderr: String::from_utf8_lossy(&err.join().expect("stderr reader")).into_owned(),
-    }
+    Run::from(std::process::Output {
+        status,
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
+    })
 }
 
 /// Waits for `child` at most `timeout`.

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_automaton");
 
@@ -15,44 +15,9 @@ pub struct Env {
     pub home: tempfile::TempDir,
 }
 
-/// What one run of the binary returned.
-#[derive(Debug)]
-pub struct Run {
-    pub code: i32,
-    pub stdout: String,
-    pub stderr: String,
-}
-
-impl Run {
-    pub fn ok(&self) -> &Self {
-        assert_eq!(
-            self.code, 0,
-            "expected success:\nstdout: {}\nstderr: {}",
-            self.stdout, self.stderr
-        );
-        self
-    }
-    pub fn code(&self, want: i32) -> &Self {
-        assert_eq!(
-            self.code, want,
-            "exit code\nstdout: {}\nstderr: {}",
-            self.stdout, self.stderr
-        );
-        self
-    }
-    /// The first line of stderr: the one-line error every refusal starts with.
-    pub fn error_line(&self) -> &str {
-        self.stderr.lines().next().unwrap_or("")
-    }
-}
-
-fn to_run(o: Output) -> Run {
-    Run {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
-}
+#[path = "../common/run.rs"]
+mod run;
+pub use run::Run;
 
 impl Env {
     pub fn new() -> Env {
@@ -92,7 +57,7 @@ impl Env {
 
     /// Runs `automaton status ARGS --project ROOT`.
     pub fn status(&self, args: &[&str]) -> Run {
-        to_run(self.command(args).output().expect("run automaton"))
+        Run::from(self.command(args).output().expect("run automaton"))
     }
 
     /// Writes a file relative to the project root, creating folders.

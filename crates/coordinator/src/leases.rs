@@ -4,7 +4,7 @@
 //! clock of whoever reads a `.state.lock`. The TTL is a minimum: a lease lives at least its
 //! TTL after its last renewal, and at least the grace period after a restart.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_store::{Lease, Project};
@@ -58,6 +58,25 @@ impl Live {
             expires: self.view_expires,
             lease_id: self.lease_id.clone(),
             token: self.token,
+        }
+    }
+
+    /// Extends the lease to `now + ttl`; returns whether its `.state.lock` view must be
+    /// rewritten (only when the real expiry would pass the view's, see `next_view_expires`).
+    pub fn extend(&mut self, now: Instant) -> bool {
+        self.deadline = now + self.ttl;
+        let rewrite = self.view_expires < self.expires_at(now);
+        if rewrite {
+            self.view_expires = self.next_view_expires();
+        }
+        rewrite
+    }
+
+    /// The lease as the store shows it, with its real expiry (for task views and the CLI).
+    pub fn as_store_lease(&self, now: Instant) -> Lease {
+        Lease {
+            expires: self.expires_at(now),
+            ..self.view()
         }
     }
 
@@ -143,9 +162,25 @@ impl Table {
         self.by_task.values().map(Live::as_record).collect()
     }
 
+    /// The tasks that hold a live lease.
+    pub fn live_tasks(&self, now: Instant) -> impl Iterator<Item = &TaskName> {
+        self.by_task
+            .values()
+            .filter(move |l| l.deadline > now)
+            .map(|l| &l.task)
+    }
+
     pub fn len(&self) -> usize {
         self.by_task.len()
     }
+}
+
+/// What a start found: the table, what it noticed, and the tasks that have a `.state.lock`
+/// on disk (readable or not), whose views the start must rewrite or remove.
+pub(crate) struct Recovered {
+    pub table: Table,
+    pub notes: Vec<String>,
+    pub files: HashSet<TaskName>,
 }
 
 /// Rebuilds the table from the log, then reconciles it with the files:
@@ -158,8 +193,9 @@ pub(crate) fn recover(
     project: &Project,
     log: &[Record],
     grace: Duration,
-) -> Result<(Table, Vec<String>), automaton_store::Error> {
+) -> Result<Recovered, automaton_store::Error> {
     let mut notes = Vec::new();
+    let mut files = HashSet::new();
     let mut grants: HashMap<String, Record> = HashMap::new();
     let mut max_token_by_task: HashMap<TaskName, u64> = HashMap::new();
     let mut max_token = 0;
@@ -200,8 +236,14 @@ pub(crate) fn recover(
     let now_wall = SystemTime::now();
     for task in project.all_task_names()? {
         let file = match project.read_lease(&task) {
-            Ok(f) => f,
+            Ok(f) => {
+                if f.is_some() {
+                    files.insert(task.clone());
+                }
+                f
+            }
             Err(e) => {
+                files.insert(task.clone());
                 notes.push(format!(
                     "{task}: unreadable .state.lock replaced from the log ({e})"
                 ));
@@ -257,7 +299,11 @@ pub(crate) fn recover(
     table.next_token = mark + 1;
     table.token_bound = mark + TOKEN_BLOCK;
     project.set_fencing_mark(table.token_bound)?;
-    Ok((table, notes))
+    Ok(Recovered {
+        table,
+        notes,
+        files,
+    })
 }
 
 #[cfg(test)]

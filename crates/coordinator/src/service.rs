@@ -107,9 +107,13 @@ impl pb::tasks_server::Tasks for Service {
             .coord
             .read(move |p| p.view(&t, SystemTime::now()))
             .await?;
-        // The coordinator's table is the truth; the file view may lag it.
-        view.lease = self.coord.lease_of(&task);
-        let lease = self.coord.live_lease_pb(&task);
+        // The coordinator's table is the truth; the file view may lag it. One lookup serves
+        // both the view and the typed lease.
+        let live = self.coord.live_of(&task);
+        view.lease = live
+            .as_ref()
+            .map(|l| l.as_store_lease(std::time::Instant::now()));
+        let lease = live.as_ref().map(|l| lease_pb(l, false));
         Ok(Response::new(pb::TaskDetail {
             summary: Some(pb::TaskSummary {
                 task: task.to_string(),
@@ -322,11 +326,5 @@ impl pb::events_server::Events for Service {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-}
-
-impl Coordinator {
-    pub(crate) fn live_lease_pb(&self, task: &TaskName) -> Option<pb::Lease> {
-        self.live_of(task).map(|l| lease_pb(&l, false))
     }
 }

@@ -90,18 +90,24 @@ impl Coordinator {
         let policy = project.policy()?;
         let wal_path = project.meta().join("leases.wal");
         let log = crate::wal::read(&wal_path).map_err(Error::Internal)?;
-        let (table, notes) = crate::leases::recover(&project, &log, grace)?;
+        let crate::leases::Recovered {
+            table,
+            notes,
+            files,
+        } = crate::leases::recover(&project, &log, grace)?;
         let wal = Wal::create(&wal_path, &table.records())
             .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
-        // Views: every live lease written, every other lock file removed.
+        // Views: every live lease written; every other lock file (stale or unreadable, as
+        // recovery found them) removed.
+        let now = Instant::now();
         let mut written = std::collections::HashSet::new();
-        for task in project.all_task_names()? {
-            let view = table.live(&task, Instant::now()).map(Live::view);
-            // A file that cannot be read is replaced (or removed) like any stale one.
-            let stale_or_corrupt = !matches!(project.read_lease(&task), Ok(None));
-            if view.is_some() || stale_or_corrupt {
-                project.write_lease_view(&task, view.as_ref())?;
-            }
+        let touched: std::collections::BTreeSet<TaskName> = files
+            .into_iter()
+            .chain(table.live_tasks(now).cloned())
+            .collect();
+        for task in touched {
+            let view = table.live(&task, now).map(Live::view);
+            project.write_lease_view(&task, view.as_ref())?;
             if view.is_some() {
                 written.insert(task);
             }
@@ -203,12 +209,7 @@ impl Coordinator {
     /// The live lease on `task`, as the store's type (for task views).
     pub fn lease_of(&self, task: &TaskName) -> Option<automaton_store::Lease> {
         let now = Instant::now();
-        self.table()
-            .live(task, now)
-            .map(|l| automaton_store::Lease {
-                expires: l.expires_at(now),
-                ..l.view()
-            })
+        self.table().live(task, now).map(|l| l.as_store_lease(now))
     }
 
     /// Grants `task` to `agent` (or renews it for its holder). Acknowledged only once the
@@ -261,11 +262,7 @@ impl Coordinator {
                     let l = table.by_id_mut(&id, now).expect("just found");
                     let longer = ttl > l.ttl;
                     l.ttl = ttl;
-                    l.deadline = now + ttl;
-                    let rewrite = l.view_expires < l.expires_at(now);
-                    if rewrite {
-                        l.view_expires = l.next_view_expires();
-                    }
+                    let rewrite = l.extend(now);
                     Some((l.clone(), longer, rewrite))
                 }
                 None => None,
@@ -303,7 +300,7 @@ impl Coordinator {
             let mut live = Live {
                 task: task.clone(),
                 agent: agent.clone(),
-                lease_id: lease_id(task, token),
+                lease_id: automaton_store::new_lease_id(task, agent, token, claimed),
                 token,
                 state,
                 ttl,
@@ -382,11 +379,7 @@ impl Coordinator {
                 current: Some(l.token),
             }));
         }
-        l.deadline = now + l.ttl;
-        let rewrite = l.view_expires < l.expires_at(now);
-        if rewrite {
-            l.view_expires = l.next_view_expires();
-        }
+        let rewrite = l.extend(now);
         let out = answer(l);
         let view = rewrite.then(|| (l.task.clone(), l.view()));
         drop(table);
@@ -594,23 +587,6 @@ impl Coordinator {
     }
 }
 
-/// A lease id unique per grant: the token is unique per project, the rest makes it hard to
-/// guess.
-fn lease_id(task: &TaskName, token: u64) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64;
-    let mut h = nanos ^ (std::process::id() as u64).rotate_left(32);
-    for b in task.to_string().bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
-    }
-    format!(
-        "{token:x}-{:016x}",
-        h ^ token.wrapping_mul(0x9e3779b97f4a7c15)
-    )
-}
-
 /// Writes `.state.lock` views off the request path. A task's change is written once it is
 /// [`VIEW_DELAY`] old, with only the latest view of that task; removing a view that was never
 /// written is skipped. So a lease that lives less than `VIEW_DELAY` never touches the disk,
@@ -678,10 +654,6 @@ fn spawn_view_writer(
 
 /// RFC 3339 with milliseconds, for events.
 pub fn format_millis(t: SystemTime) -> String {
-    humantime_millis(t)
-}
-
-fn humantime_millis(t: SystemTime) -> String {
     let secs = format_time(t);
     let ms = t
         .duration_since(SystemTime::UNIX_EPOCH)

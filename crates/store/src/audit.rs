@@ -79,7 +79,7 @@ impl Project {
         let mut errors = Vec::new();
         let mut mtimes = Vec::new();
         for t in self.all_task_names()? {
-            let folder = match self.read_folder(&t) {
+            let folder = match self.folder(&t) {
                 Ok(f) => f,
                 Err(e) => {
                     errors.push(format!("{t}: {e}"));

@@ -21,7 +21,7 @@ use automaton_workflow::{
 pub use audit::{AuditReport, AuditTask, Category3};
 pub use project::{
     ApprovalView, ApproveOutcome, ArtifactInfo, FolderReport, ListEntry, Project, TaskView,
-    TransitionOutcome, Upgraded,
+    TransitionOutcome, Upgraded, new_lease_id,
 };
 pub use records::{Approval, Lease, format_time, parse_time};
 

@@ -874,7 +874,7 @@ impl Project {
             phase: state,
             claimed: now,
             expires: now + ttl,
-            lease_id: lease_id(task, agent, token, now),
+            lease_id: new_lease_id(task, agent, token, now),
             token,
         };
         self.write(&lock_path, lease.render().as_bytes())?;
@@ -994,10 +994,6 @@ impl Project {
         Ok(out)
     }
 
-    pub(crate) fn read_folder(&self, task: &TaskName) -> Result<Folder, Error> {
-        self.folder(task)
-    }
-
     pub(crate) fn approval_record(
         &self,
         folder: &Folder,
@@ -1024,7 +1020,8 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// A lease id unique per grant: a hash of what makes this grant different from every other.
-fn lease_id(task: &TaskName, agent: &AgentId, token: u64, now: SystemTime) -> String {
+/// The CLI's local mode and the coordinator both name their leases with it.
+pub fn new_lease_id(task: &TaskName, agent: &AgentId, token: u64, now: SystemTime) -> String {
     let nanos = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default()
