@@ -5,5 +5,6 @@
 mod cli;
 mod harness;
 mod leases;
+mod limits;
 mod restart;
 mod service;

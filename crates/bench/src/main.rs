@@ -71,6 +71,10 @@ struct LeasesArgs {
     /// Client counts, each measured in turn.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     clients: Vec<usize>,
+    /// Which measurements to run: `claim-release` (claim and release, measured in the same
+    /// rounds) and/or `renew`.
+    #[arg(long, value_delimiter = ',', default_value = "claim-release,renew", value_parser = ["claim-release", "renew"])]
+    ops: Vec<String>,
     /// How long each operation is measured at each client count: `10s`, `500ms`, `1m`.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
@@ -207,25 +211,32 @@ async fn measure<B: Backend>(
     args: &LeasesArgs,
 ) -> Result<Vec<OpStats>> {
     let backend = Arc::new(backend);
-    let (claims, releases) = backend::claim_release(
-        backend.clone(),
-        clients,
-        args.tasks_per_client,
-        args.duration,
-    )
-    .await?;
-    let claim = OpStats::new(system, "claim", clients, claims);
-    progress(&claim);
-    let release = OpStats::new(system, "release", clients, releases);
-    progress(&release);
-    let renew = OpStats::new(
-        system,
-        "renew",
-        clients,
-        backend::renew(backend, clients, args.duration).await?,
-    );
-    progress(&renew);
-    Ok(vec![claim, renew, release])
+    let mut out = Vec::new();
+    if args.ops.iter().any(|o| o == "claim-release") {
+        let (claims, releases) = backend::claim_release(
+            backend.clone(),
+            clients,
+            args.tasks_per_client,
+            args.duration,
+        )
+        .await?;
+        let claim = OpStats::new(system, "claim", clients, claims);
+        progress(&claim);
+        let release = OpStats::new(system, "release", clients, releases);
+        progress(&release);
+        out.extend([claim, release]);
+    }
+    if args.ops.iter().any(|o| o == "renew") {
+        let renew = OpStats::new(
+            system,
+            "renew",
+            clients,
+            backend::renew(backend, clients, args.duration).await?,
+        );
+        progress(&renew);
+        out.push(renew);
+    }
+    Ok(out)
 }
 
 fn find<'a>(results: &'a [OpStats], system: &str, op: &str, c: usize) -> Option<&'a OpStats> {

@@ -49,10 +49,14 @@ pub struct Config {
     /// Longest a unary request may take before it is answered DEADLINE_EXCEEDED.
     #[serde(with = "duration")]
     pub rpc_timeout: Duration,
-    /// Requests served at once per connection; beyond it, load is shed (UNAVAILABLE).
+    /// Requests served at once per connection; further ones wait (HTTP/2 back-pressure)
+    /// until one finishes.
     pub max_in_flight: usize,
     /// Largest request message; larger ones get RESOURCE_EXHAUSTED.
     pub max_message_bytes: usize,
+    /// The lease log is rewritten with only the live leases once this many bytes were
+    /// appended since its last rewrite (and more than twice that rewrite's size).
+    pub log_compact_bytes: u64,
     pub tls: Option<Tls>,
     pub tokens: Vec<Token>,
 }
@@ -67,6 +71,7 @@ impl Default for Config {
             rpc_timeout: Duration::from_secs(30),
             max_in_flight: 1024,
             max_message_bytes: 4 * 1024 * 1024,
+            log_compact_bytes: 16 * 1024 * 1024,
             tls: None,
             tokens: Vec::new(),
         }
@@ -192,6 +197,11 @@ impl Config {
                 *slot = v.parse().map_err(|_| bad(key, &v, "a number"))?;
             }
         }
+        if let Some(v) = env_var("AUTOMATON_LOG_COMPACT_BYTES") {
+            self.log_compact_bytes = v
+                .parse()
+                .map_err(|_| bad("AUTOMATON_LOG_COMPACT_BYTES", &v, "a number"))?;
+        }
         if let (Some(cert), Some(key)) =
             (env_var("AUTOMATON_TLS_CERT"), env_var("AUTOMATON_TLS_KEY"))
         {
@@ -231,9 +241,11 @@ impl Config {
                 )));
             }
         }
-        if self.max_in_flight == 0 || self.max_message_bytes < 1024 {
+        if self.max_in_flight == 0 || self.max_message_bytes < 1024 || self.log_compact_bytes < 4096
+        {
             return Err(Error::Config(
-                "max_in_flight must be at least 1 and max_message_bytes at least 1024".into(),
+                "max_in_flight must be at least 1, max_message_bytes and log_compact_bytes at least 1024 and 4096"
+                    .into(),
             ));
         }
         if let Some(tls) = &self.tls {
@@ -294,6 +306,28 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shipped_example_config_parses_with_every_default_key() {
+        let cfg: Config = toml::from_str(include_str!("../../../deploy/coordinator.example.toml"))
+            .expect("deploy/coordinator.example.toml must stay valid");
+        let d = Config::default();
+        assert_eq!(
+            (
+                cfg.rpc_timeout,
+                cfg.max_in_flight,
+                cfg.max_message_bytes,
+                cfg.log_compact_bytes
+            ),
+            (
+                d.rpc_timeout,
+                d.max_in_flight,
+                d.max_message_bytes,
+                d.log_compact_bytes
+            ),
+            "the example shows the defaults"
+        );
+    }
 
     #[test]
     fn unknown_config_keys_are_an_error() {

@@ -1,6 +1,7 @@
 //! The KeepAlive response stream. It polls the client's requests itself, so a renewal is
 //! answered in the same task that read it: no task hand-off per message, which matters on
-//! the service's hottest path.
+//! the service's hottest path. Loss notices arrive on the stream's own channel, only for the
+//! leases this stream has renewed (see `watchers.rs`).
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
@@ -8,18 +9,19 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use automaton_proto::v1 as pb;
+use tokio::sync::mpsc;
 use tokio_stream::Stream;
-use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
-use tokio_stream::wrappers::{BroadcastStream, WatchStream};
 use tonic::{Status, Streaming};
 
-use crate::state::{Coordinator, Lost};
+use crate::state::Coordinator;
+use crate::watchers::Notice;
 
 pub(crate) struct KeepAlive {
     coord: Arc<Coordinator>,
     inbound: Streaming<pb::KeepAliveRequest>,
-    lost: BroadcastStream<Lost>,
-    stop: WatchStream<bool>,
+    /// This stream's id among the coordinator's watchers, and its notices.
+    id: u64,
+    notices: mpsc::UnboundedReceiver<Notice>,
     /// The leases this client has named: the ones whose loss it must hear about.
     named: HashSet<String>,
     pending: VecDeque<pb::KeepAliveResponse>,
@@ -27,16 +29,13 @@ pub(crate) struct KeepAlive {
 }
 
 impl KeepAlive {
-    pub(crate) fn new(
-        coord: Arc<Coordinator>,
-        inbound: Streaming<pb::KeepAliveRequest>,
-        stop: tokio::sync::watch::Receiver<bool>,
-    ) -> KeepAlive {
+    pub(crate) fn new(coord: Arc<Coordinator>, inbound: Streaming<pb::KeepAliveRequest>) -> Self {
+        let (id, notices) = coord.watchers.open();
         KeepAlive {
-            lost: BroadcastStream::new(coord.subscribe_lost()),
             coord,
             inbound,
-            stop: WatchStream::from_changes(stop),
+            id,
+            notices,
             named: HashSet::new(),
             pending: VecDeque::new(),
             done: false,
@@ -45,7 +44,13 @@ impl KeepAlive {
 
     fn renew(&mut self, id: String) -> pb::KeepAliveResponse {
         let watched = self.coord.watched();
+        let first = !self.named.contains(&id);
+        let (coord, stream) = (&self.coord, self.id);
         let renewed = self.coord.renew_with(&id, None, |l| {
+            if first {
+                // Under the table's lock: the lease cannot end before this stream is told.
+                coord.watchers.watch(stream, &l.lease_id);
+            }
             // Only what the holder does not already know.
             let lease = pb::Lease {
                 lease_id: l.lease_id.clone(),
@@ -62,7 +67,9 @@ impl KeepAlive {
                 if let Some(l) = event {
                     self.coord.emit_renewed(&l);
                 }
-                self.named.insert(id.clone());
+                if first {
+                    self.named.insert(id.clone());
+                }
                 pb::KeepAliveResponse {
                     lease_id: id,
                     lease: Some(lease),
@@ -82,6 +89,12 @@ impl KeepAlive {
     }
 }
 
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.coord.watchers.close(self.id, self.named.iter());
+    }
+}
+
 impl Stream for KeepAlive {
     type Item = Result<pb::KeepAliveResponse, Status>;
 
@@ -93,26 +106,26 @@ impl Stream for KeepAlive {
         if let Some(r) = this.pending.pop_front() {
             return Poll::Ready(Some(Ok(r)));
         }
-        if Pin::new(&mut this.stop).poll_next(cx).is_ready() {
-            this.done = true;
-            return Poll::Ready(None);
-        }
         loop {
-            match Pin::new(&mut this.lost).poll_next(cx) {
-                Poll::Ready(Some(Ok(n))) if this.named.remove(&n.lease_id) => {
-                    return Poll::Ready(Some(Ok(pb::KeepAliveResponse {
-                        lease_id: n.lease_id,
-                        lease: None,
-                        lost: Some(pb::LeaseLost {
-                            task: n.task.to_string(),
-                            token: n.token,
-                            reason: n.reason.into(),
-                        }),
-                    })));
+            match this.notices.poll_recv(cx) {
+                Poll::Ready(Some(Notice::Lost(n))) => {
+                    if this.named.remove(&n.lease_id) {
+                        return Poll::Ready(Some(Ok(pb::KeepAliveResponse {
+                            lease_id: n.lease_id,
+                            lease: None,
+                            lost: Some(pb::LeaseLost {
+                                task: n.task.to_string(),
+                                token: n.token,
+                                reason: n.reason.into(),
+                            }),
+                        })));
+                    }
                 }
-                Poll::Ready(Some(Ok(_)))
-                | Poll::Ready(Some(Err(BroadcastStreamRecvError::Lagged(_)))) => {}
-                Poll::Ready(None) | Poll::Pending => break,
+                Poll::Ready(Some(Notice::Stop)) | Poll::Ready(None) => {
+                    this.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => break,
             }
         }
         loop {

@@ -111,9 +111,9 @@ impl Table {
     }
 
     pub fn by_id_mut(&mut self, lease_id: &str, now: Instant) -> Option<&mut Live> {
-        let task = self.by_id.get(lease_id)?.clone();
+        let task = self.by_id.get(lease_id)?;
         self.by_task
-            .get_mut(&task)
+            .get_mut(task)
             .filter(|l| l.deadline > now && l.lease_id == lease_id)
     }
 

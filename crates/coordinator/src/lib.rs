@@ -16,6 +16,7 @@ pub mod owner;
 mod service;
 mod state;
 mod wal;
+mod watchers;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -105,21 +106,10 @@ pub async fn serve(
         coord: coord.clone(),
         shutdown: stop_rx.clone(),
     };
-    let auth = auth::interceptor(&cfg.tokens);
     let limit = cfg.max_message_bytes;
-    use tonic::service::interceptor::InterceptedService;
-    let tasks = InterceptedService::new(
-        pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit),
-        auth.clone(),
-    );
-    let leases = InterceptedService::new(
-        pb::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(limit),
-        auth.clone(),
-    );
-    let events = InterceptedService::new(
-        pb::events_server::EventsServer::new(svc).max_decoding_message_size(limit),
-        auth,
-    );
+    let tasks = pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit);
+    let leases = pb::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(limit);
+    let events = pb::events_server::EventsServer::new(svc).max_decoding_message_size(limit);
 
     let (health, health_svc) = tonic_health::server::health_reporter();
     health
@@ -148,7 +138,10 @@ pub async fn serve(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
-                    _ = tick.tick() => { coord.expire(); }
+                    _ = tick.tick() => {
+                        coord.expire();
+                        coord.compact_log();
+                    }
                     _ = stop.changed() => return,
                 }
             }
@@ -167,6 +160,7 @@ pub async fn serve(
     }
     let signal = {
         let health = health.clone();
+        let coord = coord.clone();
         async move {
             shutdown.await;
             tracing::info!("shutting down: draining in-flight requests");
@@ -175,16 +169,18 @@ pub async fn serve(
                 .await;
             // Streams never finish on their own: tell them to end so the drain can complete.
             let _ = stop_tx.send(true);
+            coord.watchers.stop_all();
         }
     };
     let result = builder
-        // A stuck request must not hold a client forever.
-        .timeout(cfg.rpc_timeout)
         // Bound the work one connection can pile onto the server.
         .concurrency_limit_per_connection(cfg.max_in_flight)
         // Dead peers are noticed even on idle KeepAlive streams.
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
-        .layer(layers::OversizeIsResourceExhausted)
+        .layer(layers::Gate::new(
+            auth::Callers::new(&cfg.tokens),
+            cfg.rpc_timeout,
+        ))
         .add_service(health_svc)
         .add_service(reflection)
         .add_service(tasks)

@@ -81,7 +81,7 @@ fn run() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let home = std::env::var_os("HOME").map(PathBuf::from);
         let project = Project::open(&cfg.project, home.as_deref());
         let mut ownership = Ownership::acquire(project.meta())?;
@@ -91,7 +91,8 @@ fn run() -> anyhow::Result<()> {
         let addr = listener
             .local_addr()
             .context("cannot read the bound address")?;
-        let (coord, notes) = Coordinator::open(project.clone(), cfg.grace_period)?;
+        let (coord, notes) =
+            Coordinator::open(project.clone(), cfg.grace_period, cfg.log_compact_bytes)?;
         for n in &notes {
             tracing::warn!(note = %n, "recovery");
         }
@@ -107,11 +108,19 @@ fn run() -> anyhow::Result<()> {
         // The one line on stdout: what a script or test waits for.
         println!("listening on {addr}");
         serve(coord, &cfg, listener, shutdown_signal()).await?;
-        tracing::info!("stopped; leases kept on disk for the next start");
-        drop(ownership);
-        Ok(())
-    })
+        Ok::<_, anyhow::Error>(ownership)
+    });
+    // Work a timed-out request left behind (a read or write on a stuck disk) must not hold
+    // the exit forever; store writes are atomic, so leaving one unfinished loses nothing.
+    // The project stays owned until then: no other coordinator starts under that work.
+    runtime.shutdown_timeout(SHUTDOWN_WAIT);
+    drop(served?);
+    tracing::info!("stopped; leases kept on disk for the next start");
+    Ok(())
 }
+
+/// How long the exit waits for work that requests which timed out left running.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 async fn shutdown_signal() {
     let term = async {

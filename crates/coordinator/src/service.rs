@@ -280,7 +280,6 @@ impl pb::leases_server::Leases for Service {
         Ok(Response::new(Box::pin(crate::keepalive::KeepAlive::new(
             self.coord.clone(),
             req.into_inner(),
-            self.shutdown.clone(),
         ))))
     }
 }

@@ -1,5 +1,6 @@
 //! The coordinator's state and every operation on it, independent of the wire format.
 
+use std::collections::hash_map::Entry;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -10,13 +11,17 @@ use tokio::sync::broadcast;
 
 use crate::Error;
 use crate::leases::{Live, Table};
-use crate::wal::{Record, Wal};
+use crate::wal::Wal;
+use crate::watchers::{Lost, Watchers};
 
 const GUARD_SHARDS: usize = 64;
 
-/// How long a `.state.lock` view may lag the table: views are written in batches this far
-/// apart, and a lease granted and ended within one batch never touches the disk at all.
+/// A task's `.state.lock` view is written once its latest change is this old: a lease
+/// granted and ended within it never touches the disk at all.
 const VIEW_DELAY: Duration = Duration::from_secs(1);
+/// ...or once its oldest unwritten change is this old, so a task that keeps changing faster
+/// than [`VIEW_DELAY`] still has its view written at this rhythm.
+const VIEW_MAX_LAG: Duration = Duration::from_secs(5);
 
 /// One entry of the operators' live feed.
 #[derive(Debug, Clone)]
@@ -28,15 +33,6 @@ pub struct Event {
     pub agent: String,
     pub token: u64,
     pub detail: String,
-}
-
-/// A lease that is gone, for the KeepAlive streams that have named it.
-#[derive(Debug, Clone)]
-pub struct Lost {
-    pub lease_id: String,
-    pub task: TaskName,
-    pub token: u64,
-    pub reason: &'static str,
 }
 
 /// What a grant, renewal or release hands back.
@@ -76,16 +72,19 @@ pub struct Coordinator {
     /// every change the coordinator makes.
     states: Mutex<std::collections::HashMap<TaskName, State>>,
     events: broadcast::Sender<Event>,
-    lost: broadcast::Sender<Lost>,
+    pub(crate) watchers: Watchers,
     seq: AtomicU64,
 }
 
 impl Coordinator {
     /// Rebuilds the lease table from the log and the files, compacts the log, repairs the
     /// `.state.lock` views. Returns the coordinator and what recovery noticed.
+    /// `log_compact_bytes`: rewrite the lease log while running once this much was appended
+    /// since its last rewrite (and more than twice that rewrite).
     pub fn open(
         project: Project,
         grace: Duration,
+        log_compact_bytes: u64,
     ) -> Result<(Arc<Coordinator>, Vec<String>), Error> {
         let policy = project.policy()?;
         let wal_path = project.meta().join("leases.wal");
@@ -95,7 +94,7 @@ impl Coordinator {
             notes,
             files,
         } = crate::leases::recover(&project, &log, grace)?;
-        let wal = Wal::create(&wal_path, &table.records())
+        let wal = Wal::create(&wal_path, &table.records(), log_compact_bytes)
             .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
         // Views: every live lease written; every other lock file (stale or unreadable, as
         // recovery found them) removed.
@@ -114,7 +113,6 @@ impl Coordinator {
         }
         let views = spawn_view_writer(project.clone(), written);
         let (events, _) = broadcast::channel(4096);
-        let (lost, _) = broadcast::channel(4096);
         Ok((
             Arc::new(Coordinator {
                 project,
@@ -127,7 +125,7 @@ impl Coordinator {
                 views,
                 states: Mutex::new(std::collections::HashMap::new()),
                 events,
-                lost,
+                watchers: Watchers::default(),
                 seq: AtomicU64::new(0),
             }),
             notes,
@@ -156,10 +154,6 @@ impl Coordinator {
 
     pub fn subscribe_events(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
-    }
-
-    pub fn subscribe_lost(&self) -> broadcast::Receiver<Lost> {
-        self.lost.subscribe()
     }
 
     pub(crate) fn emit(
@@ -421,9 +415,7 @@ impl Coordinator {
     /// Logs the end of a removed lease durably, updates the view, tells the world.
     async fn end(&self, l: &Live, reason: &'static str) -> Result<(), Error> {
         self.wal
-            .append(&Record::End {
-                lease_id: l.lease_id.clone(),
-            })
+            .append_end(&l.lease_id)
             .await
             .map_err(Error::Internal)?;
         self.after_end(l, reason);
@@ -432,9 +424,9 @@ impl Coordinator {
 
     fn after_end(&self, l: &Live, reason: &'static str) {
         self.view(&l.task, None);
-        // Only KeepAlive streams listen; without one, building the note is wasted work.
-        if self.lost.receiver_count() > 0 {
-            let _ = self.lost.send(Lost {
+        // Without a KeepAlive stream, building the notice is wasted work.
+        if self.watchers.any() {
+            self.watchers.lost(&Lost {
                 lease_id: l.lease_id.clone(),
                 task: l.task.clone(),
                 token: l.token,
@@ -457,13 +449,24 @@ impl Coordinator {
         }
     }
 
+    /// Rewrites the lease log with only the live leases if it has grown enough (see
+    /// `Wal::wants_rewrite`); the rewrite happens on the log's thread.
+    pub fn compact_log(&self) -> bool {
+        if !self.wal.wants_rewrite() {
+            return false;
+        }
+        // Snapshot and queue under the table's lock: no change can fall between the two, so
+        // every record queued before the rewrite is reflected in the snapshot.
+        let table = self.table();
+        drop(self.wal.rewrite(&table.records()));
+        true
+    }
+
     /// Removes every lease past its deadline.
     pub fn expire(&self) -> usize {
         let expired = self.table().take_expired(Instant::now());
         for l in &expired {
-            self.wal.append_nowait(&Record::End {
-                lease_id: l.lease_id.clone(),
-            });
+            self.wal.append_end_nowait(&l.lease_id);
             self.after_end(l, "expired");
         }
         expired.len()
@@ -587,9 +590,10 @@ impl Coordinator {
     }
 }
 
-/// Writes `.state.lock` views off the request path. A task's change is written once it is
-/// [`VIEW_DELAY`] old, with only the latest view of that task; removing a view that was never
-/// written is skipped. So a lease that lives less than `VIEW_DELAY` never touches the disk,
+/// Writes `.state.lock` views off the request path, at low priority. A task's view is written
+/// once its latest change is [`VIEW_DELAY`] old (or its oldest unwritten one [`VIEW_MAX_LAG`]
+/// old), with only the latest view of that task; removing a view that was never written is
+/// skipped. So a lease that lives less than `VIEW_DELAY` never touches the disk,
 /// and the file work (path lookups in a large `tasks/` folder are slow on this filesystem)
 /// does not compete with requests for the CPU. The thread sleeps between passes rather than
 /// waiting on the channel, so senders never have to wake it.
@@ -601,9 +605,18 @@ fn spawn_view_writer(
     let _ = std::thread::Builder::new()
         .name("lease-views".into())
         .spawn(move || {
+            // The views are a cache for file readers: under load they wait for spare CPU
+            // (and coalesce further) rather than compete with requests. On Linux the
+            // priority of "this process" set from a thread is that thread's alone.
+            #[cfg(unix)]
+            if let Err(e) = rustix::process::setpriority_process(None, 19) {
+                tracing::debug!(error = %e, "cannot lower the lease-view thread's priority");
+            }
+            // Per task: its latest view, when its oldest unwritten change came, and when
+            // its latest one did.
             let mut pending: std::collections::HashMap<
                 TaskName,
-                (Option<automaton_store::Lease>, Instant),
+                (Option<automaton_store::Lease>, Instant, Instant),
             > = std::collections::HashMap::new();
             // Views on disk: those the repair at start wrote, then what this thread writes.
             let mut on_disk = written_at_start;
@@ -613,10 +626,16 @@ fn spawn_view_writer(
                     match rx.try_recv() {
                         Ok((task, lease)) => {
                             let now = Instant::now();
-                            pending
-                                .entry(task)
-                                .and_modify(|e| e.0 = lease.clone())
-                                .or_insert((lease, now));
+                            match pending.entry(task) {
+                                Entry::Occupied(mut e) => {
+                                    let e = e.get_mut();
+                                    e.0 = lease;
+                                    e.2 = now;
+                                }
+                                Entry::Vacant(e) => {
+                                    e.insert((lease, now, now));
+                                }
+                            }
                         }
                         Err(std::sync::mpsc::TryRecvError::Empty) => break,
                         Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
@@ -624,11 +643,13 @@ fn spawn_view_writer(
                 }
                 let due: Vec<TaskName> = pending
                     .iter()
-                    .filter(|(_, (_, since))| since.elapsed() >= VIEW_DELAY)
+                    .filter(|(_, (_, first, last))| {
+                        last.elapsed() >= VIEW_DELAY || first.elapsed() >= VIEW_MAX_LAG
+                    })
                     .map(|(t, _)| t.clone())
                     .collect();
                 for task in due {
-                    let Some((lease, _)) = pending.remove(&task) else {
+                    let Some((lease, _, _)) = pending.remove(&task) else {
                         continue;
                     };
                     if lease.is_none() && !on_disk.contains(&task) {

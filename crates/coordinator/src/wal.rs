@@ -2,10 +2,16 @@
 //! line; a writer thread appends whatever arrived while the previous batch was syncing and
 //! acknowledges the whole batch after one `fdatasync`. This is what makes an acknowledged
 //! claim or release survive `kill -9`; the `.state.lock` files are only its materialised view.
+//!
+//! The log is rewritten with only the live leases at every start and, while running, whenever
+//! what was appended since the last rewrite outgrows both a threshold and twice the rewrite
+//! (see [`Wal::wants_rewrite`]): its size stays bounded by the live leases, not by history.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -29,7 +35,7 @@ pub(crate) enum Record {
 
 impl Record {
     fn render(&self, out: &mut Vec<u8>) {
-        let line = match self {
+        match self {
             Record::Grant {
                 task,
                 agent,
@@ -37,13 +43,16 @@ impl Record {
                 token,
                 ttl,
                 state,
-            } => format!(
-                "G\t{task}\t{agent}\t{lease_id}\t{token}\t{}\t{state}\n",
-                ttl.as_millis()
-            ),
-            Record::End { lease_id } => format!("E\t{lease_id}\n"),
-        };
-        out.extend_from_slice(line.as_bytes());
+            } => {
+                // Writing into a Vec cannot fail.
+                let _ = writeln!(
+                    out,
+                    "G\t{task}\t{agent}\t{lease_id}\t{token}\t{}\t{state}",
+                    ttl.as_millis()
+                );
+            }
+            Record::End { lease_id } => render_end(lease_id, out),
+        }
     }
 
     fn parse(line: &str) -> Option<Record> {
@@ -63,6 +72,12 @@ impl Record {
             _ => None,
         }
     }
+}
+
+fn render_end(lease_id: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"E\t");
+    out.extend_from_slice(lease_id.as_bytes());
+    out.push(b'\n');
 }
 
 /// Reads a log. A last line without its newline was being written when the process died and
@@ -93,42 +108,87 @@ pub(crate) fn read(path: &Path) -> Result<Vec<Record>, String> {
         .collect()
 }
 
-struct Job {
-    bytes: Vec<u8>,
-    done: Option<oneshot::Sender<Result<(), String>>>,
+enum Job {
+    Append {
+        bytes: Vec<u8>,
+        done: Option<oneshot::Sender<Result<(), String>>>,
+    },
+    /// Replace the log with exactly these (rendered) records.
+    Rewrite {
+        bytes: Vec<u8>,
+        done: Option<oneshot::Sender<Result<(), String>>>,
+    },
+}
+
+/// Sizes the writer keeps, for deciding when to rewrite.
+#[derive(Default)]
+struct Sizes {
+    /// Bytes appended since the last rewrite.
+    appended: AtomicU64,
+    /// Size of the last rewrite.
+    base: AtomicU64,
+    /// A rewrite is queued and not yet done.
+    rewriting: AtomicBool,
 }
 
 /// The append side of the log.
 #[derive(Clone)]
 pub(crate) struct Wal {
     tx: mpsc::Sender<Job>,
+    sizes: Arc<Sizes>,
+    compact_bytes: u64,
+}
+
+fn render_all(records: &[Record]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for r in records {
+        r.render(&mut bytes);
+    }
+    bytes
+}
+
+/// Writes `bytes` as the whole log: temporary file, synced, renamed, directory synced.
+/// Returns the file, open for appending.
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<File> {
+    let tmp = path.with_extension("wal.tmp");
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    OpenOptions::new().append(true).open(path)
 }
 
 impl Wal {
     /// Starts a fresh log holding exactly `live` (compacted: written to a temporary file,
-    /// synced, renamed, directory synced) and the writer thread that appends to it.
-    pub(crate) fn create(path: &Path, live: &[Record]) -> std::io::Result<Wal> {
-        let tmp = path.with_extension("wal.tmp");
-        let mut bytes = Vec::new();
-        for r in live {
-            r.render(&mut bytes);
-        }
-        {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-        }
-        fs::rename(&tmp, path)?;
-        if let Some(dir) = path.parent() {
-            File::open(dir)?.sync_all()?;
-        }
-        let file = OpenOptions::new().append(true).open(path)?;
+    /// synced, renamed, directory synced) and the writer thread that appends to it. While
+    /// running, a rewrite is wanted once `compact_bytes` were appended since the last one.
+    pub(crate) fn create(path: &Path, live: &[Record], compact_bytes: u64) -> std::io::Result<Wal> {
+        let bytes = render_all(live);
+        let file = write_whole(path, &bytes)?;
+        let sizes = Arc::new(Sizes::default());
+        sizes.base.store(bytes.len() as u64, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel::<Job>();
         let path: PathBuf = path.to_path_buf();
+        let writer_sizes = sizes.clone();
         std::thread::Builder::new()
             .name("lease-log".into())
-            .spawn(move || writer(file, &path, rx))?;
-        Ok(Wal { tx })
+            .spawn(move || writer(file, &path, rx, &writer_sizes))?;
+        Ok(Wal {
+            tx,
+            sizes,
+            compact_bytes,
+        })
+    }
+
+    fn send(&self, job: Job) -> Result<(), String> {
+        self.tx
+            .send(job)
+            .map_err(|_| "the lease log writer has stopped".to_string())
     }
 
     /// Appends and waits until the record is on disk.
@@ -136,49 +196,123 @@ impl Wal {
         let mut bytes = Vec::with_capacity(96);
         record.render(&mut bytes);
         let (done, wait) = oneshot::channel();
-        self.tx
-            .send(Job {
-                bytes,
-                done: Some(done),
-            })
-            .map_err(|_| "the lease log writer has stopped".to_string())?;
+        self.send(Job::Append {
+            bytes,
+            done: Some(done),
+        })?;
         wait.await
             .map_err(|_| "the lease log writer has stopped".to_string())?
     }
 
-    /// Appends without waiting: for expiries, which a restart would redo anyway.
-    pub(crate) fn append_nowait(&self, record: &Record) {
-        let mut bytes = Vec::with_capacity(64);
-        record.render(&mut bytes);
-        let _ = self.tx.send(Job { bytes, done: None });
+    /// Appends the end of a lease and waits until it is on disk.
+    pub(crate) async fn append_end(&self, lease_id: &str) -> Result<(), String> {
+        let mut bytes = Vec::with_capacity(lease_id.len() + 3);
+        render_end(lease_id, &mut bytes);
+        let (done, wait) = oneshot::channel();
+        self.send(Job::Append {
+            bytes,
+            done: Some(done),
+        })?;
+        wait.await
+            .map_err(|_| "the lease log writer has stopped".to_string())?
+    }
+
+    /// Appends the end of a lease without waiting: for expiries, which a restart would redo
+    /// anyway.
+    pub(crate) fn append_end_nowait(&self, lease_id: &str) {
+        let mut bytes = Vec::with_capacity(lease_id.len() + 3);
+        render_end(lease_id, &mut bytes);
+        let _ = self.send(Job::Append { bytes, done: None });
+    }
+
+    /// Whether the log has grown enough since its last rewrite to be rewritten: more than
+    /// the threshold and more than twice the last rewrite, and no rewrite already queued.
+    pub(crate) fn wants_rewrite(&self) -> bool {
+        let appended = self.sizes.appended.load(Ordering::Relaxed);
+        appended > self.compact_bytes
+            && appended > 2 * self.sizes.base.load(Ordering::Relaxed)
+            && !self.sizes.rewriting.load(Ordering::Relaxed)
+    }
+
+    /// Replaces the log with exactly `live`, after everything queued before it. `live` must
+    /// be a snapshot of the lease table taken after every change whose record is queued
+    /// before this call: records queued later may repeat a grant of the snapshot (replay
+    /// keeps one) or end a lease it no longer holds (replay ignores it). Returns a receiver
+    /// that tells when the rewrite is done.
+    pub(crate) fn rewrite(&self, live: &[Record]) -> oneshot::Receiver<Result<(), String>> {
+        let (done, wait) = oneshot::channel();
+        self.sizes.rewriting.store(true, Ordering::Relaxed);
+        if self
+            .send(Job::Rewrite {
+                bytes: render_all(live),
+                done: Some(done),
+            })
+            .is_err()
+        {
+            self.sizes.rewriting.store(false, Ordering::Relaxed);
+        }
+        wait
     }
 }
 
-/// Group commit: take everything that is waiting, write it in one go, one `fdatasync`, then
-/// acknowledge every job of the batch.
-fn writer(mut file: File, path: &Path, rx: mpsc::Receiver<Job>) {
+/// Group commit: take everything that is waiting, write the appends in one go, one
+/// `fdatasync`, then acknowledge them all. A rewrite in the batch first commits the appends
+/// queued before it.
+fn writer(mut file: File, path: &Path, rx: mpsc::Receiver<Job>, sizes: &Sizes) {
     let mut buf = Vec::with_capacity(64 * 1024);
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while let Ok(more) = rx.try_recv() {
-            batch.push(more);
-        }
-        buf.clear();
-        for j in &batch {
-            buf.extend_from_slice(&j.bytes);
+    let mut waiting: Vec<oneshot::Sender<Result<(), String>>> = Vec::new();
+    let commit = |file: &mut File,
+                  buf: &mut Vec<u8>,
+                  waiting: &mut Vec<oneshot::Sender<Result<(), String>>>| {
+        if buf.is_empty() && waiting.is_empty() {
+            return;
         }
         let result = file
-            .write_all(&buf)
+            .write_all(buf)
             .and_then(|()| file.sync_data())
             .map_err(|e| format!("cannot append to {}: {e}", path.display()));
-        if let Err(e) = &result {
-            tracing::error!(error = %e, "lease log write failed");
+        match &result {
+            Ok(()) => {
+                sizes
+                    .appended
+                    .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            }
+            Err(e) => tracing::error!(error = %e, "lease log write failed"),
         }
-        for j in batch {
-            if let Some(done) = j.done {
-                let _ = done.send(result.clone());
+        buf.clear();
+        for done in waiting.drain(..) {
+            let _ = done.send(result.clone());
+        }
+    };
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        while let Some(job) = next.take().or_else(|| rx.try_recv().ok()) {
+            match job {
+                Job::Append { bytes, done } => {
+                    buf.extend_from_slice(&bytes);
+                    waiting.extend(done);
+                }
+                Job::Rewrite { bytes, done } => {
+                    commit(&mut file, &mut buf, &mut waiting);
+                    let result = write_whole(path, &bytes)
+                        .map(|f| {
+                            file = f;
+                            sizes.appended.store(0, Ordering::Relaxed);
+                            sizes.base.store(bytes.len() as u64, Ordering::Relaxed);
+                        })
+                        .map_err(|e| format!("cannot rewrite {}: {e}", path.display()));
+                    if let Err(e) = &result {
+                        // The old log is still whole: appends go on to it.
+                        tracing::error!(error = %e, "lease log rewrite failed");
+                    }
+                    sizes.rewriting.store(false, Ordering::Relaxed);
+                    if let Some(done) = done {
+                        let _ = done.send(result);
+                    }
+                }
             }
         }
+        commit(&mut file, &mut buf, &mut waiting);
     }
 }
 
@@ -201,7 +335,7 @@ mod tests {
     async fn log_round_trips_and_ignores_a_torn_tail() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("leases.wal");
-        let wal = Wal::create(&path, &[grant("x", 1)]).expect("create");
+        let wal = Wal::create(&path, &[grant("x", 1)], 1 << 20).expect("create");
         wal.append(&grant("y", 2)).await.expect("append");
         wal.append(&Record::End {
             lease_id: "x".into(),
@@ -221,6 +355,28 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_rewrite_keeps_the_snapshot_and_what_follows_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("leases.wal");
+        let wal = Wal::create(&path, &[], 64).expect("create");
+        for i in 0..10 {
+            wal.append(&grant(&format!("old{i}"), i))
+                .await
+                .expect("append");
+        }
+        assert!(wal.wants_rewrite(), "10 grants are over 64 bytes");
+        let done = wal.rewrite(&[grant("old9", 9)]);
+        assert!(!wal.wants_rewrite(), "a rewrite is already queued");
+        wal.append(&grant("new", 11)).await.expect("append");
+        done.await.expect("writer alive").expect("rewrite");
+        assert_eq!(
+            read(&path).expect("read"),
+            vec![grant("old9", 9), grant("new", 11)]
+        );
+        assert!(!wal.wants_rewrite(), "one grant since the rewrite");
     }
 
     #[test]
