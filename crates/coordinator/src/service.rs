@@ -298,7 +298,7 @@ impl pb::events_server::Events for Service {
         tokio::spawn(async move {
             loop {
                 let e = tokio::select! {
-                    e = events.recv() => e,
+                    e = events.rx.recv() => e,
                     _ = stop.changed() => return,
                 };
                 let msg = match e {

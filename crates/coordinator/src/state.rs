@@ -1,7 +1,7 @@
 //! The coordinator's state and every operation on it, independent of the wire format.
 
 use std::collections::hash_map::Entry;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -33,6 +33,18 @@ pub struct Event {
     pub agent: String,
     pub token: u64,
     pub detail: String,
+}
+
+/// A subscriber to the event feed; counted while it lives.
+pub struct Subscription {
+    pub rx: broadcast::Receiver<Event>,
+    count: Arc<AtomicUsize>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What a grant, renewal or release hands back.
@@ -72,6 +84,8 @@ pub struct Coordinator {
     /// every change the coordinator makes.
     states: Mutex<std::collections::HashMap<TaskName, State>>,
     events: broadcast::Sender<Event>,
+    /// Live [`Subscription`]s: whether building an event is worth it.
+    watchers_of_events: Arc<AtomicUsize>,
     pub(crate) watchers: Watchers,
     seq: AtomicU64,
 }
@@ -125,6 +139,7 @@ impl Coordinator {
                 views,
                 states: Mutex::new(std::collections::HashMap::new()),
                 events,
+                watchers_of_events: Arc::new(AtomicUsize::new(0)),
                 watchers: Watchers::default(),
                 seq: AtomicU64::new(0),
             }),
@@ -152,8 +167,13 @@ impl Coordinator {
         self.table().len()
     }
 
-    pub fn subscribe_events(&self) -> broadcast::Receiver<Event> {
-        self.events.subscribe()
+    /// A feed of every event, for as long as the returned subscription lives.
+    pub fn subscribe_events(&self) -> Subscription {
+        self.watchers_of_events.fetch_add(1, Ordering::Relaxed);
+        Subscription {
+            rx: self.events.subscribe(),
+            count: self.watchers_of_events.clone(),
+        }
     }
 
     pub(crate) fn emit(
@@ -164,7 +184,7 @@ impl Coordinator {
         token: u64,
         detail: String,
     ) {
-        if self.events.receiver_count() == 0 {
+        if !self.watched() {
             return;
         }
         tracing::debug!(kind, task, agent, token, detail = %detail, "event");
@@ -184,7 +204,7 @@ impl Coordinator {
     }
 
     pub(crate) fn emit_renewed(&self, l: &Live) {
-        if self.events.receiver_count() > 0 {
+        if self.watched() {
             self.emit(
                 "lease_renewed",
                 &l.task.to_string(),
@@ -215,7 +235,9 @@ impl Coordinator {
         ttl: Option<Duration>,
     ) -> Result<Granted, Error> {
         let result = self.claim_inner(task, agent, ttl).await;
-        if let Err(e) = &result {
+        if let Err(e) = &result
+            && self.watched()
+        {
             self.emit(
                 "lease_refused",
                 &task.to_string(),
@@ -275,13 +297,7 @@ impl Coordinator {
             if rewrite {
                 self.view(task, Some(l.view()));
             }
-            self.emit(
-                "lease_renewed",
-                &task.to_string(),
-                agent.as_str(),
-                l.token,
-                String::new(),
-            );
+            self.emit_renewed(&l);
             return Ok(Granted {
                 live: l,
                 renewed: true,
@@ -385,7 +401,8 @@ impl Coordinator {
 
     /// Whether anyone watches the events (building an event costs allocations).
     pub(crate) fn watched(&self) -> bool {
-        self.events.receiver_count() > 0
+        // Not `events.receiver_count()`: that takes the channel's lock, on every request.
+        self.watchers_of_events.load(Ordering::Relaxed) > 0
     }
 
     /// Ends a lease at its holder's request; acknowledged once the end is in the log.
