@@ -11,7 +11,10 @@
 //! contends: the figures are throughput, not refusals. Clients are closed-loop (one call in
 //! flight each). By default each client has its own HTTP/2 connection (`--connections 0`),
 //! for both systems alike; `--connections N` spreads the clients over N shared connections.
-//! See `backend.rs` for how the phases are timed.
+//! The two systems take turns (`--slices`, 5 by default): each measures for duration/slices,
+//! then the other, and so on, and each system's slices are added up. The disk under both
+//! changes its sync speed from minute to minute; taking turns lets that drift reach both
+//! alike instead of deciding the ratio. See `backend.rs` for how the phases are timed.
 
 mod backend;
 mod coord;
@@ -29,7 +32,7 @@ use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::backend::Backend;
-use crate::stats::{OpStats, fmt_ms};
+use crate::stats::{OpStats, Sample, fmt_ms};
 
 const AUTOMATON: &str = "automaton";
 const ETCD: &str = "etcd";
@@ -75,7 +78,12 @@ struct LeasesArgs {
     /// rounds) and/or `renew`.
     #[arg(long, value_delimiter = ',', default_value = "claim-release,renew", value_parser = ["claim-release", "renew"])]
     ops: Vec<String>,
-    /// How long each operation is measured at each client count: `10s`, `500ms`, `1m`.
+    /// The systems take turns this many times per client count, each measuring for
+    /// duration/slices at a time.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..=100))]
+    slices: u16,
+    /// How long each operation is measured at each client count, over all slices: `10s`,
+    /// `500ms`, `1m`.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     duration: Duration,
     /// Write every figure here as JSON.
@@ -154,6 +162,7 @@ struct Report {
     duration_s: f64,
     tasks_per_client: usize,
     connections: String,
+    slices: u16,
     ttl_ms: u64,
     results: Vec<OpStats>,
     prepare: Vec<Prepared>,
@@ -204,39 +213,51 @@ fn progress(s: &OpStats) {
     );
 }
 
-async fn measure<B: Backend>(
-    system: &str,
-    backend: B,
+/// What one system measured at one client count, accumulated over the slices.
+#[derive(Default)]
+struct Measured {
+    claims: Sample,
+    releases: Sample,
+    renews: Sample,
+}
+
+impl Measured {
+    fn stats(self, system: &str, clients: usize, args: &LeasesArgs) -> Vec<OpStats> {
+        let mut out = Vec::new();
+        if args.ops.iter().any(|o| o == "claim-release") {
+            out.push(OpStats::new(system, "claim", clients, self.claims));
+            out.push(OpStats::new(system, "release", clients, self.releases));
+        }
+        if args.ops.iter().any(|o| o == "renew") {
+            out.push(OpStats::new(system, "renew", clients, self.renews));
+        }
+        for s in &out {
+            progress(s);
+        }
+        out
+    }
+}
+
+/// One slice of `duration` of every chosen measurement, added to `into`.
+async fn measure_slice<B: Backend>(
+    backend: &Arc<B>,
     clients: usize,
+    duration: Duration,
     args: &LeasesArgs,
-) -> Result<Vec<OpStats>> {
-    let backend = Arc::new(backend);
-    let mut out = Vec::new();
+    into: &mut Measured,
+) -> Result<()> {
     if args.ops.iter().any(|o| o == "claim-release") {
-        let (claims, releases) = backend::claim_release(
-            backend.clone(),
-            clients,
-            args.tasks_per_client,
-            args.duration,
-        )
-        .await?;
-        let claim = OpStats::new(system, "claim", clients, claims);
-        progress(&claim);
-        let release = OpStats::new(system, "release", clients, releases);
-        progress(&release);
-        out.extend([claim, release]);
+        let (claims, releases) =
+            backend::claim_release(backend.clone(), clients, args.tasks_per_client, duration)
+                .await?;
+        into.claims.absorb(claims);
+        into.releases.absorb(releases);
     }
     if args.ops.iter().any(|o| o == "renew") {
-        let renew = OpStats::new(
-            system,
-            "renew",
-            clients,
-            backend::renew(backend, clients, args.duration).await?,
-        );
-        progress(&renew);
-        out.push(renew);
+        into.renews
+            .absorb(backend::renew(backend.clone(), clients, duration).await?);
     }
-    Ok(out)
+    Ok(())
 }
 
 fn find<'a>(results: &'a [OpStats], system: &str, op: &str, c: usize) -> Option<&'a OpStats> {
@@ -422,6 +443,8 @@ async fn run(
             args.connections.min(c)
         };
         eprintln!("C={c}: {n} connection(s) per system");
+        let mut coord_backend = None;
+        let mut etcd_backend = None;
         if let Some(url) = &coord_url {
             let channels = connect(url, n).await?;
             let (tasks, secs) =
@@ -436,13 +459,39 @@ async fn run(
                 seconds: secs,
                 tasks_per_s: tasks as f64 / secs.max(1e-9),
             });
-            let b = coord::Coordinator::new(&channels, c, args.tasks_per_client, args.ttl_ms);
-            results.extend(measure(AUTOMATON, b, c, args).await?);
+            coord_backend = Some(Arc::new(coord::Coordinator::new(
+                &channels,
+                c,
+                args.tasks_per_client,
+                args.ttl_ms,
+            )));
         }
         if let Some(url) = &etcd_url {
             let channels = connect(url, n).await?;
-            let b = etcd::Etcd::new(&channels, c, args.tasks_per_client, ttl_s);
-            results.extend(measure(ETCD, b, c, args).await?);
+            etcd_backend = Some(Arc::new(etcd::Etcd::new(
+                &channels,
+                c,
+                args.tasks_per_client,
+                ttl_s,
+            )));
+        }
+        // The systems take turns, slice by slice, so a drift of the shared machine (the
+        // disk's sync speed changes from minute to minute) reaches both alike.
+        let slice = args.duration / args.slices as u32;
+        let (mut a, mut e) = (Measured::default(), Measured::default());
+        for _ in 0..args.slices {
+            if let Some(b) = &coord_backend {
+                measure_slice(b, c, slice, args, &mut a).await?;
+            }
+            if let Some(b) = &etcd_backend {
+                measure_slice(b, c, slice, args, &mut e).await?;
+            }
+        }
+        if coord_backend.is_some() {
+            results.extend(a.stats(AUTOMATON, c, args));
+        }
+        if etcd_backend.is_some() {
+            results.extend(e.stats(ETCD, c, args));
         }
     }
     let comparisons = compare(&results, &args.clients);
@@ -463,6 +512,7 @@ async fn run(
         } else {
             format!("{} shared", args.connections)
         },
+        slices: args.slices,
         ttl_ms: args.ttl_ms,
         results,
         prepare,

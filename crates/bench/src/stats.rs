@@ -15,6 +15,16 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// Adds another phase's figures (latencies, wall time, failures).
+    pub fn absorb(&mut self, other: Sample) {
+        self.latencies.extend(other.latencies);
+        self.wall += other.wall;
+        self.errors += other.errors;
+        if self.first_error.is_none() {
+            self.first_error = other.first_error;
+        }
+    }
+
     pub fn merge(&mut self, other: ClientSample) {
         self.latencies.extend(other.latencies);
         self.errors += other.errors;

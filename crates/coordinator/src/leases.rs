@@ -12,9 +12,7 @@ use automaton_workflow::{AgentId, State, TaskName};
 
 use crate::wal::Record;
 
-/// Tokens reserved in `.automaton/fencing` at a time: one durable write per block, and a
-/// restart skips whatever was left of it, so tokens strictly increase across restarts.
-pub(crate) const TOKEN_BLOCK: u64 = 4096;
+use crate::fencing::TOKEN_BLOCK;
 
 /// A live lease as the coordinator holds it.
 #[derive(Debug, Clone)]
@@ -92,8 +90,6 @@ pub(crate) struct Table {
     by_task: HashMap<TaskName, Live>,
     by_id: HashMap<String, TaskName>,
     next_token: u64,
-    /// Tokens up to this one are reserved on disk.
-    token_bound: u64,
 }
 
 impl Table {
@@ -142,20 +138,11 @@ impl Table {
         expired.iter().filter_map(|t| self.remove(t)).collect()
     }
 
-    /// The next fencing token; when the reserved block is used up, `reserve` must durably
-    /// record a new bound before the token is handed out.
-    pub fn next_token(
-        &mut self,
-        reserve: impl FnOnce(u64) -> Result<(), automaton_store::Error>,
-    ) -> Result<u64, automaton_store::Error> {
-        if self.next_token > self.token_bound {
-            let bound = self.next_token + TOKEN_BLOCK - 1;
-            reserve(bound)?;
-            self.token_bound = bound;
-        }
+    /// The next fencing token (the caller makes sure it is covered on disk, see `fencing.rs`).
+    pub fn take_token(&mut self) -> u64 {
         let t = self.next_token;
         self.next_token += 1;
-        Ok(t)
+        t
     }
 
     pub fn records(&self) -> Vec<Record> {
@@ -181,6 +168,8 @@ pub(crate) struct Recovered {
     pub table: Table,
     pub notes: Vec<String>,
     pub files: HashSet<TaskName>,
+    /// The fencing mark on disk: every token up to it is reserved.
+    pub fencing_mark: u64,
 }
 
 /// Rebuilds the table from the log, then reconciles it with the files:
@@ -297,35 +286,12 @@ pub(crate) fn recover(
     }
     let mark = project.fencing_mark()?.max(max_token);
     table.next_token = mark + 1;
-    table.token_bound = mark + TOKEN_BLOCK;
-    project.set_fencing_mark(table.token_bound)?;
+    let fencing_mark = mark + TOKEN_BLOCK;
+    project.set_fencing_mark(fencing_mark)?;
     Ok(Recovered {
         table,
         notes,
         files,
+        fencing_mark,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tokens_reserve_a_new_block_when_the_old_one_is_used_up() {
-        let mut t = Table {
-            next_token: 10,
-            token_bound: 11,
-            ..Table::default()
-        };
-        let mut reserved = Vec::new();
-        for _ in 0..3 {
-            t.next_token(|b| {
-                reserved.push(b);
-                Ok(())
-            })
-            .expect("token");
-        }
-        assert_eq!(reserved, vec![12 + TOKEN_BLOCK - 1]);
-        assert_eq!(t.next_token, 13);
-    }
 }

@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod config;
+mod fencing;
 mod keepalive;
 mod layers;
 mod leases;

@@ -10,6 +10,7 @@ use automaton_workflow::{AgentId, Policy, State, TaskName};
 use tokio::sync::broadcast;
 
 use crate::Error;
+use crate::fencing::Fencing;
 use crate::leases::{Live, Table};
 use crate::wal::Wal;
 use crate::watchers::{Lost, Watchers};
@@ -72,6 +73,7 @@ pub struct Coordinator {
     pub(crate) project: Project,
     policy: Policy,
     table: Mutex<Table>,
+    fencing: Arc<Fencing>,
     wal: Wal,
     /// Serialise changes of one task with claims of it, so a claim never grants a lease on a
     /// state that a transition is replacing (held across the transition's disk writes).
@@ -107,7 +109,9 @@ impl Coordinator {
             table,
             notes,
             files,
+            fencing_mark,
         } = crate::leases::recover(&project, &log, grace)?;
+        let fencing = Fencing::new(project.clone(), fencing_mark);
         let wal = Wal::create(&wal_path, &table.records(), log_compact_bytes)
             .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
         // Views: every live lease written; every other lock file (stale or unreadable, as
@@ -132,6 +136,7 @@ impl Coordinator {
                 project,
                 policy,
                 table: Mutex::new(table),
+                fencing,
                 wal,
                 guards: (0..GUARD_SHARDS)
                     .map(|_| tokio::sync::Mutex::new(()))
@@ -305,7 +310,8 @@ impl Coordinator {
         }
         let live = {
             let mut table = self.table();
-            let token = table.next_token(|bound| self.project.set_fencing_mark(bound))?;
+            let token = table.take_token();
+            self.fencing.cover(token)?;
             let claimed = SystemTime::now();
             let mut live = Live {
                 task: task.clone(),
