@@ -329,12 +329,12 @@ impl Coordinator {
             live
         };
         if let Err(e) = self.project.record_implementer(task, agent, state) {
-            self.table().remove(task);
+            self.unclaim(&live);
             return Err(e.into());
         }
         drop(guard);
         if let Err(e) = self.wal.append(&live.as_record()).await {
-            self.table().remove(task);
+            self.unclaim(&live);
             return Err(Error::Internal(e));
         }
         self.view(task, Some(live.view()));
@@ -351,6 +351,20 @@ impl Coordinator {
             live,
             renewed: false,
         })
+    }
+
+    /// Takes back a grant that was never acknowledged. Its end goes to the log too: a log
+    /// rewrite may have put the grant into its snapshot meanwhile.
+    fn unclaim(&self, live: &Live) {
+        let mut table = self.table();
+        if table
+            .live(&live.task, Instant::now())
+            .is_some_and(|l| l.lease_id == live.lease_id)
+        {
+            table.remove(&live.task);
+        }
+        drop(table);
+        self.wal.append_end_nowait(&live.lease_id);
     }
 
     /// A task's state: from memory, or read once from `.state` (call under the task's guard).

@@ -261,10 +261,8 @@ impl Wal {
             .map_err(|_| "the lease log writer has stopped".to_string())
     }
 
-    /// Appends and waits until the record is on disk.
-    pub(crate) async fn append(&self, record: &Record) -> Result<(), String> {
-        let mut bytes = Vec::with_capacity(96);
-        record.render(&mut bytes);
+    /// Appends rendered records and waits until they are on disk.
+    async fn append_bytes(&self, bytes: Vec<u8>) -> Result<(), String> {
         let (done, wait) = oneshot::channel();
         self.send(Job::Append {
             bytes,
@@ -274,17 +272,18 @@ impl Wal {
             .map_err(|_| "the lease log writer has stopped".to_string())?
     }
 
+    /// Appends and waits until the record is on disk.
+    pub(crate) async fn append(&self, record: &Record) -> Result<(), String> {
+        let mut bytes = Vec::with_capacity(96);
+        record.render(&mut bytes);
+        self.append_bytes(bytes).await
+    }
+
     /// Appends the end of a lease and waits until it is on disk.
     pub(crate) async fn append_end(&self, lease_id: &str) -> Result<(), String> {
         let mut bytes = Vec::with_capacity(lease_id.len() + 3);
         render_end(lease_id, &mut bytes);
-        let (done, wait) = oneshot::channel();
-        self.send(Job::Append {
-            bytes,
-            done: Some(done),
-        })?;
-        wait.await
-            .map_err(|_| "the lease log writer has stopped".to_string())?
+        self.append_bytes(bytes).await
     }
 
     /// Appends the end of a lease without waiting: for expiries, which a restart would redo
@@ -363,8 +362,14 @@ fn writer(mut log: Log, path: &Path, rx: mpsc::Receiver<Job>, sizes: &Sizes) {
                 }
                 Job::Rewrite { bytes, done } => {
                     commit(&mut log, &mut buf, &mut waiting);
+                    let appended = sizes.appended.load(Ordering::Relaxed);
                     let result = Log::create(path, &bytes)
                         .map(|fresh| {
+                            tracing::debug!(
+                                appended,
+                                live_bytes = bytes.len(),
+                                "lease log rewritten with the live leases"
+                            );
                             log = fresh;
                             sizes.appended.store(0, Ordering::Relaxed);
                             sizes.base.store(bytes.len() as u64, Ordering::Relaxed);
