@@ -18,6 +18,7 @@
 
 mod backend;
 mod coord;
+mod echo;
 mod etcd;
 mod spawn;
 mod stats;
@@ -49,6 +50,12 @@ struct Cli {
 enum Cmd {
     /// Claim, renew (KeepAlive) and release throughput and latency at each client count.
     Leases(LeasesArgs),
+    /// The coordinator's API with no work behind it (no leases, no disk): what tonic and the
+    /// kernel cost here, the ceiling for `leases --coordinator URL`.
+    EchoServer {
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: std::net::SocketAddr,
+    },
 }
 
 #[derive(clap::Args)]
@@ -539,6 +546,7 @@ async fn connect_retry(url: &str) -> Result<Channel> {
 async fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Leases(args) => leases(args).await,
+        Cmd::EchoServer { listen } => echo::serve(listen).await,
     }
 }
 

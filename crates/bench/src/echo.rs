@@ -1,0 +1,130 @@
+//! `automaton-bench echo-server`: the coordinator's gRPC API with no work behind it — claims
+//! and releases answered at once from nothing, renewals echoed on the `KeepAlive` stream. It
+//! is not a coordinator (no leases, no disk): it measures what tonic and the kernel cost on
+//! this machine with the load generator's own clients, the ceiling any coordinator built on
+//! them can reach. `automaton-bench leases --coordinator URL` runs against it unchanged.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result};
+use automaton_proto::v1 as pb;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+type Res<T> = Result<Response<T>, Status>;
+
+#[derive(Default)]
+struct Echo {
+    token: AtomicU64,
+}
+
+fn lease(task: String, agent: String, token: u64) -> pb::Lease {
+    pb::Lease {
+        lease_id: format!("{token:016x}"),
+        task,
+        agent,
+        token,
+        state: "research".into(),
+        ttl_ms: 60_000,
+        remaining_ms: 60_000,
+        ..Default::default()
+    }
+}
+
+#[tonic::async_trait]
+impl pb::tasks_server::Tasks for Echo {
+    async fn create_task(&self, _r: Request<pb::CreateTaskRequest>) -> Res<pb::TaskSummary> {
+        Ok(Response::new(pb::TaskSummary::default()))
+    }
+    async fn get_task(&self, _r: Request<pb::GetTaskRequest>) -> Res<pb::TaskDetail> {
+        Ok(Response::new(pb::TaskDetail::default()))
+    }
+    async fn list_tasks(&self, _r: Request<pb::ListTasksRequest>) -> Res<pb::ListTasksResponse> {
+        Ok(Response::new(pb::ListTasksResponse::default()))
+    }
+    async fn transition(&self, _r: Request<pb::TransitionRequest>) -> Res<pb::TransitionResponse> {
+        Ok(Response::new(pb::TransitionResponse::default()))
+    }
+    async fn approve(&self, _r: Request<pb::ApproveRequest>) -> Res<pb::ApproveResponse> {
+        Err(Status::unimplemented("the echo server approves nothing"))
+    }
+    async fn validate_folder(&self, _r: Request<pb::ValidateFolderRequest>) -> Res<pb::Report> {
+        Err(Status::unimplemented("the echo server has no folders"))
+    }
+    async fn audit(&self, _r: Request<pb::AuditRequest>) -> Res<pb::Report> {
+        Err(Status::unimplemented(
+            "the echo server has nothing to audit",
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::leases_server::Leases for Echo {
+    async fn claim(&self, r: Request<pb::ClaimRequest>) -> Res<pb::Lease> {
+        let r = r.into_inner();
+        let token = self.token.fetch_add(1, Ordering::Relaxed) + 1;
+        Ok(Response::new(lease(r.task, r.agent, token)))
+    }
+    async fn renew(&self, r: Request<pb::RenewRequest>) -> Res<pb::Lease> {
+        let r = r.into_inner();
+        Ok(Response::new(pb::Lease {
+            lease_id: r.lease_id,
+            token: r.token,
+            renewed: true,
+            ..Default::default()
+        }))
+    }
+    async fn release(&self, r: Request<pb::ReleaseRequest>) -> Res<pb::ReleaseResponse> {
+        let r = r.into_inner();
+        Ok(Response::new(pb::ReleaseResponse {
+            released: Some(pb::Lease {
+                lease_id: r.lease_id,
+                token: r.token,
+                ..Default::default()
+            }),
+        }))
+    }
+
+    type KeepAliveStream =
+        Pin<Box<dyn Stream<Item = Result<pb::KeepAliveResponse, Status>> + Send>>;
+
+    async fn keep_alive(
+        &self,
+        r: Request<Streaming<pb::KeepAliveRequest>>,
+    ) -> Res<Self::KeepAliveStream> {
+        // The same answer the coordinator gives: one response per lease named.
+        let out = r.into_inner().map(|m| {
+            let m = m?;
+            let id = m.lease_ids.into_iter().next().unwrap_or_default();
+            Ok(pb::KeepAliveResponse {
+                lease: Some(pb::Lease {
+                    lease_id: id.clone(),
+                    ttl_ms: 60_000,
+                    remaining_ms: 60_000,
+                    renewed: true,
+                    ..Default::default()
+                }),
+                lease_id: id,
+                lost: None,
+            })
+        });
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+/// Serves on `listen` until killed; prints `listening on ADDR` like the coordinator.
+pub async fn serve(listen: std::net::SocketAddr) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    println!("listening on {}", listener.local_addr()?);
+    tonic::transport::Server::builder()
+        .add_service(pb::tasks_server::TasksServer::new(Echo::default()))
+        .add_service(pb::leases_server::LeasesServer::new(Echo::default()))
+        .serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        )
+        .await
+        .context("the echo server failed")
+}
