@@ -241,12 +241,20 @@ impl Config {
                 )));
             }
         }
-        if self.max_in_flight == 0 || self.max_message_bytes < 1024 || self.log_compact_bytes < 4096
-        {
-            return Err(Error::Config(
-                "max_in_flight must be at least 1, max_message_bytes and log_compact_bytes at least 1024 and 4096"
-                    .into(),
-            ));
+        for (bad, what) in [
+            (self.max_in_flight == 0, "max_in_flight must be at least 1"),
+            (
+                self.max_message_bytes < 1024,
+                "max_message_bytes must be at least 1024",
+            ),
+            (
+                self.log_compact_bytes < 4096,
+                "log_compact_bytes must be at least 4096",
+            ),
+        ] {
+            if bad {
+                return Err(Error::Config(what.into()));
+            }
         }
         if let Some(tls) = &self.tls {
             for p in [&tls.cert, &tls.key] {

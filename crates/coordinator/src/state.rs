@@ -294,10 +294,7 @@ impl Coordinator {
             // A restart gives every lease max(logged TTL, grace): a longer TTL must be in the
             // log before it is promised, or a restart could shorten the promise.
             if longer {
-                self.wal
-                    .append(&l.as_record())
-                    .await
-                    .map_err(Error::Internal)?;
+                self.wal.append_grant(&l).await.map_err(Error::Internal)?;
             }
             if rewrite {
                 self.view(task, Some(l.view()));
@@ -333,7 +330,7 @@ impl Coordinator {
             return Err(e.into());
         }
         drop(guard);
-        if let Err(e) = self.wal.append(&live.as_record()).await {
+        if let Err(e) = self.wal.append_grant(&live).await {
             self.unclaim(&live);
             return Err(Error::Internal(e));
         }

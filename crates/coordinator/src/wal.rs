@@ -19,6 +19,8 @@ use std::time::Duration;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::oneshot;
 
+use crate::leases::Live;
+
 /// One line of the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Record {
@@ -44,14 +46,7 @@ impl Record {
                 token,
                 ttl,
                 state,
-            } => {
-                // Writing into a Vec cannot fail.
-                let _ = writeln!(
-                    out,
-                    "G\t{task}\t{agent}\t{lease_id}\t{token}\t{}\t{state}",
-                    ttl.as_millis()
-                );
-            }
+            } => render_grant(task, agent, lease_id, *token, *ttl, *state, out),
             Record::End { lease_id } => render_end(lease_id, out),
         }
     }
@@ -73,6 +68,23 @@ impl Record {
             _ => None,
         }
     }
+}
+
+fn render_grant(
+    task: &TaskName,
+    agent: &AgentId,
+    lease_id: &str,
+    token: u64,
+    ttl: Duration,
+    state: State,
+    out: &mut Vec<u8>,
+) {
+    // Writing into a Vec cannot fail.
+    let _ = writeln!(
+        out,
+        "G\t{task}\t{agent}\t{lease_id}\t{token}\t{}\t{state}",
+        ttl.as_millis()
+    );
 }
 
 fn render_end(lease_id: &str, out: &mut Vec<u8>) {
@@ -182,9 +194,10 @@ impl Log {
             at: 0,
             len: 0,
         };
-        log.zero_to(bytes.len() as u64 + AHEAD)?;
         log.file.write_all_at(bytes, 0)?;
         log.at = bytes.len() as u64;
+        log.len = log.at;
+        log.zero_to(log.at + AHEAD)?;
         log.file.sync_all()?;
         fs::rename(&tmp, path)?;
         if let Some(dir) = path.parent() {
@@ -272,10 +285,19 @@ impl Wal {
             .map_err(|_| "the lease log writer has stopped".to_string())?
     }
 
-    /// Appends and waits until the record is on disk.
-    pub(crate) async fn append(&self, record: &Record) -> Result<(), String> {
+    /// Appends the grant of `l` (rendered from it, no copy of its fields) and waits until it
+    /// is on disk.
+    pub(crate) async fn append_grant(&self, l: &Live) -> Result<(), String> {
         let mut bytes = Vec::with_capacity(96);
-        record.render(&mut bytes);
+        render_grant(
+            &l.task,
+            &l.agent,
+            &l.lease_id,
+            l.token,
+            l.ttl,
+            l.state,
+            &mut bytes,
+        );
         self.append_bytes(bytes).await
     }
 
@@ -405,17 +427,25 @@ mod tests {
         }
     }
 
+    async fn append(wal: &Wal, r: &Record) {
+        let mut bytes = Vec::new();
+        r.render(&mut bytes);
+        wal.append_bytes(bytes).await.expect("append");
+    }
+
     #[tokio::test]
     async fn log_round_trips_and_ignores_a_torn_tail() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("leases.wal");
         let wal = Wal::create(&path, &[grant("x", 1)], 1 << 20).expect("create");
-        wal.append(&grant("y", 2)).await.expect("append");
-        wal.append(&Record::End {
-            lease_id: "x".into(),
-        })
-        .await
-        .expect("append");
+        append(&wal, &grant("y", 2)).await;
+        append(
+            &wal,
+            &Record::End {
+                lease_id: "x".into(),
+            },
+        )
+        .await;
         // A torn record right after the last whole one, in the zeroed space.
         let text = fs::read(&path).expect("read");
         let end = text
@@ -444,14 +474,12 @@ mod tests {
         let path = dir.path().join("leases.wal");
         let wal = Wal::create(&path, &[], 64).expect("create");
         for i in 0..10 {
-            wal.append(&grant(&format!("old{i}"), i))
-                .await
-                .expect("append");
+            append(&wal, &grant(&format!("old{i}"), i)).await;
         }
         assert!(wal.wants_rewrite(), "10 grants are over 64 bytes");
         let done = wal.rewrite(&[grant("old9", 9)]);
         assert!(!wal.wants_rewrite(), "a rewrite is already queued");
-        wal.append(&grant("new", 11)).await.expect("append");
+        append(&wal, &grant("new", 11)).await;
         done.await.expect("writer alive").expect("rewrite");
         assert_eq!(
             read(&path).expect("read"),
