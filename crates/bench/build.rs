@@ -1,5 +1,5 @@
 //! Compiles the minimal etcd v3.4 API subset in proto/etcd with protox (pure Rust: no system
-//! protoc), client side only. The coordinator's API comes from the `automaton-proto` crate.
+//! protoc), messages only (calls go through the benchmark's own client, `src/rpc.rs`). The coordinator's API comes from the `automaton-proto` crate.
 
 use std::path::PathBuf;
 
@@ -10,6 +10,7 @@ fn main() -> anyhow::Result<()> {
     let fds = protox::compile([&file], [&root])?;
     tonic_prost_build::configure()
         .build_server(false)
+        .build_client(false)
         .compile_fds(fds)?;
     Ok(())
 }

@@ -5,24 +5,27 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use automaton_proto::v1::leases_client::LeasesClient;
 use automaton_proto::v1::tasks_client::TasksClient;
 use automaton_proto::v1::{
-    ClaimRequest, CreateTaskRequest, GetTaskRequest, KeepAliveRequest, KeepAliveResponse,
-    ReleaseRequest, TransitionRequest,
+    ClaimRequest, CreateTaskRequest, GetTaskRequest, KeepAliveRequest, KeepAliveResponse, Lease,
+    ReleaseRequest, ReleaseResponse, TransitionRequest,
 };
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
 use crate::backend::{Backend, Renewer};
+use crate::rpc::{Client, Stream, status_err};
 
 /// The phase the benchmark's tasks are claimed in.
 const PHASE: &str = "research";
 
+const CLAIM: &str = "/automaton.v1.Leases/Claim";
+const RELEASE: &str = "/automaton.v1.Leases/Release";
+const KEEP_ALIVE: &str = "/automaton.v1.Leases/KeepAlive";
+
 pub struct Coordinator {
-    leases: Vec<LeasesClient<Channel>>,
-    clients: usize,
+    clients: Vec<Client>,
+    /// How many clients the tasks were prepared for (part of their names).
+    count: usize,
     per_client: usize,
     ttl_ms: u64,
 }
@@ -33,22 +36,22 @@ pub struct CoordLease {
 }
 
 impl Coordinator {
-    pub fn new(channels: &[Channel], clients: usize, per_client: usize, ttl_ms: u64) -> Self {
+    pub fn new(clients: Vec<Client>, count: usize, per_client: usize, ttl_ms: u64) -> Self {
         Coordinator {
-            leases: channels.iter().cloned().map(LeasesClient::new).collect(),
             clients,
+            count,
             per_client,
             ttl_ms,
         }
     }
 
-    fn client(&self, client: usize) -> LeasesClient<Channel> {
-        self.leases[client % self.leases.len()].clone()
+    fn client(&self, client: usize) -> &Client {
+        &self.clients[client % self.clients.len()]
     }
 
     /// `bench-c{C}-{i}`: client `client` owns `i` in `client*per_client .. (client+1)*per_client`.
     fn task(&self, client: usize, slot: usize) -> String {
-        task_name(self.clients, client * self.per_client + slot)
+        task_name(self.count, client * self.per_client + slot)
     }
 }
 
@@ -65,16 +68,15 @@ impl Backend for Coordinator {
     type Renewer = CoordRenewer;
 
     async fn claim(&self, client: usize, slot: usize) -> Result<CoordLease> {
-        let lease = self
-            .client(client)
-            .claim(ClaimRequest {
-                task: self.task(client, slot),
-                agent: agent(client),
-                ttl_ms: self.ttl_ms,
-            })
-            .await
-            .map_err(status_err)?
-            .into_inner();
+        let request = ClaimRequest {
+            task: self.task(client, slot),
+            agent: agent(client),
+            ttl_ms: self.ttl_ms,
+        };
+        let lease: Lease = self.client(client).unary(CLAIM, request).await?;
+        if lease.lease_id.is_empty() || lease.token == 0 {
+            bail!("Claim answered without a lease id or token");
+        }
         Ok(CoordLease {
             id: lease.lease_id,
             token: lease.token,
@@ -82,51 +84,36 @@ impl Backend for Coordinator {
     }
 
     async fn release(&self, client: usize, lease: CoordLease) -> Result<()> {
-        self.client(client)
-            .release(ReleaseRequest {
-                lease_id: lease.id,
-                token: lease.token,
-            })
-            .await
-            .map_err(status_err)?;
+        let request = ReleaseRequest {
+            lease_id: lease.id,
+            token: lease.token,
+        };
+        let _: ReleaseResponse = self.client(client).unary(RELEASE, request).await?;
         Ok(())
     }
 
     async fn renewer(&self, client: usize, lease: &CoordLease) -> Result<CoordRenewer> {
-        let (tx, rx) = mpsc::channel(1);
         let request = KeepAliveRequest {
             lease_ids: vec![lease.id.clone()],
         };
-        // Queue the first request before the call: a server may send its response headers
-        // only with the first message.
-        tx.send(request.clone())
-            .await
-            .context("queue the first renewal")?;
         let stream = self
             .client(client)
-            .keep_alive(ReceiverStream::new(rx))
-            .await
-            .map_err(status_err)?
-            .into_inner();
-        let mut r = CoordRenewer {
-            tx,
-            stream,
-            request,
-        };
+            .stream(KEEP_ALIVE, request.clone())
+            .await?;
+        let mut r = CoordRenewer { stream, request };
         r.receive().await?;
         Ok(r)
     }
 }
 
 pub struct CoordRenewer {
-    tx: mpsc::Sender<KeepAliveRequest>,
-    stream: tonic::Streaming<KeepAliveResponse>,
+    stream: Stream<KeepAliveRequest, KeepAliveResponse>,
     request: KeepAliveRequest,
 }
 
 impl CoordRenewer {
     async fn receive(&mut self) -> Result<()> {
-        match self.stream.message().await.map_err(status_err)? {
+        match self.stream.receive().await? {
             Some(KeepAliveResponse {
                 lost: Some(lost), ..
             }) => bail!("lease lost: {} (task {})", lost.reason, lost.task),
@@ -142,16 +129,9 @@ impl CoordRenewer {
 
 impl Renewer for CoordRenewer {
     async fn renew(&mut self) -> Result<()> {
-        self.tx
-            .send(self.request.clone())
-            .await
-            .context("the KeepAlive request stream closed")?;
+        self.stream.send(self.request.clone()).await?;
         self.receive().await
     }
-}
-
-pub fn status_err(s: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
 }
 
 /// Creates `clients × per_client` tasks `bench-c{clients}-{i}` and moves each to `research`,

@@ -119,6 +119,11 @@ pub async fn serve(listen: std::net::SocketAddr) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     println!("listening on {}", listener.local_addr()?);
+    serve_on(listener).await
+}
+
+/// Serves on a bound listener until killed.
+pub async fn serve_on(listener: tokio::net::TcpListener) -> Result<()> {
     tonic::transport::Server::builder()
         .add_service(pb::tasks_server::TasksServer::new(Echo::default()))
         .add_service(pb::leases_server::LeasesServer::new(Echo::default()))

@@ -5,42 +5,43 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Channel;
+use anyhow::{Result, bail};
 
 use crate::backend::{Backend, Renewer};
-use crate::coord::status_err;
+use crate::rpc::{Client, Stream};
 
 #[allow(clippy::all, clippy::unwrap_used)]
 pub mod pb {
-    tonic::include_proto!("etcdserverpb");
+    include!(concat!(env!("OUT_DIR"), "/etcdserverpb.rs"));
 }
 
 use pb::compare::{CompareResult, CompareTarget, TargetUnion};
-use pb::kv_client::KvClient;
-use pb::lease_client::LeaseClient;
 use pb::request_op::Request;
 use pb::{
-    Compare, LeaseGrantRequest, LeaseKeepAliveRequest, LeaseKeepAliveResponse, LeaseRevokeRequest,
-    PutRequest, RangeRequest, RequestOp, TxnRequest,
+    Compare, LeaseGrantRequest, LeaseGrantResponse, LeaseKeepAliveRequest, LeaseKeepAliveResponse,
+    LeaseRevokeRequest, LeaseRevokeResponse, PutRequest, RangeRequest, RangeResponse, RequestOp,
+    TxnRequest, TxnResponse,
 };
 
+const LEASE_GRANT: &str = "/etcdserverpb.Lease/LeaseGrant";
+const LEASE_REVOKE: &str = "/etcdserverpb.Lease/LeaseRevoke";
+const LEASE_KEEP_ALIVE: &str = "/etcdserverpb.Lease/LeaseKeepAlive";
+const TXN: &str = "/etcdserverpb.KV/Txn";
+const RANGE: &str = "/etcdserverpb.KV/Range";
+
 pub struct Etcd {
-    kv: Vec<KvClient<Channel>>,
-    lease: Vec<LeaseClient<Channel>>,
-    clients: usize,
+    clients: Vec<Client>,
+    /// How many clients measure (part of the keys' names).
+    count: usize,
     per_client: usize,
     ttl_s: i64,
 }
 
 impl Etcd {
-    pub fn new(channels: &[Channel], clients: usize, per_client: usize, ttl_s: i64) -> Self {
+    pub fn new(clients: Vec<Client>, count: usize, per_client: usize, ttl_s: i64) -> Self {
         Etcd {
-            kv: channels.iter().cloned().map(KvClient::new).collect(),
-            lease: channels.iter().cloned().map(LeaseClient::new).collect(),
             clients,
+            count,
             per_client,
             ttl_s,
         }
@@ -49,14 +50,14 @@ impl Etcd {
     fn key(&self, client: usize, slot: usize) -> Vec<u8> {
         format!(
             "/automaton-bench/tasks/bench-c{}-{}",
-            self.clients,
+            self.count,
             client * self.per_client + slot
         )
         .into_bytes()
     }
 
-    fn lease_client(&self, client: usize) -> LeaseClient<Channel> {
-        self.lease[client % self.lease.len()].clone()
+    fn client(&self, client: usize) -> &Client {
+        &self.clients[client % self.clients.len()]
     }
 }
 
@@ -65,17 +66,18 @@ impl Backend for Etcd {
     type Renewer = EtcdRenewer;
 
     async fn claim(&self, client: usize, slot: usize) -> Result<i64> {
-        let mut leases = self.lease_client(client);
-        let granted = leases
-            .lease_grant(LeaseGrantRequest {
-                ttl: self.ttl_s,
-                id: 0,
-            })
-            .await
-            .map_err(status_err)?
-            .into_inner();
-        if !granted.error.is_empty() {
-            bail!("LeaseGrant: {}", granted.error);
+        let conn = self.client(client);
+        let granted: LeaseGrantResponse = conn
+            .unary(
+                LEASE_GRANT,
+                LeaseGrantRequest {
+                    ttl: self.ttl_s,
+                    id: 0,
+                },
+            )
+            .await?;
+        if !granted.error.is_empty() || granted.id == 0 {
+            bail!("LeaseGrant: {:?} (lease {})", granted.error, granted.id);
         }
         let key = self.key(client, slot);
         let txn = TxnRequest {
@@ -96,16 +98,15 @@ impl Backend for Etcd {
             }],
             failure: Vec::new(),
         };
-        let done = self.kv[client % self.kv.len()]
-            .clone()
-            .txn(txn)
-            .await
-            .map_err(status_err);
+        let done = conn.unary::<_, TxnResponse>(TXN, txn).await;
         match done {
-            Ok(r) if r.get_ref().succeeded => Ok(granted.id),
+            Ok(r) if r.succeeded => Ok(granted.id),
             other => {
-                let _ = leases
-                    .lease_revoke(LeaseRevokeRequest { id: granted.id })
+                let _ = conn
+                    .unary::<_, LeaseRevokeResponse>(
+                        LEASE_REVOKE,
+                        LeaseRevokeRequest { id: granted.id },
+                    )
                     .await;
                 match other {
                     Ok(_) => bail!("key already held"),
@@ -116,43 +117,34 @@ impl Backend for Etcd {
     }
 
     async fn release(&self, client: usize, lease: i64) -> Result<()> {
-        self.lease_client(client)
-            .lease_revoke(LeaseRevokeRequest { id: lease })
-            .await
-            .map_err(status_err)?;
+        let _: LeaseRevokeResponse = self
+            .client(client)
+            .unary(LEASE_REVOKE, LeaseRevokeRequest { id: lease })
+            .await?;
         Ok(())
     }
 
     async fn renewer(&self, client: usize, lease: &i64) -> Result<EtcdRenewer> {
-        let (tx, rx) = mpsc::channel(1);
         let request = LeaseKeepAliveRequest { id: *lease };
-        // etcd sends the response headers only with the first message.
-        tx.send(request).await.context("queue the first renewal")?;
+        // etcd sends the response headers only with the first message: it goes with the call.
         let stream = self
-            .lease_client(client)
-            .lease_keep_alive(ReceiverStream::new(rx))
-            .await
-            .map_err(status_err)?
-            .into_inner();
-        let mut r = EtcdRenewer {
-            tx,
-            stream,
-            request,
-        };
+            .client(client)
+            .stream(LEASE_KEEP_ALIVE, request)
+            .await?;
+        let mut r = EtcdRenewer { stream, request };
         r.receive().await?;
         Ok(r)
     }
 }
 
 pub struct EtcdRenewer {
-    tx: mpsc::Sender<LeaseKeepAliveRequest>,
-    stream: tonic::Streaming<LeaseKeepAliveResponse>,
+    stream: Stream<LeaseKeepAliveRequest, LeaseKeepAliveResponse>,
     request: LeaseKeepAliveRequest,
 }
 
 impl EtcdRenewer {
     async fn receive(&mut self) -> Result<()> {
-        match self.stream.message().await.map_err(status_err)? {
+        match self.stream.receive().await? {
             Some(r) if r.ttl > 0 => Ok(()),
             Some(r) => bail!("lease {} lost (TTL {})", r.id, r.ttl),
             None => bail!("etcd closed the LeaseKeepAlive stream"),
@@ -162,29 +154,28 @@ impl EtcdRenewer {
 
 impl Renewer for EtcdRenewer {
     async fn renew(&mut self) -> Result<()> {
-        self.tx
-            .send(self.request)
-            .await
-            .context("the LeaseKeepAlive request stream closed")?;
+        self.stream.send(self.request).await?;
         self.receive().await
     }
 }
 
 /// Waits until etcd answers a read, for at most `limit`.
-pub async fn wait_ready(channel: &Channel, limit: Duration) -> Result<()> {
+pub async fn wait_ready(client: &Client, limit: Duration) -> Result<()> {
     let deadline = Instant::now() + limit;
-    let mut kv = KvClient::new(channel.clone());
     loop {
-        let r = kv
-            .range(RangeRequest {
-                key: b"/automaton-bench/ready".to_vec(),
-                ..RangeRequest::default()
-            })
+        let r = client
+            .unary::<_, RangeResponse>(
+                RANGE,
+                RangeRequest {
+                    key: b"/automaton-bench/ready".to_vec(),
+                    ..RangeRequest::default()
+                },
+            )
             .await;
         match r {
             Ok(_) => return Ok(()),
-            Err(s) if Instant::now() >= deadline => {
-                return Err(status_err(s).context("etcd does not answer Range"));
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e.context("etcd does not answer Range"));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }

@@ -20,8 +20,10 @@ mod backend;
 mod coord;
 mod echo;
 mod etcd;
+mod rpc;
 mod spawn;
 mod stats;
+mod wire;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,9 +32,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::backend::Backend;
+use crate::rpc::ClientKind;
 use crate::stats::{OpStats, Sample, fmt_ms};
 
 const AUTOMATON: &str = "automaton";
@@ -99,9 +102,15 @@ struct LeasesArgs {
     /// Tasks (etcd keys) per client, claimed and released per round.
     #[arg(long, default_value_t = 100)]
     tasks_per_client: usize,
-    /// HTTP/2 connections per system and client count; 0 = one per client.
+    /// HTTP/2 connections per system and client count; 0 = one per client. Sharing
+    /// connections needs `--client tonic`.
     #[arg(long, default_value_t = 0)]
     connections: usize,
+    /// The load generator's gRPC client, the same for both systems: `raw` writes HTTP/2
+    /// frames from the calling task (least CPU taken from the servers, which share this
+    /// machine's cores); `tonic` is the stock client, for a cross-check.
+    #[arg(long, value_enum, default_value = "raw")]
+    client: ClientKind,
     /// Lease TTL requested on claim (etcd gets it rounded up to whole seconds).
     #[arg(long, default_value_t = 60_000)]
     ttl_ms: u64,
@@ -169,6 +178,7 @@ struct Report {
     duration_s: f64,
     tasks_per_client: usize,
     connections: String,
+    client: ClientKind,
     slices: u16,
     ttl_ms: u64,
     results: Vec<OpStats>,
@@ -184,23 +194,6 @@ fn target(op: &str) -> f64 {
         "release" => 3.0,
         _ => 0.0,
     }
-}
-
-async fn connect(url: &str, n: usize) -> Result<Vec<Channel>> {
-    let endpoint = Endpoint::from_shared(url.to_string())
-        .with_context(|| format!("bad URL {url}"))?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(5));
-    let mut channels = Vec::with_capacity(n);
-    for _ in 0..n {
-        channels.push(
-            endpoint
-                .connect()
-                .await
-                .with_context(|| format!("connect to {url}"))?,
-        );
-    }
-    Ok(channels)
 }
 
 fn progress(s: &OpStats) {
@@ -371,6 +364,16 @@ async fn leases(args: LeasesArgs) -> Result<()> {
     if args.tasks_per_client == 0 || args.tasks_per_client > 100_000 {
         bail!("--tasks-per-client must be between 1 and 100000");
     }
+    if args.connections != 0 && args.client == ClientKind::Raw {
+        bail!(
+            "--connections shares connections between clients, which --client raw cannot (one call at a time per connection): add --client tonic"
+        );
+    }
+    if args.client == ClientKind::Raw {
+        for url in [&args.coordinator, &args.etcd].into_iter().flatten() {
+            rpc::host_port(url)?;
+        }
+    }
     let want_coord = args.coordinator.is_some() || args.spawn_coordinator.is_some();
     let want_etcd = args.etcd.is_some() || args.spawn_etcd;
     if !want_coord && !want_etcd {
@@ -433,7 +436,7 @@ async fn run(
     }
     if let Some(url) = &etcd_url {
         let ch = connect_retry(url).await?;
-        etcd::wait_ready(&ch, Duration::from_secs(30)).await?;
+        etcd::wait_ready(&rpc::Client::Tonic(ch), Duration::from_secs(30)).await?;
     }
     if let Some(url) = &coord_url {
         let ch = connect_retry(url).await?;
@@ -449,13 +452,17 @@ async fn run(
         } else {
             args.connections.min(c)
         };
-        eprintln!("C={c}: {n} connection(s) per system");
+        eprintln!(
+            "C={c}: {n} connection(s) per system, {:?} client",
+            args.client
+        );
         let mut coord_backend = None;
         let mut etcd_backend = None;
         if let Some(url) = &coord_url {
-            let channels = connect(url, n).await?;
+            let channels = rpc::tonic_channels(url, args.prepare_workers.clamp(1, n)).await?;
             let (tasks, secs) =
                 coord::prepare(&channels, c, args.tasks_per_client, args.prepare_workers).await?;
+            drop(channels);
             eprintln!(
                 "  prepared {tasks} tasks in {secs:.2}s ({:.0} tasks/s: CreateTask + Transition)",
                 tasks as f64 / secs.max(1e-9)
@@ -467,16 +474,15 @@ async fn run(
                 tasks_per_s: tasks as f64 / secs.max(1e-9),
             });
             coord_backend = Some(Arc::new(coord::Coordinator::new(
-                &channels,
+                rpc::connect(args.client, url, n).await?,
                 c,
                 args.tasks_per_client,
                 args.ttl_ms,
             )));
         }
         if let Some(url) = &etcd_url {
-            let channels = connect(url, n).await?;
             etcd_backend = Some(Arc::new(etcd::Etcd::new(
-                &channels,
+                rpc::connect(args.client, url, n).await?,
                 c,
                 args.tasks_per_client,
                 ttl_s,
@@ -519,6 +525,7 @@ async fn run(
         } else {
             format!("{} shared", args.connections)
         },
+        client: args.client,
         slices: args.slices,
         ttl_ms: args.ttl_ms,
         results,
@@ -533,7 +540,7 @@ async fn run(
 async fn connect_retry(url: &str) -> Result<Channel> {
     let mut last = None;
     for _ in 0..100 {
-        match connect(url, 1).await {
+        match rpc::tonic_channels(url, 1).await {
             Ok(mut ch) => return ch.pop().context("no channel"),
             Err(e) => last = Some(e),
         }
