@@ -10,7 +10,10 @@
 //! Each of C clients works on its own tasks (keys), so every call succeeds and nothing
 //! contends: the figures are throughput, not refusals. Clients are closed-loop (one call in
 //! flight each). By default each client has its own HTTP/2 connection (`--connections 0`),
-//! for both systems alike; `--connections N` spreads the clients over N shared connections.
+//! for both systems alike; `--connections N` spreads the clients over N shared connections
+//! (tonic client only). Both systems are called through the same client (`rpc.rs`): by
+//! default the raw one of `wire.rs`, which takes the least CPU from the servers on a shared
+//! machine; `--client tonic` measures through the stock tonic client instead.
 //! The two systems take turns (`--slices`, 5 by default): each measures for duration/slices,
 //! then the other, and so on, and each system's slices are added up. The disk under both
 //! changes its sync speed from minute to minute; taking turns lets that drift reach both
