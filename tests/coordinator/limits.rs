@@ -1,7 +1,8 @@
 //! The service's limits and stream life cycle, across processes: the per-request timeout
 //! (`rpc_timeout`, or the caller's shorter `grpc-timeout`), the per-connection concurrency
-//! limit (`max_in_flight`), KeepAlive loss notices that reach only the streams that renewed
-//! the lease, and SIGTERM with streams still open.
+//! limit (`max_in_flight`), a change cut off by its deadline carried out whole, KeepAlive loss
+//! notices that reach only the streams that renewed the lease, and SIGTERM with streams still
+//! open.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -15,7 +16,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Streaming};
 
-use crate::harness::{Api, Coord, Env, expect_err, lock_view, run_bounded, signal, wait_bounded};
+use crate::harness::{
+    Api, Coord, Env, Events, expect_err, lock_view, run_bounded, signal, wait_bounded,
+};
 
 /// The slow call must take at least this long for the timing claims to have a wide margin.
 const MIN_SLOW: Duration = Duration::from_millis(150);
@@ -283,6 +286,69 @@ async fn rpc_timeout_answers_deadline_exceeded_and_changes_nothing() {
     assert_eq!(api.list().await.expect("ListTasks").tasks.len(), 2);
     let probe = api.get(PROBE).await.expect("GetTask of a small task");
     assert_eq!(probe.summary.expect("summary").state, "research");
+}
+
+/// An `Approve` that its caller's deadline cuts off after it has started is carried out whole:
+/// on disk, in the coordinator's memory (a claim sees the approved state) and in the events.
+/// Dropping it half-way used to leave `.state` approved on disk while the coordinator still
+/// refused claims as "waiting for approval", and released the task's guard while the disk
+/// work still ran.
+#[tokio::test]
+async fn a_change_cut_off_by_its_deadline_is_carried_out_whole() {
+    const BIG: &str = "big";
+    let env = Env::new();
+    let dir = task_on_disk(&env, BIG, "research:awaiting_approval");
+    // Approve hashes the artifact it binds the approval to: 64 MiB take well over 20 ms.
+    let line = "A line of the specification, one of very many, all of them read and hashed.\n";
+    std::fs::write(dir.join("SPEC.md"), line.repeat((64 << 20) / line.len()))
+        .expect("write SPEC.md");
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+
+    let mut req = api.req(pb::ApproveRequest {
+        task: BIG.into(),
+        approver: "ops".into(),
+    });
+    req.set_timeout(Duration::from_millis(20));
+    let t = Instant::now();
+    let cut = api
+        .tasks
+        .approve(req)
+        .await
+        .expect_err("a 20 ms deadline must cut off an Approve that hashes 64 MiB");
+    assert!(
+        matches!(cut.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{cut:?}"
+    );
+    eprintln!("Approve cut off after {:?}: {:?}", t.elapsed(), cut.code());
+
+    // It finishes anyway, and the coordinator knows it did.
+    let approved = events
+        .find("the approval", Duration::from_secs(30), |e| {
+            e.kind == "approved" && e.task == BIG
+        })
+        .await;
+    assert!(
+        approved.detail.contains("research:approved"),
+        "{approved:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join(".state"))
+            .expect("read .state")
+            .trim(),
+        "research:approved"
+    );
+    let lease = api
+        .claim(BIG, "agent-x", 60_000)
+        .await
+        .unwrap_or_else(|s| panic!("a claim after the approval landed: {s:?}"));
+    assert_eq!(lease.state, "research:approved");
+    assert!(
+        coord.child.try_wait().expect("try_wait").is_none(),
+        "the coordinator died:\n{}",
+        coord.stderr()
+    );
 }
 
 /// When each call completed, from the start of the slow one.

@@ -16,6 +16,8 @@ use crate::wal::Wal;
 use crate::watchers::{Lost, Watchers};
 
 const GUARD_SHARDS: usize = 64;
+/// Store reads (get, list, validate, audit) running on the blocking pool at once.
+const MAX_BLOCKING_READS: usize = 32;
 
 /// A task's `.state.lock` view is written once its latest change is this old: a lease
 /// granted and ended within it never touches the disk at all.
@@ -78,7 +80,9 @@ pub struct Coordinator {
     /// Serialise changes of one task with claims of it, so a claim never grants a lease on a
     /// state that a transition is replacing (held across the transition's disk writes).
     /// Sharded by task name: claims of different tasks do not wait for each other.
-    guards: Vec<tokio::sync::Mutex<()>>,
+    guards: Vec<Arc<tokio::sync::Mutex<()>>>,
+    /// Bounds the store reads running on the blocking pool at once (see [`Coordinator::read`]).
+    reads: Arc<tokio::sync::Semaphore>,
     views: std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)>,
     /// Each task's state as last read or written by this coordinator, the project's only
     /// writer while it runs: a claim then needs no path lookup (slow in a large `tasks/`
@@ -139,8 +143,9 @@ impl Coordinator {
                 fencing,
                 wal,
                 guards: (0..GUARD_SHARDS)
-                    .map(|_| tokio::sync::Mutex::new(()))
+                    .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                     .collect(),
+                reads: Arc::new(tokio::sync::Semaphore::new(MAX_BLOCKING_READS)),
                 views,
                 states: Mutex::new(std::collections::HashMap::new()),
                 events,
@@ -153,13 +158,42 @@ impl Coordinator {
     }
 
     /// The guard of `task`'s shard.
-    async fn guard(&self, task: &TaskName) -> tokio::sync::MutexGuard<'_, ()> {
+    fn guard_of(&self, task: &TaskName) -> &Arc<tokio::sync::Mutex<()>> {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
         task.hash(&mut h);
-        self.guards[(h.finish() % GUARD_SHARDS as u64) as usize]
-            .lock()
-            .await
+        &self.guards[(h.finish() % GUARD_SHARDS as u64) as usize]
+    }
+
+    async fn guard(&self, task: &TaskName) -> tokio::sync::MutexGuard<'_, ()> {
+        self.guard_of(task).lock().await
+    }
+
+    /// Takes `task`'s guard, then runs `work` under it to completion on its own task. Waiting
+    /// for the guard ends with the request (a request dropped at its deadline has changed
+    /// nothing); once the guard is held, the change is carried out whole even if the request
+    /// is dropped meanwhile. Otherwise a deadline could leave `.state` changed on disk but not
+    /// in memory, the lease of the old phase alive, and the guard released while the disk
+    /// write still runs.
+    async fn to_completion<T, F, Fut>(
+        self: &Arc<Self>,
+        task: &TaskName,
+        work: F,
+    ) -> Result<T, Error>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<Coordinator>) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + Send + 'static,
+    {
+        let guard = self.guard_of(task).clone().lock_owned().await;
+        let work = work(self.clone());
+        tokio::spawn(async move {
+            let out = work.await;
+            drop(guard);
+            out
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("a task change failed: {e}")))?
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -330,24 +364,33 @@ impl Coordinator {
             return Err(e.into());
         }
         drop(guard);
-        if let Err(e) = self.wal.append_grant(&live).await {
+        // Dropped while the log commits (the caller's deadline), the grant stands: it is in
+        // the table and the log's queue. Its view and event must not depend on the caller.
+        let tail = OnDrop::new(|| self.after_grant(&live));
+        let logged = self.wal.append_grant(&live).await;
+        tail.disarm();
+        if let Err(e) = logged {
             self.unclaim(&live);
             return Err(Error::Internal(e));
         }
-        self.view(task, Some(live.view()));
-        if self.watched() {
-            self.emit(
-                "lease_granted",
-                &task.to_string(),
-                agent.as_str(),
-                live.token,
-                format!("{state}"),
-            );
-        }
+        self.after_grant(&live);
         Ok(Granted {
             live,
             renewed: false,
         })
+    }
+
+    fn after_grant(&self, live: &Live) {
+        self.view(&live.task, Some(live.view()));
+        if self.watched() {
+            self.emit(
+                "lease_granted",
+                &live.task.to_string(),
+                live.agent.as_str(),
+                live.token,
+                format!("{}", live.state),
+            );
+        }
     }
 
     /// Takes back a grant that was never acknowledged. Its end goes to the log too: a log
@@ -448,10 +491,12 @@ impl Coordinator {
 
     /// Logs the end of a removed lease durably, updates the view, tells the world.
     async fn end(&self, l: &Live, reason: &'static str) -> Result<(), Error> {
-        self.wal
-            .append_end(&l.lease_id)
-            .await
-            .map_err(Error::Internal)?;
+        // Dropped while the log commits, the end stands (it is in the log's queue): the view,
+        // the loss notices and the event still follow.
+        let tail = OnDrop::new(|| self.after_end(l, reason));
+        let logged = self.wal.append_end(&l.lease_id).await;
+        tail.disarm();
+        logged.map_err(Error::Internal)?;
         self.after_end(l, reason);
         Ok(())
     }
@@ -543,12 +588,25 @@ impl Coordinator {
 
     /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
     pub async fn transition(
+        self: &Arc<Self>,
+        task: &TaskName,
+        target: State,
+        p: &Presented,
+    ) -> Result<(State, Option<Live>), Error> {
+        let (t, p) = (task.clone(), p.clone());
+        self.to_completion(task, move |c| async move {
+            c.transition_guarded(&t, target, &p).await
+        })
+        .await
+    }
+
+    /// [`Coordinator::transition`] under the task's guard.
+    async fn transition_guarded(
         &self,
         task: &TaskName,
         target: State,
         p: &Presented,
     ) -> Result<(State, Option<Live>), Error> {
-        let _guard = self.guard(task).await;
         let live = self.check_presented(task, p)?;
         let project = self.project.clone();
         let t = task.clone();
@@ -577,8 +635,25 @@ impl Coordinator {
     }
 
     /// Approves for `approver`; the live lease holder is never its own approver.
-    pub async fn approve(&self, task: &TaskName, approver: &str) -> Result<ApproveOutcome, Error> {
-        let _guard = self.guard(task).await;
+    pub async fn approve(
+        self: &Arc<Self>,
+        task: &TaskName,
+        approver: &str,
+    ) -> Result<ApproveOutcome, Error> {
+        let (t, a) = (task.clone(), approver.to_string());
+        self.to_completion(
+            task,
+            move |c| async move { c.approve_guarded(&t, &a).await },
+        )
+        .await
+    }
+
+    /// [`Coordinator::approve`] under the task's guard.
+    async fn approve_guarded(
+        &self,
+        task: &TaskName,
+        approver: &str,
+    ) -> Result<ApproveOutcome, Error> {
         let holder = self.lease_of(task).map(|l| l.agent);
         let project = self.project.clone();
         let (t, a) = (task.clone(), approver.to_string());
@@ -598,8 +673,17 @@ impl Coordinator {
         Ok(out)
     }
 
-    pub async fn create_task(&self, task: &TaskName) -> Result<(), Error> {
-        let _guard = self.guard(task).await;
+    pub async fn create_task(self: &Arc<Self>, task: &TaskName) -> Result<(), Error> {
+        let t = task.clone();
+        self.to_completion(
+            task,
+            move |c| async move { c.create_task_guarded(&t).await },
+        )
+        .await
+    }
+
+    /// [`Coordinator::create_task`] under the task's guard.
+    async fn create_task_guarded(&self, task: &TaskName) -> Result<(), Error> {
         let project = self.project.clone();
         let t = task.clone();
         tokio::task::spawn_blocking(move || project.create_task(&t))
@@ -611,16 +695,51 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Runs a read-only store query off the async threads.
+    /// Runs a read-only store query off the async threads. At most [`MAX_BLOCKING_READS`] run
+    /// at once: a read cannot be stopped once it runs on the blocking pool, so without a bound
+    /// callers that time out and retry could pile up work there; a request that times out
+    /// while waiting for its turn never starts.
     pub async fn read<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Project) -> Result<T, automaton_store::Error> + Send + 'static,
     ) -> Result<T, Error> {
         let project = self.project.clone();
-        tokio::task::spawn_blocking(move || f(&project))
+        let permit = self
+            .reads
+            .clone()
+            .acquire_owned()
             .await
-            .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
-            .map_err(Error::from)
+            .map_err(|e| Error::Internal(format!("read limit closed: {e}")))?;
+        tokio::task::spawn_blocking(move || {
+            let out = f(&project);
+            drop(permit);
+            out
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
+        .map_err(Error::from)
+    }
+}
+
+/// Runs its closure when dropped, unless disarmed first: the part of a change that must
+/// happen even if the request awaiting it is dropped.
+struct OnDrop<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> OnDrop<F> {
+    fn new(f: F) -> Self {
+        OnDrop(Some(f))
+    }
+
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<F: FnOnce()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
     }
 }
 
@@ -715,4 +834,72 @@ pub fn format_millis(t: SystemTime) -> String {
         .map(|d| d.subsec_millis())
         .unwrap_or(0);
     format!("{}.{ms:03}Z", secs.trim_end_matches('Z'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name<T: std::str::FromStr>(s: &str) -> T
+    where
+        T::Err: std::fmt::Debug,
+    {
+        s.parse().expect("a valid name")
+    }
+
+    /// A coordinator over a fresh project with one task in `research`.
+    async fn coordinator(dir: &std::path::Path) -> Arc<Coordinator> {
+        let project = Project::open(dir, None);
+        let (coord, _) = Coordinator::open(project, Duration::from_secs(1), 1 << 20).expect("open");
+        let task: TaskName = name("t");
+        coord.create_task(&task).await.expect("create");
+        let p = Presented::default();
+        coord
+            .transition(&task, name("research"), &p)
+            .await
+            .expect("to research");
+        coord
+    }
+
+    /// Polls `f` once and drops it: a request cut off by its deadline at its first await.
+    async fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(f: F) {
+        let mut f = std::pin::pin!(f);
+        let once = std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx))).await;
+        assert!(once.is_pending(), "the call finished in one poll: {once:?}");
+    }
+
+    async fn next_event(events: &mut Subscription) -> Event {
+        tokio::time::timeout(Duration::from_secs(5), events.rx.recv())
+            .await
+            .expect("an event within 5 s")
+            .expect("the event feed is open")
+    }
+
+    #[tokio::test]
+    async fn a_claim_dropped_while_the_log_commits_still_gets_its_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let mut events = coord.subscribe_events();
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        cut_off(coord.claim(&task, &agent, None)).await;
+        let e = next_event(&mut events).await;
+        assert_eq!((e.kind, e.task.as_str()), ("lease_granted", "t"));
+        assert_eq!(coord.live_leases(), 1, "the grant stands");
+        // The same agent claiming again gets that lease back.
+        let again = coord.claim(&task, &agent, None).await.expect("re-claim");
+        assert!(again.renewed);
+    }
+
+    #[tokio::test]
+    async fn a_release_dropped_while_the_log_commits_still_gets_its_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        let granted = coord.claim(&task, &agent, None).await.expect("claim");
+        let mut events = coord.subscribe_events();
+        cut_off(coord.release(&granted.live.lease_id, Some(granted.live.token))).await;
+        let e = next_event(&mut events).await;
+        assert_eq!((e.kind, e.task.as_str()), ("lease_released", "t"));
+        assert_eq!(coord.live_leases(), 0);
+    }
 }
