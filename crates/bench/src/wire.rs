@@ -3,11 +3,11 @@
 //! call.
 //!
 //! Why it exists: client and server share this machine's two cores, so whatever the load
-//! generator spends is taken from the system it measures. A tonic call hops between three
-//! tasks (the caller, the channel's buffer worker, the connection task) and costs the client
-//! several times what the syscalls do; this client costs one `write` and usually one `read`
-//! per call. Both systems are measured through the same client, and `--client tonic` keeps
-//! the stock client for a cross-check.
+//! generator spends is taken from the system it measures. A tonic unary call hops between
+//! three tasks (the caller, the channel's buffer worker, the connection task) and cost the
+//! client about 40 µs of CPU here; through this client, one `write` and usually one `read`
+//! per call, about 13 µs. Both systems are measured through the same client, and
+//! `--client tonic` keeps the stock client for a cross-check.
 //!
 //! What it does not do, on purpose: no HPACK decoding (response headers and trailers are
 //! skipped, so a call counts as failed exactly when no message came back: servers answer a
