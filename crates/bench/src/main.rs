@@ -367,12 +367,12 @@ async fn leases(args: LeasesArgs) -> Result<()> {
     if args.tasks_per_client == 0 || args.tasks_per_client > 100_000 {
         bail!("--tasks-per-client must be between 1 and 100000");
     }
-    if args.connections != 0 && args.client == ClientKind::Raw {
-        bail!(
-            "--connections shares connections between clients, which --client raw cannot (one call at a time per connection): add --client tonic"
-        );
-    }
     if args.client == ClientKind::Raw {
+        if args.connections != 0 {
+            bail!(
+                "--connections shares connections between clients, which --client raw cannot (one call at a time per connection): add --client tonic"
+            );
+        }
         for url in [&args.coordinator, &args.etcd].into_iter().flatten() {
             rpc::host_port(url)?;
         }

@@ -83,6 +83,15 @@ pub async fn tonic_channels(url: &str, n: usize) -> Result<Vec<Channel>> {
     Ok(channels)
 }
 
+/// A tonic client on `ch`, once the channel can take a call.
+async fn ready(ch: &Channel) -> Result<tonic::client::Grpc<Channel>> {
+    let mut grpc = tonic::client::Grpc::new(ch.clone());
+    grpc.ready()
+        .await
+        .map_err(|e| anyhow!("connection not ready: {e}"))?;
+    Ok(grpc)
+}
+
 pub fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow!("{:?}: {}", s.code(), s.message())
 }
@@ -96,11 +105,8 @@ impl Client {
     {
         match self {
             Client::Tonic(ch) => {
-                let mut grpc = tonic::client::Grpc::new(ch.clone());
-                grpc.ready()
-                    .await
-                    .map_err(|e| anyhow!("connection not ready: {e}"))?;
-                let response = grpc
+                let response = ready(ch)
+                    .await?
                     .unary(
                         tonic::Request::new(request),
                         PathAndQuery::from_static(path),
@@ -123,10 +129,7 @@ impl Client {
     {
         match self {
             Client::Tonic(ch) => {
-                let mut grpc = tonic::client::Grpc::new(ch.clone());
-                grpc.ready()
-                    .await
-                    .map_err(|e| anyhow!("connection not ready: {e}"))?;
+                let mut grpc = ready(ch).await?;
                 let (tx, rx) = mpsc::channel(1);
                 // Queued before the call: a server may send its response headers only with
                 // the first message.
