@@ -156,9 +156,7 @@ impl Conn {
             bail!("the server is closing the connection (GOAWAY): no new calls on it");
         }
         if !self.ended {
-            let mut payload = [0u8; 4];
-            payload.copy_from_slice(&CANCEL.to_be_bytes());
-            self.frame(RST_STREAM, 0, self.stream, &payload);
+            self.frame(RST_STREAM, 0, self.stream, &CANCEL.to_be_bytes());
         }
         if self.next_id > (1 << 31) - 2 {
             bail!("this connection has used all its stream ids");
