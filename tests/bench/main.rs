@@ -1,9 +1,11 @@
 //! Cross-process tests of the benchmark: the real `automaton-bench` binary drives a real
-//! `automaton-coordinator` it spawns on `127.0.0.1:0`, through each of its two clients, and
-//! every figure it reports must come from calls that succeeded.
+//! `automaton-coordinator` it spawns on `127.0.0.1:0`, and its own echo servers (the
+//! ceilings it measures against), through each of its two clients; every figure it reports
+//! must come from calls that succeeded.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 #[path = "../common/run.rs"]
 mod run;
@@ -38,15 +40,14 @@ fn bench(args: &[&str]) -> Run {
         .into()
 }
 
-/// A short run against a spawned coordinator with `client`; returns the JSON report.
-fn measure(client: &str) -> serde_json::Value {
+/// A short run with `client` against `server` (`--spawn-coordinator BIN` or `--coordinator
+/// URL`); returns the JSON report.
+fn measure(server: &[&str], client: &str) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("report.json");
-    let coordinator = coordinator_bin();
-    bench(&[
-        "leases",
-        "--spawn-coordinator",
-        coordinator.to_str().expect("utf-8 path"),
+    let mut args = vec!["leases"];
+    args.extend_from_slice(server);
+    args.extend_from_slice(&[
         "--clients",
         "1,3",
         "--duration",
@@ -59,10 +60,57 @@ fn measure(client: &str) -> serde_json::Value {
         client,
         "--json-out",
         json.to_str().expect("utf-8 path"),
-    ])
-    .ok();
+    ]);
+    bench(&args).ok();
     serde_json::from_str(&std::fs::read_to_string(&json).expect("report written"))
         .expect("report is JSON")
+}
+
+fn measure_coordinator(client: &str) -> serde_json::Value {
+    let coordinator = coordinator_bin();
+    measure(
+        &[
+            "--spawn-coordinator",
+            coordinator.to_str().expect("utf-8 path"),
+        ],
+        client,
+    )
+}
+
+/// A running `automaton-bench echo-server` on `127.0.0.1:0`; killed when dropped.
+struct EchoServer {
+    child: Child,
+    url: String,
+}
+
+impl EchoServer {
+    fn start(extra: &[&str]) -> EchoServer {
+        let mut child = Command::new(BENCH)
+            .args(["echo-server", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the echo server");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read the echo server's first line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
+        EchoServer {
+            url: format!("http://{addr}"),
+            child,
+        }
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Every operation at every client count measured calls, and none failed.
@@ -89,12 +137,72 @@ fn assert_all_measured(report: &serde_json::Value, client: &str) {
 
 #[test]
 fn raw_client_measures_claim_renew_and_release_against_the_real_coordinator() {
-    assert_all_measured(&measure("raw"), "raw");
+    assert_all_measured(&measure_coordinator("raw"), "raw");
 }
 
 #[test]
 fn tonic_client_measures_the_same_operations_for_a_cross_check() {
-    assert_all_measured(&measure("tonic"), "tonic");
+    assert_all_measured(&measure_coordinator("tonic"), "tonic");
+}
+
+#[test]
+fn both_echo_servers_answer_every_operation_through_both_clients() {
+    for server in [&[][..], &["--inline"][..]] {
+        let echo = EchoServer::start(server);
+        for client in ["raw", "tonic"] {
+            assert_all_measured(&measure(&["--coordinator", &echo.url], client), client);
+        }
+    }
+}
+
+/// The inline server speaks gRPC to a stock client too: every renewal answered in order, the
+/// stream ended cleanly when the client ends it, an unserved method refused by its code.
+#[tokio::test]
+async fn inline_echo_server_answers_a_stock_grpc_client() {
+    use automaton_proto::v1 as pb;
+    let echo = EchoServer::start(&["--inline"]);
+    let channel = tonic::transport::Endpoint::from_shared(echo.url.clone())
+        .expect("url")
+        .connect()
+        .await
+        .expect("connect");
+    let mut leases = pb::leases_client::LeasesClient::new(channel.clone());
+    let requests = tokio_stream::iter((0..3).map(|i| pb::KeepAliveRequest {
+        lease_ids: vec![format!("lease-{i}")],
+    }));
+    let mut answers = leases
+        .keep_alive(requests)
+        .await
+        .expect("KeepAlive opens")
+        .into_inner();
+    for i in 0..3 {
+        let a = answers
+            .message()
+            .await
+            .expect("an answer")
+            .expect("not the end yet");
+        assert_eq!(a.lease_id, format!("lease-{i}"));
+        assert!(a.lease.expect("renewed").renewed);
+    }
+    assert!(
+        answers.message().await.expect("a clean end").is_none(),
+        "the stream ends once the client's requests do"
+    );
+    let lease = leases
+        .claim(pb::ClaimRequest {
+            task: "t".into(),
+            agent: "a".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("claim answered")
+        .into_inner();
+    assert_eq!((lease.task.as_str(), lease.agent.as_str()), ("t", "a"));
+    let refused = pb::tasks_client::TasksClient::new(channel)
+        .approve(pb::ApproveRequest::default())
+        .await
+        .expect_err("the echo server approves nothing");
+    assert_eq!(refused.code(), tonic::Code::Unimplemented, "{refused}");
 }
 
 #[test]

@@ -19,16 +19,55 @@ struct Echo {
     token: AtomicU64,
 }
 
-fn lease(task: String, agent: String, token: u64) -> pb::Lease {
+// The answers, shared with the `--inline` server (`inline.rs`).
+
+/// A claim granted from nothing, with the next token.
+pub(crate) fn claimed(r: pb::ClaimRequest, tokens: &AtomicU64) -> pb::Lease {
+    let token = tokens.fetch_add(1, Ordering::Relaxed) + 1;
     pb::Lease {
         lease_id: format!("{token:016x}"),
-        task,
-        agent,
+        task: r.task,
+        agent: r.agent,
         token,
         state: "research".into(),
         ttl_ms: 60_000,
         remaining_ms: 60_000,
         ..Default::default()
+    }
+}
+
+pub(crate) fn renewed(r: pb::RenewRequest) -> pb::Lease {
+    pb::Lease {
+        lease_id: r.lease_id,
+        token: r.token,
+        renewed: true,
+        ..Default::default()
+    }
+}
+
+pub(crate) fn released(r: pb::ReleaseRequest) -> pb::ReleaseResponse {
+    pb::ReleaseResponse {
+        released: Some(pb::Lease {
+            lease_id: r.lease_id,
+            token: r.token,
+            ..Default::default()
+        }),
+    }
+}
+
+/// The answer the coordinator gives on `KeepAlive`: one response for the lease named.
+pub(crate) fn kept_alive(m: pb::KeepAliveRequest) -> pb::KeepAliveResponse {
+    let id = m.lease_ids.into_iter().next().unwrap_or_default();
+    pb::KeepAliveResponse {
+        lease: Some(pb::Lease {
+            lease_id: id.clone(),
+            ttl_ms: 60_000,
+            remaining_ms: 60_000,
+            renewed: true,
+            ..Default::default()
+        }),
+        lease_id: id,
+        lost: None,
     }
 }
 
@@ -62,28 +101,13 @@ impl pb::tasks_server::Tasks for Echo {
 #[tonic::async_trait]
 impl pb::leases_server::Leases for Echo {
     async fn claim(&self, r: Request<pb::ClaimRequest>) -> Res<pb::Lease> {
-        let r = r.into_inner();
-        let token = self.token.fetch_add(1, Ordering::Relaxed) + 1;
-        Ok(Response::new(lease(r.task, r.agent, token)))
+        Ok(Response::new(claimed(r.into_inner(), &self.token)))
     }
     async fn renew(&self, r: Request<pb::RenewRequest>) -> Res<pb::Lease> {
-        let r = r.into_inner();
-        Ok(Response::new(pb::Lease {
-            lease_id: r.lease_id,
-            token: r.token,
-            renewed: true,
-            ..Default::default()
-        }))
+        Ok(Response::new(renewed(r.into_inner())))
     }
     async fn release(&self, r: Request<pb::ReleaseRequest>) -> Res<pb::ReleaseResponse> {
-        let r = r.into_inner();
-        Ok(Response::new(pb::ReleaseResponse {
-            released: Some(pb::Lease {
-                lease_id: r.lease_id,
-                token: r.token,
-                ..Default::default()
-            }),
-        }))
+        Ok(Response::new(released(r.into_inner())))
     }
 
     type KeepAliveStream =
@@ -93,33 +117,23 @@ impl pb::leases_server::Leases for Echo {
         &self,
         r: Request<Streaming<pb::KeepAliveRequest>>,
     ) -> Res<Self::KeepAliveStream> {
-        // The same answer the coordinator gives: one response per lease named.
-        let out = r.into_inner().map(|m| {
-            let m = m?;
-            let id = m.lease_ids.into_iter().next().unwrap_or_default();
-            Ok(pb::KeepAliveResponse {
-                lease: Some(pb::Lease {
-                    lease_id: id.clone(),
-                    ttl_ms: 60_000,
-                    remaining_ms: 60_000,
-                    renewed: true,
-                    ..Default::default()
-                }),
-                lease_id: id,
-                lost: None,
-            })
-        });
+        let out = r.into_inner().map(|m| Ok(kept_alive(m?)));
         Ok(Response::new(Box::pin(out)))
     }
 }
 
-/// Serves on `listen` until killed; prints `listening on ADDR` like the coordinator.
-pub async fn serve(listen: std::net::SocketAddr) -> Result<()> {
+/// Serves on `listen` until killed (with `inline`, the server of `inline.rs`); prints
+/// `listening on ADDR` like the coordinator.
+pub async fn serve(listen: std::net::SocketAddr, inline: bool) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     println!("listening on {}", listener.local_addr()?);
-    serve_on(listener).await
+    if inline {
+        crate::inline::serve_on(listener).await
+    } else {
+        serve_on(listener).await
+    }
 }
 
 /// Serves on a bound listener until killed.

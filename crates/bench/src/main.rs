@@ -23,6 +23,7 @@ mod backend;
 mod coord;
 mod echo;
 mod etcd;
+mod inline;
 mod rpc;
 mod spawn;
 mod stats;
@@ -61,6 +62,10 @@ enum Cmd {
     EchoServer {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: std::net::SocketAddr,
+        /// Serve on the h2 crate directly instead of tonic and hyper, each `KeepAlive` stream
+        /// answered in its connection's task: the ceiling without hyper's task per stream.
+        #[arg(long)]
+        inline: bool,
     },
 }
 
@@ -556,7 +561,7 @@ async fn connect_retry(url: &str) -> Result<Channel> {
 async fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Leases(args) => leases(args).await,
-        Cmd::EchoServer { listen } => echo::serve(listen).await,
+        Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
     }
 }
 
