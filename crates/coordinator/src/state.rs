@@ -72,6 +72,9 @@ impl Presented {
 }
 
 pub struct Coordinator {
+    /// This coordinator's own `Arc`: a request cut off while its change commits hands the
+    /// rest of the change to a task of its own (see [`Committing`]).
+    me: std::sync::Weak<Coordinator>,
     pub(crate) project: Project,
     policy: Policy,
     table: Mutex<Table>,
@@ -136,7 +139,8 @@ impl Coordinator {
         let views = spawn_view_writer(project.clone(), written);
         let (events, _) = broadcast::channel(4096);
         Ok((
-            Arc::new(Coordinator {
+            Arc::new_cyclic(|me| Coordinator {
+                me: me.clone(),
                 project,
                 policy,
                 table: Mutex::new(table),
@@ -364,16 +368,20 @@ impl Coordinator {
             return Err(e.into());
         }
         drop(guard);
-        // Dropped while the log commits (the caller's deadline), the grant stands: it is in
-        // the table and the log's queue. Its view and event must not depend on the caller.
-        let tail = OnDrop::new(|| self.after_grant(&live));
-        let logged = self.wal.append_grant(&live).await;
-        tail.disarm();
-        if let Err(e) = logged {
-            self.unclaim(&live);
-            return Err(Error::Internal(e));
-        }
-        self.after_grant(&live);
+        let commit = match self.wal.grant(&live) {
+            Ok(commit) => commit,
+            Err(e) => {
+                self.unclaim(&live);
+                return Err(Error::Internal(e));
+            }
+        };
+        let (live, logged) = Committing::new(self, commit, live, |c, live, logged| match logged {
+            Ok(()) => c.after_grant(live),
+            Err(_) => c.unclaim(live),
+        })
+        .finish()
+        .await;
+        logged.map_err(Error::Internal)?;
         Ok(Granted {
             live,
             renewed: false,
@@ -485,20 +493,22 @@ impl Coordinator {
             let task = l.task.clone();
             table.remove(&task).expect("just found")
         };
-        self.end(&l, "released").await?;
-        Ok(l)
+        self.end(l, "released").await
     }
 
-    /// Logs the end of a removed lease durably, updates the view, tells the world.
-    async fn end(&self, l: &Live, reason: &'static str) -> Result<(), Error> {
-        // Dropped while the log commits, the end stands (it is in the log's queue): the view,
-        // the loss notices and the event still follow.
-        let tail = OnDrop::new(|| self.after_end(l, reason));
-        let logged = self.wal.append_end(&l.lease_id).await;
-        tail.disarm();
+    /// Logs the end of a removed lease durably, then updates the view and tells the world.
+    async fn end(&self, l: Live, reason: &'static str) -> Result<Live, Error> {
+        let commit = self.wal.end(&l.lease_id).map_err(Error::Internal)?;
+        let ((l, _), logged) =
+            Committing::new(self, commit, (l, reason), |c, (l, reason), logged| {
+                if logged.is_ok() {
+                    c.after_end(l, reason);
+                }
+            })
+            .finish()
+            .await;
         logged.map_err(Error::Internal)?;
-        self.after_end(l, reason);
-        Ok(())
+        Ok(l)
     }
 
     fn after_end(&self, l: &Live, reason: &'static str) {
@@ -617,10 +627,10 @@ impl Coordinator {
         let ended = match live {
             Some(l) => {
                 let removed = self.table().remove(task);
-                if let Some(r) = &removed {
-                    self.end(r, "transitioned").await?;
+                match removed {
+                    Some(r) => Some(self.end(r, "transitioned").await?),
+                    None => Some(l),
                 }
-                removed.or(Some(l))
             }
             None => None,
         };
@@ -721,24 +731,58 @@ impl Coordinator {
     }
 }
 
-/// Runs its closure when dropped, unless disarmed first: the part of a change that must
-/// happen even if the request awaiting it is dropped.
-struct OnDrop<F: FnOnce()>(Option<F>);
+/// A change's log record on its way to disk, awaited by the request that made the change.
+/// What follows the commit (`then`: the view, the event, the loss notices, or taking back a
+/// grant whose record failed) must not depend on whether that request is still there: cut
+/// off by its deadline while the log commits, it hands the wait and `then` to a task of
+/// their own. No hop on the common path.
+struct Committing<'a, T: Send + 'static> {
+    coord: &'a Coordinator,
+    pending: Option<(crate::wal::Commit, T)>,
+    then: fn(&Coordinator, &T, &Result<(), String>),
+}
 
-impl<F: FnOnce()> OnDrop<F> {
-    fn new(f: F) -> Self {
-        OnDrop(Some(f))
+impl<'a, T: Send + 'static> Committing<'a, T> {
+    fn new(
+        coord: &'a Coordinator,
+        commit: crate::wal::Commit,
+        item: T,
+        then: fn(&Coordinator, &T, &Result<(), String>),
+    ) -> Self {
+        Committing {
+            coord,
+            pending: Some((commit, item)),
+            then,
+        }
     }
 
-    fn disarm(mut self) {
-        self.0 = None;
+    /// Waits for the commit, runs `then`, and gives `item` back with the outcome.
+    async fn finish(mut self) -> (T, Result<(), String>) {
+        let (commit, _) = self.pending.as_mut().expect("pending until finished");
+        let logged = commit.await;
+        let (_, item) = self.pending.take().expect("pending until finished");
+        (self.then)(self.coord, &item, &logged);
+        (item, logged)
     }
 }
 
-impl<F: FnOnce()> Drop for OnDrop<F> {
+impl<T: Send + 'static> Drop for Committing<'_, T> {
     fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            f();
+        let Some((commit, item)) = self.pending.take() else {
+            return;
+        };
+        let then = self.then;
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                if let Some(coord) = self.coord.me.upgrade() {
+                    runtime.spawn(async move {
+                        let logged = commit.await;
+                        then(&coord, &item, &logged);
+                    });
+                }
+            }
+            // Off any runtime, this thread may wait.
+            Err(_) => then(self.coord, &item, &commit.wait_blocking()),
         }
     }
 }
@@ -861,11 +905,18 @@ mod tests {
         coord
     }
 
-    /// Polls `f` once and drops it: a request cut off by its deadline at its first await.
-    async fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(f: F) {
-        let mut f = std::pin::pin!(f);
-        let once = std::future::poll_fn(|cx| std::task::Poll::Ready(f.as_mut().poll(cx))).await;
-        assert!(once.is_pending(), "the call finished in one poll: {once:?}");
+    /// Polls `coord`'s change `f` once, with the log held so it cannot commit yet, and drops
+    /// it: a request cut off by its deadline while its change commits.
+    fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(coord: &Coordinator, f: F) {
+        let held = coord.wal.hold_commits();
+        {
+            let mut f = std::pin::pin!(f);
+            let once = f
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+            assert!(once.is_pending(), "the call finished in one poll: {once:?}");
+        } // `f` dropped here, the log still held.
+        drop(held);
     }
 
     async fn next_event(events: &mut Subscription) -> Event {
@@ -881,7 +932,7 @@ mod tests {
         let coord = coordinator(dir.path()).await;
         let mut events = coord.subscribe_events();
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
-        cut_off(coord.claim(&task, &agent, None)).await;
+        cut_off(&coord, coord.claim(&task, &agent, None));
         let e = next_event(&mut events).await;
         assert_eq!((e.kind, e.task.as_str()), ("lease_granted", "t"));
         assert_eq!(coord.live_leases(), 1, "the grant stands");
@@ -891,13 +942,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_claim_dropped_while_its_log_write_fails_is_taken_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let mut events = coord.subscribe_events();
+        let task: TaskName = name("t");
+        coord.wal.fail_next_commit();
+        cut_off(&coord, coord.claim(&task, &name("a"), None));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while coord.live_leases() != 0 {
+            assert!(
+                Instant::now() < deadline,
+                "a grant that never reached the log still holds the task"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            events.rx.try_recv().is_err(),
+            "nothing was granted, so nothing may be announced"
+        );
+        let other = coord
+            .claim(&task, &name("b"), None)
+            .await
+            .expect("the task is free for the next agent at once");
+        assert_eq!(other.live.agent.as_str(), "b");
+    }
+
+    #[tokio::test]
     async fn a_release_dropped_while_the_log_commits_still_gets_its_event() {
         let dir = tempfile::tempdir().expect("tempdir");
         let coord = coordinator(dir.path()).await;
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
         let granted = coord.claim(&task, &agent, None).await.expect("claim");
         let mut events = coord.subscribe_events();
-        cut_off(coord.release(&granted.live.lease_id, Some(granted.live.token))).await;
+        cut_off(
+            &coord,
+            coord.release(&granted.live.lease_id, Some(granted.live.token)),
+        );
         let e = next_event(&mut events).await;
         assert_eq!((e.kind, e.task.as_str()), ("lease_released", "t"));
         assert_eq!(coord.live_leases(), 0);

@@ -146,6 +146,22 @@ struct Sizes {
     base: AtomicU64,
     /// A rewrite is queued and not yet done.
     rewriting: AtomicBool,
+    /// Tests: fail the next commit without writing it.
+    #[cfg(test)]
+    fail_next: AtomicBool,
+    /// Tests: held, no commit starts.
+    #[cfg(test)]
+    held: std::sync::Mutex<()>,
+}
+
+impl Sizes {
+    /// Whether a test asked the next commit to fail.
+    fn failing(&self) -> bool {
+        #[cfg(test)]
+        return self.fail_next.swap(false, Ordering::Relaxed);
+        #[cfg(not(test))]
+        false
+    }
 }
 
 /// The append side of the log.
@@ -154,6 +170,33 @@ pub(crate) struct Wal {
     tx: mpsc::Sender<Job>,
     sizes: Arc<Sizes>,
     compact_bytes: u64,
+}
+
+/// A record queued for the log: resolves once it is on disk, or with why it is not.
+pub(crate) struct Commit(oneshot::Receiver<Result<(), String>>);
+
+fn writer_stopped() -> String {
+    "the lease log writer has stopped".to_string()
+}
+
+impl Commit {
+    /// Waits on this thread, which must not be a runtime's.
+    pub(crate) fn wait_blocking(self) -> Result<(), String> {
+        self.0.blocking_recv().map_err(|_| writer_stopped())?
+    }
+}
+
+impl std::future::Future for Commit {
+    type Output = Result<(), String>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|r| r.map_err(|_| writer_stopped()).and_then(|r| r))
+    }
 }
 
 fn render_all(records: &[Record]) -> Vec<u8> {
@@ -269,25 +312,21 @@ impl Wal {
     }
 
     fn send(&self, job: Job) -> Result<(), String> {
-        self.tx
-            .send(job)
-            .map_err(|_| "the lease log writer has stopped".to_string())
+        self.tx.send(job).map_err(|_| writer_stopped())
     }
 
-    /// Appends rendered records and waits until they are on disk.
-    async fn append_bytes(&self, bytes: Vec<u8>) -> Result<(), String> {
+    /// Queues rendered records for the next commit.
+    fn submit(&self, bytes: Vec<u8>) -> Result<Commit, String> {
         let (done, wait) = oneshot::channel();
         self.send(Job::Append {
             bytes,
             done: Some(done),
         })?;
-        wait.await
-            .map_err(|_| "the lease log writer has stopped".to_string())?
+        Ok(Commit(wait))
     }
 
-    /// Appends the grant of `l` (rendered from it, no copy of its fields) and waits until it
-    /// is on disk.
-    pub(crate) async fn append_grant(&self, l: &Live) -> Result<(), String> {
+    /// Queues the grant of `l` (rendered from it, no copy of its fields).
+    pub(crate) fn grant(&self, l: &Live) -> Result<Commit, String> {
         let mut bytes = Vec::with_capacity(96);
         render_grant(
             &l.task,
@@ -298,14 +337,19 @@ impl Wal {
             l.state,
             &mut bytes,
         );
-        self.append_bytes(bytes).await
+        self.submit(bytes)
     }
 
-    /// Appends the end of a lease and waits until it is on disk.
-    pub(crate) async fn append_end(&self, lease_id: &str) -> Result<(), String> {
+    /// Queues the end of a lease.
+    pub(crate) fn end(&self, lease_id: &str) -> Result<Commit, String> {
         let mut bytes = Vec::with_capacity(lease_id.len() + 3);
         render_end(lease_id, &mut bytes);
-        self.append_bytes(bytes).await
+        self.submit(bytes)
+    }
+
+    /// Appends the grant of `l` and waits until it is on disk.
+    pub(crate) async fn append_grant(&self, l: &Live) -> Result<(), String> {
+        self.grant(l)?.await
     }
 
     /// Appends the end of a lease without waiting: for expiries, which a restart would redo
@@ -314,6 +358,18 @@ impl Wal {
         let mut bytes = Vec::with_capacity(lease_id.len() + 3);
         render_end(lease_id, &mut bytes);
         let _ = self.send(Job::Append { bytes, done: None });
+    }
+
+    /// Tests: no commit starts until the guard is dropped.
+    #[cfg(test)]
+    pub(crate) fn hold_commits(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.sizes.held.lock().expect("not poisoned")
+    }
+
+    /// Tests: the next commit fails, and writes nothing.
+    #[cfg(test)]
+    pub(crate) fn fail_next_commit(&self) {
+        self.sizes.fail_next.store(true, Ordering::Relaxed);
     }
 
     /// Whether the log has grown enough since its last rewrite to be rewritten: more than
@@ -358,9 +414,17 @@ fn writer(mut log: Log, path: &Path, rx: mpsc::Receiver<Job>, sizes: &Sizes) {
         if buf.is_empty() && waiting.is_empty() {
             return;
         }
-        let result = log
-            .append(buf)
-            .map_err(|e| format!("cannot append to {}: {e}", path.display()));
+        #[cfg(test)]
+        let _held = sizes.held.lock();
+        let result = if sizes.failing() {
+            Err(format!(
+                "cannot append to {}: failure injected",
+                path.display()
+            ))
+        } else {
+            log.append(buf)
+                .map_err(|e| format!("cannot append to {}: {e}", path.display()))
+        };
         match &result {
             Ok(()) => {
                 sizes
@@ -430,7 +494,7 @@ mod tests {
     async fn append(wal: &Wal, r: &Record) {
         let mut bytes = Vec::new();
         r.render(&mut bytes);
-        wal.append_bytes(bytes).await.expect("append");
+        wal.submit(bytes).expect("queued").await.expect("append");
     }
 
     #[tokio::test]
