@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::task::{Context, Poll};
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use automaton_proto::v1 as pb;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
@@ -37,13 +37,20 @@ const UNIMPLEMENTED: u16 = 12;
 pub async fn serve_on(listener: TcpListener) -> Result<()> {
     let tokens = Arc::new(AtomicU64::new(0));
     loop {
-        let (sock, _) = listener
-            .accept()
-            .await
-            .context("the inline echo server cannot accept connections")?;
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(e) => {
+                // Out of file descriptors, say: the connections already open go on.
+                eprintln!("the inline echo server cannot accept a connection: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
         // Small messages: Nagle plus delayed ACKs would add ~40 ms, as on the coordinator.
-        sock.set_nodelay(true)
-            .context("cannot set TCP_NODELAY on an accepted connection")?;
+        if let Err(e) = sock.set_nodelay(true) {
+            eprintln!("cannot set TCP_NODELAY on an accepted connection, closing it: {e}");
+            continue;
+        }
         tokio::spawn(connection(sock, tokens.clone()));
     }
 }
@@ -72,11 +79,11 @@ async fn connection(sock: TcpStream, tokens: Arc<AtomicU64>) {
                 Poll::Ready(Some(Err(_)) | None) => return Poll::Ready(()),
                 Poll::Pending => {}
             }
-            streams.retain_mut(|s| match s.answer(cx) {
-                Poll::Ready(()) => false,
-                Poll::Pending => true,
+            streams.retain_mut(|s| {
+                let open = s.answer(cx).is_pending();
+                progress |= std::mem::take(&mut s.answered);
+                open
             });
-            progress |= streams.iter_mut().any(|s| std::mem::take(&mut s.answered));
             // Answers were queued: poll the connection again now, which writes them.
             if !progress {
                 return Poll::Pending;
