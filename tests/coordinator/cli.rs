@@ -286,6 +286,60 @@ async fn cli_forwards_to_the_running_coordinator_with_identical_output() {
     assert_eq!(coord.api().await.state("gamma").await, "new");
 }
 
+/// Bad input / production expectation: a coordinator that never answers (a hung process, a
+/// connection that went dead) costs the CLI its deadline, not forever, and the error is one
+/// line that says what to do, exit 2, nothing written.
+#[test]
+fn cli_gives_up_on_a_coordinator_that_never_answers_in_one_line() {
+    let env = Env::new();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    // Accepts connections and holds them open, reading and answering nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming() {
+            match conn {
+                Ok(c) => held.push(c),
+                Err(_) => return,
+            }
+        }
+    });
+    let before = env.snapshot();
+    let started = std::time::Instant::now();
+    let r = env.cli_env(
+        &[
+            "--task",
+            "t",
+            "--transition",
+            "research",
+            "--coordinator",
+            &url,
+        ],
+        &[("AUTOMATON_CALL_TIMEOUT", "1s")],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(
+        r.error_line().starts_with(&format!(
+            "ERROR: no answer from the coordinator at {url} within 1s"
+        )) && r.error_line().contains("retry"),
+        "{r:?}"
+    );
+    assert_eq!(r.stderr.lines().count(), 1, "one line: {r:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "gave up after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(env.snapshot(), before, "nothing written");
+
+    let r = env.cli_env(
+        &["--list", "--coordinator", &url],
+        &[("AUTOMATON_CALL_TIMEOUT", "soon")],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.error_line().contains("AUTOMATON_CALL_TIMEOUT"), "{r:?}");
+}
+
 /// Issue §Semantics "(also --coordinator URL / AUTOMATON_COORDINATOR)".
 #[tokio::test(flavor = "multi_thread")]
 async fn cli_honours_coordinator_flag_and_env() {

@@ -55,6 +55,7 @@ const SCRUBBED_ENV: &[&str] = &[
     "AUTOMATON_TLS_KEY",
     "AUTOMATON_OPERATOR_TOKEN",
     "AUTOMATON_AGENT_TOKEN",
+    "AUTOMATON_CALL_TIMEOUT",
 ];
 
 /// The `automaton` CLI binary, built next to the coordinator by `cargo test --workspace`.

@@ -67,7 +67,7 @@ impl From<tonic::Status> for Failure {
 
 pub enum Backend {
     Local(Project),
-    Remote(Remote),
+    Remote(Box<Remote>),
 }
 
 /// A coordinator and what it takes to call it from this synchronous command.
@@ -76,39 +76,68 @@ pub struct Remote {
     address: String,
     runtime: tokio::runtime::Runtime,
     channel: Channel,
-    bearer: Bearer,
+    stamp: Stamp,
 }
 
-/// Sends `AUTOMATON_TOKEN` as `authorization: Bearer …` on every call.
-#[derive(Clone)]
-struct Bearer(Option<tonic::metadata::AsciiMetadataValue>);
+/// How long a call may take unless `AUTOMATON_CALL_TIMEOUT` says otherwise.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
-impl tonic::service::Interceptor for Bearer {
+/// What every call carries: `AUTOMATON_TOKEN` as `authorization: Bearer …`, and the call's
+/// deadline as `grpc-timeout`, so a coordinator that cannot answer in time says so itself.
+#[derive(Clone)]
+struct Stamp {
+    bearer: Option<tonic::metadata::AsciiMetadataValue>,
+    deadline: Duration,
+}
+
+impl tonic::service::Interceptor for Stamp {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(v) = &self.0 {
+        if let Some(v) = &self.bearer {
             req.metadata_mut().insert("authorization", v.clone());
         }
+        req.set_timeout(self.deadline);
         Ok(req)
     }
 }
 
-type Intercepted = tonic::service::interceptor::InterceptedService<Channel, Bearer>;
+type Intercepted = tonic::service::interceptor::InterceptedService<Channel, Stamp>;
 
 impl Remote {
     fn tasks(&self) -> pb::tasks_client::TasksClient<Intercepted> {
-        pb::tasks_client::TasksClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+        pb::tasks_client::TasksClient::with_interceptor(self.channel.clone(), self.stamp.clone())
     }
 
     fn leases(&self) -> pb::leases_client::LeasesClient<Intercepted> {
-        pb::leases_client::LeasesClient::with_interceptor(self.channel.clone(), self.bearer.clone())
+        pb::leases_client::LeasesClient::with_interceptor(self.channel.clone(), self.stamp.clone())
     }
 
-    /// Runs one call to completion.
+    /// Runs one call to completion. A coordinator that cannot finish the call by its deadline
+    /// answers so itself; one that never answers (hung, or the connection dead) is given up
+    /// on at the deadline, with the same advice.
     fn run<T>(
         &self,
         call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     ) -> Result<T, Failure> {
-        Ok(self.runtime.block_on(call)?.into_inner())
+        match self.runtime.block_on(call) {
+            Ok(answer) => Ok(answer.into_inner()),
+            // tonic's own deadline, from the `grpc-timeout` the stamp sets.
+            Err(s)
+                if s.code() == tonic::Code::Cancelled
+                    && s.message() == tonic::TimeoutExpired(()).to_string() =>
+            {
+                Err(Failure::Remote {
+                    message: format!(
+                        "no answer from the coordinator at {} within {}s: it is overloaded, \
+                         stuck, or unreachable (see its log); retry, and check whether the change \
+                         was made before repeating it (AUTOMATON_CALL_TIMEOUT sets the limit)",
+                        self.address,
+                        self.stamp.deadline.as_secs()
+                    ),
+                    kind: ErrorKind::Io.as_str().to_string(),
+                })
+            }
+            Err(s) => Err(s.into()),
+        }
     }
 }
 
@@ -169,8 +198,15 @@ impl Backend {
                     "invalid coordinator address '{address}': write e.g. http://127.0.0.1:7070"
                 ))
             })?
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(Duration::from_secs(60));
+            .connect_timeout(Duration::from_secs(5));
+        let deadline = match std::env::var("AUTOMATON_CALL_TIMEOUT") {
+            Ok(v) if !v.is_empty() => automaton_workflow::parse_duration(&v).ok_or_else(|| {
+                Failure::Usage(format!(
+                    "invalid AUTOMATON_CALL_TIMEOUT '{v}': write a number with a unit, e.g. '30s' or '2m'"
+                ))
+            })?,
+            _ => CALL_TIMEOUT,
+        };
         let channel = {
             let _guard = runtime.enter();
             endpoint.connect_lazy()
@@ -181,13 +217,13 @@ impl Backend {
             })?),
             _ => None,
         };
-        Ok(Backend::Remote(Remote {
+        Ok(Backend::Remote(Box::new(Remote {
             project,
             address,
             runtime,
             channel,
-            bearer: Bearer(bearer),
-        }))
+            stamp: Stamp { bearer, deadline },
+        })))
     }
 
     pub fn coordinator(&self) -> Option<&str> {

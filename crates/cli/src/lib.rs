@@ -115,7 +115,8 @@ pub struct StatusArgs {
     #[arg(long, value_name = "ID")]
     pub lease: Option<String>,
     /// Send the request to this coordinator (default: AUTOMATON_COORDINATOR, else the one
-    /// that owns the project, found in .automaton/coordinator.lock).
+    /// that owns the project, found in .automaton/coordinator.lock). Each call waits at most
+    /// 60 s for its answer, or AUTOMATON_CALL_TIMEOUT (e.g. 2m).
     #[arg(long, value_name = "URL")]
     pub coordinator: Option<String>,
     /// Work on the files even if a coordinator owns the project (reads only are safe).
