@@ -179,10 +179,15 @@ fn writer_stopped() -> String {
     "the lease log writer has stopped".to_string()
 }
 
+/// The writer's answer, or why there is none.
+fn settled(answer: Result<Result<(), String>, oneshot::error::RecvError>) -> Result<(), String> {
+    answer.map_err(|_| writer_stopped())?
+}
+
 impl Commit {
     /// Waits on this thread, which must not be a runtime's.
     pub(crate) fn wait_blocking(self) -> Result<(), String> {
-        self.0.blocking_recv().map_err(|_| writer_stopped())?
+        settled(self.0.blocking_recv())
     }
 }
 
@@ -193,9 +198,7 @@ impl std::future::Future for Commit {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        std::pin::Pin::new(&mut self.0)
-            .poll(cx)
-            .map(|r| r.map_err(|_| writer_stopped()).and_then(|r| r))
+        std::pin::Pin::new(&mut self.0).poll(cx).map(settled)
     }
 }
 
