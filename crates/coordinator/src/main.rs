@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use automaton_coordinator::{
-    Config, Coordinator, Overrides, Ownership, config::parse_duration, serve,
+    Config, Coordinator, Failpoints, Overrides, Ownership, config::parse_duration, serve,
 };
 use automaton_store::Project;
 use clap::Parser;
@@ -34,6 +34,12 @@ struct Flags {
     /// Minimum life of every lease after a restart (e.g. 30s).
     #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 30s or 2m"))]
     grace_period: Option<std::time::Duration>,
+    /// Shortest TTL a claim may ask for (default 1s; shorter ones get INVALID_ARGUMENT).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 1s or 500ms"))]
+    lease_ttl_min: Option<std::time::Duration>,
+    /// Longest TTL a claim may ask for (default 7d).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 7d or 12h"))]
+    lease_ttl_max: Option<std::time::Duration>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -71,6 +77,8 @@ fn run() -> anyhow::Result<()> {
         listen: flags.listen,
         insecure: flags.insecure,
         grace_period: flags.grace_period,
+        lease_ttl_min: flags.lease_ttl_min,
+        lease_ttl_max: flags.lease_ttl_max,
     })?;
     if flags.print_config {
         print!("{}", cfg.to_toml());
@@ -91,8 +99,18 @@ fn run() -> anyhow::Result<()> {
         let addr = listener
             .local_addr()
             .context("cannot read the bound address")?;
-        let (coord, notes) =
-            Coordinator::open(project.clone(), cfg.grace_period, cfg.log_compact_bytes)?;
+        // Test hooks only: make the lease log's disk fail on purpose (docs/coordinator.md).
+        let failpoints = match std::env::var("AUTOMATON_FAILPOINTS") {
+            Ok(v) => Failpoints::parse(&v).map_err(anyhow::Error::msg)?,
+            Err(_) => Failpoints::default(),
+        };
+        if failpoints != Failpoints::default() {
+            tracing::warn!(
+                ?failpoints,
+                "failpoints set: the lease log will fail on purpose"
+            );
+        }
+        let (coord, notes) = Coordinator::open(project.clone(), cfg.options(failpoints))?;
         for n in &notes {
             tracing::warn!(note = %n, "recovery");
         }
