@@ -480,3 +480,98 @@ async fn reflection_is_served_as_v1alpha_too() {
         );
     }
 }
+
+/// Issue: "`.state.implementer` is written durably *before* the grant commits: a grant taken
+/// back still bars that agent from code_review." Now it is written once the grant is durable.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_taken_back_leaves_no_implementer_behind() {
+    let env = Env::new();
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    api.approved_research(&env, "impl", Some("implement")).await;
+    // The very first commit fails: the implement grant never reaches the log.
+    coord = {
+        let status = coord.terminate();
+        assert!(status.success());
+        Coord::start_with_env(
+            &env,
+            &[],
+            &[("AUTOMATON_FAILPOINTS", "log-sync-fails-after=0")],
+        )
+    };
+    let mut api = coord.api().await;
+    let refused = api
+        .claim("impl", "agent-a", 60_000)
+        .await
+        .expect_err("the grant's commit fails");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert_eq!(
+        env.task_file("impl", ".state.implementer"),
+        None,
+        "a grant taken back recorded its implementer"
+    );
+    let _ = coord.child.kill();
+    let _ = coord.child.wait();
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    assert!(api.lease_of("impl").await.is_none());
+    let l = api
+        .claim("impl", "agent-a", 60_000)
+        .await
+        .expect("claims again");
+    assert_eq!(l.state, "implement");
+    let implementers = env
+        .task_file("impl", ".state.implementer")
+        .expect("recorded now");
+    assert_eq!(String::from_utf8_lossy(&implementers), "agent-a\n");
+}
+
+/// Issue: "Replay never revives a lease that had ended": a `.state.lock` view left behind by
+/// the coordinator (its removal lags the release by about a second) is not a lease the CLI
+/// took, even once a log rewrite has dropped the grant it mirrors.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stale_view_is_not_adopted_after_the_log_was_rewritten() {
+    let env = Env::with_config("log_compact_bytes = 4096\n");
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    api.claimable_task("v").await;
+    api.claimable_task("w").await;
+    let v = api.claim("v", "agent-a", 60_000).await.expect("claim v");
+    crate::harness::lock_view(&env, "v", Some(v.token)).await;
+    api.release(&v.lease_id, v.token).await.expect("release v");
+    // Churn until the log is rewritten without v's grant, then crash at once: v's view is
+    // still on disk (it is removed a second after the release).
+    let wal = env.root().join(".automaton/leases.wal");
+    let started = Instant::now();
+    loop {
+        let l = api.claim("w", "agent-b", 60_000).await.expect("claim w");
+        api.release(&l.lease_id, l.token).await.expect("release w");
+        let log = std::fs::read(&wal).expect("log");
+        if !String::from_utf8_lossy(&log).contains(&v.lease_id) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the log was never rewritten"
+        );
+    }
+    coord.kill9();
+    assert!(
+        env.task_file("v", ".state.lock").is_some(),
+        "the test needs v's view still on disk (the churn took {:?})",
+        started.elapsed()
+    );
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    assert!(
+        api.lease_of("v").await.is_none(),
+        "a released lease came back from its stale view"
+    );
+    assert!(
+        api.claim("v", "agent-c", 60_000)
+            .await
+            .expect("claim")
+            .token
+            > v.token
+    );
+}

@@ -123,9 +123,12 @@ fn run() -> anyhow::Result<()> {
             leases = coord.live_leases(),
             "coordinator serving"
         );
+        // Installed before the line below: a SIGTERM sent as soon as it is read must drain,
+        // not kill the process with the default action.
+        let shutdown = shutdown_signal()?;
         // The one line on stdout: what a script or test waits for.
         println!("listening on {addr}");
-        serve(coord, &cfg, listener, shutdown_signal()).await?;
+        serve(coord, &cfg, listener, shutdown).await?;
         Ok::<_, anyhow::Error>(ownership)
     });
     // Work a timed-out request left behind (a read or write on a stuck disk) must not hold
@@ -140,17 +143,16 @@ fn run() -> anyhow::Result<()> {
 /// How long the exit waits for work that requests which timed out left running.
 const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// Resolves on SIGTERM or Ctrl-C; the handlers are installed when this is called.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install the SIGTERM handler")?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot install the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = term => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    })
 }
