@@ -4,7 +4,7 @@
 //! clock of whoever reads a `.state.lock`. The TTL is a minimum: a lease lives at least its
 //! TTL after its last renewal, and at least the grace period after a restart.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_store::{Lease, Project};
@@ -189,6 +189,11 @@ impl Table {
             .is_some_and(|l| l.lease_id == lease_id && l.deadline <= now)
     }
 
+    /// Makes sure the next token is above `token` (an adopted lease's).
+    pub fn bump_past(&mut self, token: u64) {
+        self.next_token = self.next_token.max(token.saturating_add(1));
+    }
+
     /// The next fencing token (the caller makes sure it is covered on disk, see `fencing.rs`).
     pub fn take_token(&mut self) -> u64 {
         let t = self.next_token;
@@ -224,12 +229,13 @@ impl Table {
     }
 }
 
-/// What a start found: the table, what it noticed, and the tasks that have a `.state.lock`
-/// on disk (readable or not), whose views the start must rewrite or remove.
+/// What a start found: the table, what it noticed, and the token mark.
 pub(crate) struct Recovered {
     pub table: Table,
     pub notes: Vec<String>,
-    pub files: HashSet<TaskName>,
+    /// Every token up to this one may have been issued by a coordinator: a `.state.lock`
+    /// with a higher token was taken by the CLI while none ran (see [`adoptable`]).
+    pub log_mark: u64,
     /// The fencing mark on disk: every token up to it is reserved.
     pub fencing_mark: u64,
 }
@@ -276,70 +282,39 @@ pub(crate) fn replay(log: &[Record]) -> (HashMap<TaskName, Record>, u64) {
     (by_task, mark)
 }
 
-/// Rebuilds the table from the log, then reconciles it with the files:
-/// - a `.state.lock` with a token above every token the log says a coordinator may have
-///   issued was claimed by the CLI while no coordinator ran, and is adopted while live; any
-///   other `.state.lock` is this coordinator's view, whose fate the log knows;
+/// Rebuilds the table from the log alone — the log is the truth, and a start reads no task
+/// folder but those of the leases it keeps (100,000 folders cost seconds on a cold cache):
 /// - a lease whose task has since moved to another state is dropped (a lease is for a phase);
 /// - every surviving lease gets at least `grace` from now, so its holder can reconnect;
 /// - the implementer of every surviving implement lease is recorded (the grant was durable
 ///   before its implementer was written);
 /// - the fencing mark moves past every token seen, and a fresh block is reserved.
+///
+/// The files are reconciled task by task when a task is first touched (see
+/// `Coordinator::touch`): a `.state.lock` the CLI wrote while no coordinator ran is adopted
+/// then, before the task can be granted; any other is a stale view and is removed.
 pub(crate) fn recover(
     project: &Project,
     log: &[Record],
     grace: Duration,
 ) -> Result<Recovered, automaton_store::Error> {
     let mut notes = Vec::new();
-    let mut files = HashSet::new();
     let (grants, log_mark) = replay(log);
-    let mut max_token = log_mark;
-    let mut by_task: HashMap<TaskName, (AgentId, String, u64, Duration, State)> = grants
-        .into_iter()
-        .filter_map(|(task, r)| match r {
-            Record::Grant {
-                agent,
-                lease_id,
-                token,
-                ttl,
-                state,
-                ..
-            } => Some((task, (agent, lease_id, token, ttl, state))),
-            _ => None,
-        })
-        .collect();
     let now_wall = SystemTime::now();
-    for task in project.all_task_names()? {
-        let file = match project.read_lease(&task) {
-            Ok(f) => {
-                if f.is_some() {
-                    files.insert(task.clone());
-                }
-                f
-            }
-            Err(e) => {
-                files.insert(task.clone());
-                notes.push(format!(
-                    "{task}: unreadable .state.lock replaced from the log ({e})"
-                ));
-                None
-            }
-        };
-        if let Some(l) = file {
-            max_token = max_token.max(l.token);
-            if l.token > log_mark && l.expires > now_wall {
-                let ttl = l.expires.duration_since(l.claimed).unwrap_or(grace);
-                notes.push(format!(
-                    "{task}: adopted the lease of {} (token {}) taken without the coordinator",
-                    l.agent, l.token
-                ));
-                by_task.insert(task.clone(), (l.agent, l.lease_id, l.token, ttl, l.phase));
-            }
-        }
-    }
     let mut table = Table::default();
     let now = Instant::now();
-    for (task, (agent, lease_id, token, ttl, state)) in by_task {
+    for (task, r) in grants {
+        let Record::Grant {
+            agent,
+            lease_id,
+            token,
+            ttl,
+            state,
+            ..
+        } = r
+        else {
+            continue;
+        };
         match project.read_state(&task) {
             Ok(Some(current)) if current == state => {}
             Ok(current) => {
@@ -357,10 +332,48 @@ pub(crate) fn recover(
         if state.phase == Phase::Implement {
             project.record_implementer(&task, &agent, state)?;
         }
-        // A TTL read from disk is bounded like one from a request.
+        table.insert(Live::recovered(
+            task, agent, lease_id, token, ttl, state, grace, now, now_wall,
+        ));
+    }
+    // The CLI moves the fencing mark past every token it issues: no folder need be read.
+    let mark = project.fencing_mark()?.max(log_mark);
+    table.next_token = mark.saturating_add(1);
+    let fencing_mark = mark.saturating_add(TOKEN_BLOCK);
+    project.set_fencing_mark(fencing_mark)?;
+    Ok(Recovered {
+        table,
+        notes,
+        log_mark,
+        fencing_mark,
+    })
+}
+
+/// Whether a `.state.lock` found on a task's first touch is a lease the CLI took while no
+/// coordinator ran (adopt it while live and for the task's current state), rather than a
+/// view some coordinator wrote (whose fate the log knows).
+pub(crate) fn adoptable(file: &Lease, log_mark: u64, state: State, now: SystemTime) -> bool {
+    file.token > log_mark && file.expires > now && file.phase == state
+}
+
+impl Live {
+    /// A lease rebuilt at start (from the log or an adopted file): it lives at least
+    /// max(TTL, grace) from now. A TTL read from disk is bounded like one from a request.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn recovered(
+        task: TaskName,
+        agent: AgentId,
+        lease_id: String,
+        token: u64,
+        ttl: Duration,
+        state: State,
+        grace: Duration,
+        now: Instant,
+        now_wall: SystemTime,
+    ) -> Live {
         let ttl = ttl.min(TtlBounds::CEILING);
         let live = ttl.max(grace);
-        let l = Live {
+        Live {
             task,
             agent,
             lease_id,
@@ -371,19 +384,8 @@ pub(crate) fn recover(
             claimed: now_wall,
             view_expires: wall_later(now_wall, live.saturating_add(ttl)),
             ending: false,
-        };
-        table.insert(l);
+        }
     }
-    let mark = project.fencing_mark()?.max(max_token);
-    table.next_token = mark.saturating_add(1);
-    let fencing_mark = mark.saturating_add(TOKEN_BLOCK);
-    project.set_fencing_mark(fencing_mark)?;
-    Ok(Recovered {
-        table,
-        notes,
-        files,
-        fencing_mark,
-    })
 }
 
 #[cfg(test)]

@@ -146,6 +146,7 @@ pub async fn serve(
         .build_v1alpha()
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
+    coord.spawn_reconciler();
     let sweeper = {
         let coord = coord.clone();
         let mut stop = stop_rx.clone();

@@ -121,6 +121,9 @@ pub struct Coordinator {
     /// folder on this filesystem). Filled on first use; updated under the task's guard by
     /// every change the coordinator makes.
     states: Mutex<std::collections::HashMap<TaskName, State>>,
+    /// Every token up to this one may have been issued by a coordinator before this start
+    /// (see `leases::adoptable`).
+    log_mark: u64,
     events: broadcast::Sender<Event>,
     /// Live [`Subscription`]s: whether building an event is worth it.
     watchers_of_events: Arc<AtomicUsize>,
@@ -152,7 +155,7 @@ impl Coordinator {
         let crate::leases::Recovered {
             table,
             notes: recovered,
-            files,
+            log_mark,
             fencing_mark,
         } = crate::leases::recover(&project, &log, grace)?;
         notes.extend(recovered);
@@ -164,20 +167,16 @@ impl Coordinator {
             options.failpoints,
         )
         .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
-        // Views: every live lease written; every other lock file (stale or unreadable, as
-        // recovery found them) removed.
+        // Views of the leases kept: written now. Every other `.state.lock` is looked at when
+        // its task is first touched (see `touch`).
         let now = Instant::now();
         let mut written = std::collections::HashSet::new();
-        let touched: std::collections::BTreeSet<TaskName> = files
-            .into_iter()
-            .chain(table.live_tasks(now).cloned())
-            .collect();
-        for task in touched {
-            let view = table.live(&task, now).map(Live::view);
-            project.write_lease_view(&task, view.as_ref())?;
-            if view.is_some() {
-                written.insert(task);
-            }
+        let mut states = std::collections::HashMap::new();
+        for l in table.live_tasks(now).filter_map(|t| table.live(t, now)) {
+            project.write_lease_view(&l.task, Some(&l.view()))?;
+            written.insert(l.task.clone());
+            // Recovery read this task's state: it counts as touched.
+            states.insert(l.task.clone(), l.state);
         }
         let views = spawn_view_writer(project.clone(), written);
         let (events, _) = broadcast::channel(4096);
@@ -195,7 +194,8 @@ impl Coordinator {
                     .collect(),
                 reads: Arc::new(tokio::sync::Semaphore::new(MAX_BLOCKING_READS)),
                 views,
-                states: Mutex::new(std::collections::HashMap::new()),
+                states: Mutex::new(states),
+                log_mark,
                 events,
                 watchers_of_events: Arc::new(AtomicUsize::new(0)),
                 watchers: Watchers::default(),
@@ -355,7 +355,7 @@ impl Coordinator {
                 None => self.policy.lock_timeout,
             };
         let guard = self.guard(task).await;
-        let state = self.state_of(task)?;
+        let state = self.touch(task).await?;
         self.project
             .claimable_in(task, state, agent, &self.policy)?;
         let now = Instant::now();
@@ -502,14 +502,118 @@ impl Coordinator {
         self.wal.append_end_nowait(&live.lease_id);
     }
 
-    /// A task's state: from memory, or read once from `.state` (call under the task's guard).
-    fn state_of(&self, task: &TaskName) -> Result<State, Error> {
+    /// A task's state: from memory, or read once from `.state` when the task is first
+    /// touched, which is also when its `.state.lock` is reconciled with the log: a lease the
+    /// CLI took while no coordinator ran is adopted (logged durably first), any other file
+    /// is a stale or broken view and is removed. Call under the task's guard.
+    async fn touch(&self, task: &TaskName) -> Result<State, Error> {
         if let Some(s) = self.states().get(task) {
             return Ok(*s);
         }
-        let s = self.project.tracked_state(task)?;
-        self.states().insert(task.clone(), s);
-        Ok(s)
+        let project = self.project.clone();
+        let t = task.clone();
+        let (state, file) = tokio::task::spawn_blocking(move || {
+            let state = project.tracked_state(&t)?;
+            Ok::<_, automaton_store::Error>((state, project.read_lease(&t)))
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("reading task {task} failed: {e}")))??;
+        let now_wall = SystemTime::now();
+        let ours = |id: &str| self.table().entry(task).is_some_and(|l| l.lease_id == id);
+        match file {
+            Ok(Some(l)) if ours(&l.lease_id) => {}
+            Ok(Some(l)) if crate::leases::adoptable(&l, self.log_mark, state, now_wall) => {
+                let live = Live::recovered(
+                    task.clone(),
+                    l.agent.clone(),
+                    l.lease_id.clone(),
+                    l.token,
+                    l.expires
+                        .duration_since(l.claimed)
+                        .unwrap_or(self.options.grace),
+                    state,
+                    self.options.grace,
+                    Instant::now(),
+                    now_wall,
+                );
+                // In the log before it counts: the next start must know it (and its end).
+                self.wal
+                    .grant(&live)
+                    .map_err(Error::Unavailable)?
+                    .await
+                    .map_err(Error::Unavailable)?;
+                tracing::warn!(task = %task, agent = %l.agent, token = l.token, "adopted a lease taken without the coordinator");
+                let mut table = self.table();
+                table.bump_past(l.token);
+                if table.entry(task).is_none() {
+                    table.insert(live);
+                }
+            }
+            Ok(Some(_)) | Err(_) => {
+                if let Err(e) = &file {
+                    tracing::warn!(task = %task, error = %e, "unreadable .state.lock removed");
+                }
+                self.project.write_lease_view(task, None)?;
+            }
+            Ok(None) => {}
+        }
+        self.states().insert(task.clone(), state);
+        Ok(state)
+    }
+
+    /// [`Coordinator::touch`] before a change of the task (under its guard): a task the store
+    /// will refuse anyway (unknown, untracked) is left to the store to explain.
+    async fn touch_for_change(&self, task: &TaskName) -> Result<(), Error> {
+        match self.touch(task).await {
+            Err(e @ (Error::Unavailable(_) | Error::Internal(_))) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Coordinator::touch`] under the task's guard, for paths that do not hold it (reads).
+    pub(crate) async fn touch_guarded(&self, task: &TaskName) -> Result<(), Error> {
+        if self.states().contains_key(task) {
+            return Ok(());
+        }
+        let _guard = self.guard(task).await;
+        self.touch(task).await.map(drop)
+    }
+
+    /// Touches every task in the background, at the lowest CPU priority: stale views are
+    /// removed and leases the CLI took are adopted within seconds of a start, without
+    /// holding the start up (a request that touches a task first does it itself).
+    pub fn spawn_reconciler(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let me = Arc::downgrade(self);
+        let project = self.project.clone();
+        let _ = std::thread::Builder::new()
+            .name("reconcile".into())
+            .spawn(move || {
+                #[cfg(unix)]
+                let _ = rustix::process::setpriority_process(None, 19);
+                let started = Instant::now();
+                let tasks = match project.all_task_names() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot list the tasks to reconcile");
+                        return;
+                    }
+                };
+                let n = tasks.len();
+                for task in tasks {
+                    let Some(coord) = me.upgrade() else { return };
+                    if let Err(e) = runtime.block_on(coord.touch_guarded(&task)) {
+                        tracing::debug!(task = %task, error = %e, "not reconciled");
+                    }
+                }
+                tracing::info!(
+                    tasks = n,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "every task folder reconciled with the lease log"
+                );
+            });
     }
 
     fn states(&self) -> MutexGuard<'_, std::collections::HashMap<TaskName, State>> {
@@ -806,6 +910,7 @@ impl Coordinator {
         target: State,
         p: &Presented,
     ) -> Result<(State, Option<Live>), Error> {
+        self.touch_for_change(task).await?;
         let live = self.check_presented(task, p)?;
         let project = self.project.clone();
         let t = task.clone();
@@ -853,6 +958,7 @@ impl Coordinator {
         task: &TaskName,
         approver: &str,
     ) -> Result<ApproveOutcome, Error> {
+        self.touch_for_change(task).await?;
         let holder = self.lease_of(task).map(|l| l.agent);
         let project = self.project.clone();
         let (t, a) = (task.clone(), approver.to_string());
