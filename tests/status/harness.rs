@@ -30,7 +30,10 @@ impl Env {
     /// A project with `Mode: multi-agent` in its `.agent.md`.
     pub fn multi_agent() -> Env {
         let env = Env::new();
-        env.write(".agent.md", "# Agent config\n- **Mode**: multi-agent\n");
+        env.write(
+            ".automaton/.agent.md",
+            "# Agent config\n- **Mode**: multi-agent\n",
+        );
         env
     }
 

@@ -363,7 +363,7 @@ impl Coordinator {
             table.insert(live.clone());
             live
         };
-        if let Err(e) = self.project.record_implementer(task, agent, state) {
+        if let Err(e) = self.project.record_holder(task, agent, state) {
             self.unclaim(&live);
             return Err(e.into());
         }
