@@ -1483,6 +1483,63 @@ mod tests {
     }
 
     #[test]
+    fn layered_lookup_prefers_the_project_file_then_the_users() {
+        let home = tempfile::tempdir().expect("home");
+        let (d, _) = project();
+        let p = Project::open(d.path(), Some(home.path()));
+        let user = home.path().join(".automaton");
+        let own = d.path().join(".automaton");
+        assert_eq!(p.layered("prompts/research.md"), None, "neither exists");
+        fs::create_dir_all(user.join("prompts")).expect("mkdir");
+        fs::write(user.join("prompts/research.md"), "user").expect("write");
+        fs::write(user.join(".rules.md"), "user").expect("write");
+        assert_eq!(
+            p.layered("prompts/research.md"),
+            Some(user.join("prompts/research.md"))
+        );
+        fs::create_dir_all(own.join("prompts")).expect("mkdir");
+        fs::write(own.join("prompts/research.md"), "project").expect("write");
+        assert_eq!(
+            p.layered("prompts/research.md"),
+            Some(own.join("prompts/research.md")),
+            "the project's file wins"
+        );
+        assert_eq!(
+            p.layered(".rules.md"),
+            Some(user.join(".rules.md")),
+            "file by file: the project has no .rules.md"
+        );
+        for outside in ["../x", "/etc/passwd", "", "prompts/../../x"] {
+            assert_eq!(p.layered(outside), None, "{outside:?}");
+        }
+        let no_home = Project::open(d.path(), None);
+        assert_eq!(no_home.layered(".rules.md"), None);
+    }
+
+    #[test]
+    fn record_holder_records_every_phase_and_implement_in_seed_001_format_too() {
+        let (_d, p) = project();
+        let t = name("t");
+        p.create_task(&t).expect("create");
+        let a: AgentId = "a".parse().expect("valid");
+        let b: AgentId = "b".parse().expect("valid");
+        let st = |s: &str| s.parse::<State>().expect("valid");
+        p.record_holder(&t, &a, st("research")).expect("record");
+        p.record_holder(&t, &a, st("research"))
+            .expect("twice is once");
+        p.record_holder(&t, &b, st("implement")).expect("record");
+        let dir = p.task_dir(&t);
+        assert_eq!(
+            fs::read_to_string(dir.join(".state.holders")).expect("holders"),
+            "research|a\nimplement|b\n"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join(".state.implementer")).expect("implementer"),
+            "b\n"
+        );
+    }
+
+    #[test]
     fn user_automaton_folder_keeps_tasks_directly_under_it() {
         let home = tempfile::tempdir().expect("home");
         let meta = home.path().join(".automaton");
