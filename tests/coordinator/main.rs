@@ -4,6 +4,7 @@
 
 mod cli;
 mod harness;
+mod issue14;
 mod leases;
 mod limits;
 mod restart;
