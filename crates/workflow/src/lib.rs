@@ -230,6 +230,7 @@ mod tests {
             ".state.approvals",
             ".state.lock",
             ".state.implementer",
+            ".state.holders",
             "VRAM_CONFIG.md",
             "PARENT_SPEC.md",
             "REVIEW.md",
