@@ -233,6 +233,19 @@ fn issue14_item4_hand_written_approved_state_cannot_pass_the_gate() {
         "{r:?}"
     );
     assert_eq!(env.shim(&["--task", "t", "--transition", "implement"]), r);
+    let r = same_via_shim(&env, &["--task", "t"]);
+    assert!(
+        r.stdout.lines().any(|l| l
+            == "Approval: NOT RECORDED: .state.approvals has no record of approving SPEC.md, so this state cannot be left. A person runs --approve"),
+        "{r:?}"
+    );
+    let r = same_via_shim(&env, &["--list"]);
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with("t ") && l.contains("research:approved (no approval record)")),
+        "{r:?}"
+    );
     let r = same_via_shim(&env, &["--audit"]);
     r.code(1);
     assert!(

@@ -54,7 +54,9 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
                 record: None,
                 ..
             } => {
-                format!("approved, but .state.approvals has no record of it ({artifact})")
+                format!(
+                    "NOT RECORDED: .state.approvals has no record of approving {artifact}, so this state cannot be left. A person runs --approve"
+                )
             }
             ApprovalView::Approved {
                 artifact,
@@ -167,6 +169,9 @@ fn phase_cell(e: &ListEntry) -> String {
     };
     if e.approval_stale {
         cell.push_str(" (stale approval)");
+    }
+    if e.approval_missing {
+        cell.push_str(" (no approval record)");
     }
     if let Some(a) = &e.lease_holder {
         let _ = write!(cell, " [leased: {a}]");

@@ -105,6 +105,9 @@ pub struct ListEntry {
     pub tracked: bool,
     pub next: Vec<State>,
     pub approval_stale: bool,
+    /// An `:approved` state with no record in `.state.approvals` (written by hand).
+    #[serde(default)]
+    pub approval_missing: bool,
     pub lease_holder: Option<AgentId>,
     pub subtasks: Vec<ListEntry>,
     /// The task could not be read (a corrupt `.state`, …): the other rows are still listed,
@@ -693,19 +696,20 @@ impl Project {
         let state = folder
             .state
             .or_else(|| infer_state(&folder.facts().present));
-        let approval_stale = match folder.state {
+        let approval = match folder.state {
             Some(s) if s.is_approved() => {
                 let log = self.approvals(&folder.dir)?;
-                self.approval_status(&folder.dir, s.phase, &log)?.1 == ApprovalRecord::Stale
+                Some(self.approval_status(&folder.dir, s.phase, &log)?.1)
             }
-            _ => false,
+            _ => None,
         };
         Ok(ListEntry {
             task: t.clone(),
             tracked: folder.state.is_some(),
             next: state.map(State::legal_targets).unwrap_or_default(),
             state,
-            approval_stale,
+            approval_stale: approval == Some(ApprovalRecord::Stale),
+            approval_missing: approval == Some(ApprovalRecord::Missing),
             lease_holder: self
                 .lease(&folder.dir)?
                 .filter(|l| l.is_live(now))
@@ -725,6 +729,7 @@ impl Project {
                 tracked: false,
                 next: Vec::new(),
                 approval_stale: false,
+                approval_missing: false,
                 lease_holder: None,
                 subtasks: Vec::new(),
                 error: Some(e.to_string()),
