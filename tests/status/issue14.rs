@@ -371,6 +371,13 @@ fn issue14_item6_parent_cannot_complete_before_its_subtasks() {
         env.shim(&["--task", "parent", "--transition", "complete"]),
         r
     );
+    // A sub-task that cannot be read is not known to be finished either.
+    set_state(&env, "parent/sub-a", "bogus");
+    let r = env.refused(&["--task", "parent", "--transition", "complete"]);
+    assert!(
+        r.error_line().contains("parent/sub-a (unreadable .state)"),
+        "{r:?}"
+    );
     set_state(&env, "parent/sub-a", "human_intervention");
     env.status(&["--task", "parent", "--transition", "complete"])
         .ok();

@@ -517,7 +517,8 @@ impl Project {
                 Ok(s) if s.is_terminal() => continue,
                 Ok(s) => s.to_string(),
                 Err(Error::Untracked { .. }) => "untracked".to_string(),
-                Err(e) => return Err(e),
+                // Not known to be finished; the parent's other moves stay open.
+                Err(_) => "unreadable .state".to_string(),
             };
             open.push(format!("{sub} ({state})"));
         }
