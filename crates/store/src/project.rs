@@ -1,7 +1,9 @@
 //! One project's task store and every operation of the status commands.
 
+use std::collections::HashSet;
 use std::fs;
 use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use automaton_workflow::{
@@ -32,6 +34,10 @@ pub struct Project {
     meta: PathBuf,
     tasks: PathBuf,
     home: Option<PathBuf>,
+    /// Holders this process has already recorded (task, phase, agent), shared by clones: a
+    /// coordinator grants thousands of leases a second and must not re-read `.state.holders`
+    /// for a holder it wrote itself.
+    recorded: Arc<Mutex<HashSet<(TaskName, Phase, AgentId)>>>,
 }
 
 /// An artifact file in a task folder.
@@ -301,6 +307,7 @@ impl Project {
             meta,
             root,
             home: home.map(Path::to_path_buf),
+            recorded: Arc::default(),
         }
     }
 
@@ -1139,6 +1146,22 @@ impl Project {
     /// `.state.implementer` too (seed 001's format, which the separated phases read).
     /// Recording a holder twice changes nothing.
     pub fn record_holder(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        state: State,
+    ) -> Result<(), Error> {
+        let key = (task.clone(), state.phase, agent.clone());
+        let recorded = || self.recorded.lock().unwrap_or_else(|p| p.into_inner());
+        if recorded().contains(&key) {
+            return Ok(());
+        }
+        self.record_holder_files(task, agent, state)?;
+        recorded().insert(key);
+        Ok(())
+    }
+
+    fn record_holder_files(
         &self,
         task: &TaskName,
         agent: &AgentId,
