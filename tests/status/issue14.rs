@@ -301,6 +301,11 @@ fn issue14_item5_every_holder_of_a_phase_is_refused_as_its_approver() {
         r.error_line(),
         "ERROR: 'writer-1' held task 't' in its research phase and may not approve that phase's work. A person (an operator) or an agent that did not hold it must approve it."
     );
+    assert_eq!(
+        env.shim(&["--task", "t", "--approve", "--approver", "writer-1"]),
+        r,
+        "status.py"
+    );
     env.status(&["--task", "t", "--approve", "--approver", "alice"])
         .ok();
     // code_review, held by a reviewer who wrote CODE_REVIEW.md and moved to awaiting.
