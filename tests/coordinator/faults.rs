@@ -510,6 +510,11 @@ async fn a_grant_taken_back_leaves_no_implementer_behind() {
         None,
         "a grant taken back recorded its implementer"
     );
+    assert_eq!(
+        env.task_file("impl", ".state.holders"),
+        None,
+        "a grant taken back recorded its holder"
+    );
     let _ = coord.child.kill();
     let _ = coord.child.wait();
     let coord = Coord::start(&env, &[]);

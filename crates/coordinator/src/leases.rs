@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_store::{Lease, Project};
-use automaton_workflow::{AgentId, Phase, State, TaskName, TtlBounds};
+use automaton_workflow::{AgentId, State, TaskName, TtlBounds};
 
 use crate::wal::Record;
 
@@ -286,8 +286,8 @@ pub(crate) fn replay(log: &[Record]) -> (HashMap<TaskName, Record>, u64) {
 /// folder but those of the leases it keeps (100,000 folders cost seconds on a cold cache):
 /// - a lease whose task has since moved to another state is dropped (a lease is for a phase);
 /// - every surviving lease gets at least `grace` from now, so its holder can reconnect;
-/// - the implementer of every surviving implement lease is recorded (the grant was durable
-///   before its implementer was written);
+/// - the agent of every surviving lease is recorded as a holder of its phase (the grant was
+///   durable before its holder was written);
 /// - the fencing mark moves past every token seen, and a fresh block is reserved.
 ///
 /// The files are reconciled task by task when a task is first touched (see
@@ -329,9 +329,7 @@ pub(crate) fn recover(
                 continue;
             }
         }
-        if state.phase == Phase::Implement {
-            project.record_implementer(&task, &agent, state)?;
-        }
+        project.record_holder(&task, &agent, state)?;
         table.insert(Live::recovered(
             task, agent, lease_id, token, ttl, state, grace, now, now_wall,
         ));

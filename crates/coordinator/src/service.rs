@@ -292,6 +292,14 @@ impl pb::tasks_server::Tasks for Service {
     }
 
     async fn validate_folder(&self, req: Request<pb::ValidateFolderRequest>) -> Res<pb::Report> {
+        // No task: every task and sub-task, as `--validate-folder` without `--task`.
+        if req.get_ref().task.is_empty() {
+            let all = self.coord.read(|p| p.validate_all()).await?;
+            return Ok(Response::new(pb::Report {
+                exit_code: all.exit_code(),
+                report_json: json(&all)?,
+            }));
+        }
         let task = task_name(&req.get_ref().task)?;
         let report = self.coord.read(move |p| p.validate_folder(&task)).await?;
         Ok(Response::new(pb::Report {

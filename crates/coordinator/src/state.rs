@@ -458,10 +458,10 @@ impl Coordinator {
         .await;
         logged.map_err(Error::Unavailable)?;
         let (live, _) = live;
-        // The implementer is recorded once the grant is durable, before it is acknowledged:
-        // a grant taken back leaves no trace, and a crash in between is repaired at start
-        // (every surviving implement grant's agent is recorded then).
-        if let Err(e) = self.record_implementer(&live) {
+        // The holder is recorded once the grant is durable, before it is acknowledged: a
+        // grant taken back leaves no trace, and a crash in between is repaired at start
+        // (every surviving grant's agent is recorded then).
+        if let Err(e) = self.record_holder(&live) {
             self.unclaim(&live);
             return Err(e);
         }
@@ -471,14 +471,12 @@ impl Coordinator {
         })
     }
 
-    /// Records the agent of an implement grant in `.state.implementer`, once per task and
-    /// agent (the file is read only the first time).
-    fn record_implementer(&self, live: &Live) -> Result<(), Error> {
-        if live.state.phase != automaton_workflow::Phase::Implement {
-            return Ok(());
-        }
+    /// Records the agent of a grant as a holder of its phase (`.state.holders`, and
+    /// `.state.implementer` for implement): no holder may approve the phase's gate, and an
+    /// implementer may not review. The store writes each (task, phase, agent) once.
+    fn record_holder(&self, live: &Live) -> Result<(), Error> {
         self.project
-            .record_implementer(&live.task, &live.agent, live.state)?;
+            .record_holder(&live.task, &live.agent, live.state)?;
         Ok(())
     }
 

@@ -1,7 +1,9 @@
 //! One project's task store and every operation of the status commands.
 
+use std::collections::HashSet;
 use std::fs;
 use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use automaton_workflow::{
@@ -13,12 +15,15 @@ use sha2::{Digest, Sha256};
 
 use crate::Error;
 use crate::fsx::{self, ProjectLock, atomic_write, io_err, read_optional, remove_durably};
-use crate::records::{Approval, Lease, parse_implementers};
+use crate::records::{Approval, Lease, parse_holders, parse_implementers, render_holders};
 
 const STATE: &str = ".state";
 const APPROVALS: &str = ".state.approvals";
 const LOCK: &str = ".state.lock";
 const IMPLEMENTER: &str = ".state.implementer";
+/// Every agent that held a lease on the task, per phase: `{phase}|{agent}` lines.
+const HOLDERS: &str = ".state.holders";
+const AGENT_MD: &str = ".agent.md";
 const SUBTASKS: &str = "subtasks";
 
 /// A project: where its tasks live and who the user is (for `~/.automaton`).
@@ -29,6 +34,10 @@ pub struct Project {
     meta: PathBuf,
     tasks: PathBuf,
     home: Option<PathBuf>,
+    /// Holders this process has already recorded (task, phase, agent), shared by clones: a
+    /// coordinator grants thousands of leases a second and must not re-read `.state.holders`
+    /// for a holder it wrote itself.
+    recorded: Arc<Mutex<HashSet<(TaskName, Phase, AgentId)>>>,
 }
 
 /// An artifact file in a task folder.
@@ -36,6 +45,9 @@ pub struct Project {
 pub struct ArtifactInfo {
     pub artifact: Artifact,
     pub bytes: u64,
+    /// Empty or whitespace only: shown, but not evidence of anything (seed 002).
+    #[serde(default)]
+    pub blank: bool,
 }
 
 /// Where a gated phase stands with its approval.
@@ -99,8 +111,134 @@ pub struct ListEntry {
     pub tracked: bool,
     pub next: Vec<State>,
     pub approval_stale: bool,
+    /// An `:approved` state with no record in `.state.approvals` (written by hand).
+    #[serde(default)]
+    pub approval_missing: bool,
     pub lease_holder: Option<AgentId>,
     pub subtasks: Vec<ListEntry>,
+    /// The task could not be read (a corrupt `.state`, …): the other rows are still listed,
+    /// and `--list` exits 2.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl ListEntry {
+    /// This row and its sub-tasks' rows.
+    pub fn rows(&self) -> impl Iterator<Item = &ListEntry> {
+        std::iter::once(self).chain(self.subtasks.iter())
+    }
+}
+
+/// A folder under the tasks folder whose name no command can address: not kebab-case
+/// (`tasks/Fix Login Bug/`, `tasks/my_task/`), so it was made by hand. Listed, audited
+/// (Category 4) and left alone by `--upgrade`; never skipped silently.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Unaddressable {
+    /// The folder as a task address would name it: `Fix Login Bug` or `parent/my_sub`.
+    pub folder: String,
+    pub path: PathBuf,
+    /// Why no command can name it.
+    pub why: String,
+    /// A kebab-case name to rename it to, when one can be derived.
+    pub rename_to: Option<String>,
+}
+
+impl Unaddressable {
+    /// What to do about it, as one sentence.
+    pub fn advice(&self) -> String {
+        match &self.rename_to {
+            Some(n) => format!("Rename the folder to '{n}' to make it a task"),
+            None => "Rename the folder to a kebab-case name to make it a task".to_string(),
+        }
+    }
+}
+
+/// `--list`: every task, and the folders no command can address.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Listing {
+    pub tasks: Vec<ListEntry>,
+    pub unaddressable: Vec<Unaddressable>,
+}
+
+impl Listing {
+    /// 2 when a task could not be read, else 0.
+    pub fn exit_code(&self) -> i32 {
+        if self
+            .tasks
+            .iter()
+            .flat_map(ListEntry::rows)
+            .any(|e| e.error.is_some())
+        {
+            2
+        } else {
+            0
+        }
+    }
+}
+
+/// A task a whole-project command could not read.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskError {
+    pub task: TaskName,
+    pub error: String,
+}
+
+/// `--validate-folder` without `--task`: one report per task and sub-task.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProjectFolders {
+    pub reports: Vec<FolderReport>,
+    pub errors: Vec<TaskError>,
+    pub unaddressable: Vec<Unaddressable>,
+}
+
+impl ProjectFolders {
+    pub fn passed(&self) -> bool {
+        self.errors.is_empty()
+            && self.unaddressable.is_empty()
+            && self.reports.iter().all(FolderReport::passed)
+    }
+
+    /// As with `--task`: 0 PASS, 1 FAIL, 2 a task could not be read.
+    pub fn exit_code(&self) -> i32 {
+        if !self.errors.is_empty() {
+            2
+        } else if self.passed() {
+            0
+        } else {
+            1
+        }
+    }
+}
+
+/// Whether a file holds nothing but whitespace (or nothing). Reads only until the first
+/// other byte, which for a real artifact is almost always in the first block.
+fn is_blank(path: &Path) -> Result<bool, Error> {
+    use std::io::Read;
+    let mut f = fs::File::open(path).map_err(io_err("read", path))?;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = f.read(&mut buf).map_err(io_err("read", path))?;
+        if n == 0 {
+            return Ok(true);
+        }
+        if !buf[..n].iter().all(u8::is_ascii_whitespace) {
+            return Ok(false);
+        }
+    }
+}
+
+/// A kebab-case version of a folder name (`Fix Login Bug` → `fix-login-bug`), if one exists.
+fn kebab(name: &str) -> Option<String> {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.is_empty() && !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    let out = out.trim_end_matches('-').to_string();
+    out.parse::<TaskName>().ok().map(|_| out)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -133,17 +271,19 @@ pub(crate) struct Folder {
 }
 
 impl Folder {
+    /// The folder's artifacts as evidence: an empty or whitespace-only file counts as absent
+    /// everywhere (heuristic, upgrade, audit, transitions, folder validation).
     pub fn facts(&self) -> Facts {
+        let evidence: Vec<Artifact> = self
+            .artifacts
+            .iter()
+            .filter(|a| !a.blank)
+            .map(|a| a.artifact)
+            .collect();
         Facts {
-            present: self.artifacts.iter().map(|a| a.artifact).collect(),
-            non_empty: self
-                .artifacts
-                .iter()
-                .filter(|a| a.bytes > 0)
-                .map(|a| a.artifact)
-                .collect(),
-            verdict: None,
-            approval_stale: false,
+            present: evidence.clone(),
+            non_empty: evidence,
+            ..Facts::default()
         }
     }
 }
@@ -167,6 +307,7 @@ impl Project {
             meta,
             root,
             home: home.map(Path::to_path_buf),
+            recorded: Arc::default(),
         }
     }
 
@@ -209,24 +350,74 @@ impl Project {
         self.tasks.display().to_string()
     }
 
-    /// The project's policy: its `.agent.md` over `~/.automaton/.agent.md`.
+    /// Seed 002's layered lookup of a framework file: `{project}/.automaton/{relative}` if it
+    /// exists, else `~/.automaton/{relative}` if that exists (file-level precedence: the first
+    /// found is the whole answer). For `.agent.md`, `.rules.md`, `prompts/…`, `contracts/…`,
+    /// `scripts/…`. A path that is absolute or climbs out with `..` is never looked up.
+    pub fn layered(&self, relative: impl AsRef<Path>) -> Option<PathBuf> {
+        let rel = relative.as_ref();
+        if rel.as_os_str().is_empty()
+            || !rel.components().all(|c| matches!(c, Component::Normal(_)))
+        {
+            return None;
+        }
+        let own = self.meta.join(rel);
+        if own.exists() {
+            return Some(own);
+        }
+        let user = self.home.as_ref()?.join(".automaton").join(rel);
+        user.exists().then_some(user)
+    }
+
+    /// A `.agent.md` at the project root, where seed 002 does not look (it belongs in
+    /// `{project}/.automaton/`), with whether it is still honoured: it is when the project has
+    /// no `.automaton/.agent.md`. Callers warn about it.
+    pub fn misplaced_agent_md(&self) -> Option<(PathBuf, bool)> {
+        let legacy = self.root.join(AGENT_MD);
+        if self.meta == self.root || !legacy.is_file() {
+            return None;
+        }
+        Some((legacy, !self.meta.join(AGENT_MD).exists()))
+    }
+
+    /// The `.agent.md` that sets this project's policy, if any: the layered lookup, with a
+    /// root-level `{project}/.agent.md` still honoured in place of `~/.automaton/.agent.md`
+    /// when the project has no `.automaton/.agent.md`.
+    pub fn policy_file(&self) -> Option<PathBuf> {
+        let own = self.meta.join(AGENT_MD);
+        if own.exists() {
+            return Some(own);
+        }
+        match self.misplaced_agent_md() {
+            Some((legacy, true)) => Some(legacy),
+            _ => self.layered(AGENT_MD),
+        }
+    }
+
+    /// The project's policy, from the one `.agent.md` that [`Project::policy_file`] names
+    /// (defaults when there is none).
     pub fn policy(&self) -> Result<Policy, Error> {
-        let read = |path: PathBuf| -> Result<PolicyFile, Error> {
-            match read_optional(&path)? {
-                None => Ok(PolicyFile::default()),
-                Some(text) => {
-                    PolicyFile::parse(&text).map_err(|source| Error::Policy { source, path })
-                }
+        let Some(path) = self.policy_file() else {
+            return Ok(Policy::default());
+        };
+        let file = match read_optional(&path)? {
+            None => PolicyFile::default(),
+            Some(text) => {
+                PolicyFile::parse(&text).map_err(|source| Error::Policy { source, path })?
             }
         };
-        let project = read(self.root.join(".agent.md"))?;
-        let user = match &self.home {
-            Some(h) if h.join(".automaton") != self.root => {
-                read(h.join(".automaton").join(".agent.md"))?
-            }
-            _ => PolicyFile::default(),
-        };
-        Ok(Policy::layered(&project, &user))
+        Ok(Policy::layered(&file, &PolicyFile::default()))
+    }
+
+    /// Refuses a project folder that does not exist, before anything reads or creates in it.
+    pub fn ensure_exists(&self) -> Result<(), Error> {
+        if self.root.is_dir() {
+            Ok(())
+        } else {
+            Err(Error::ProjectNotFound {
+                root: self.root.clone(),
+            })
+        }
     }
 
     // ----- reading ---------------------------------------------------------------------
@@ -259,7 +450,12 @@ impl Project {
                 && !ft.is_dir()
             {
                 let bytes = fs::metadata(&path).map_err(io_err("stat", &path))?.len();
-                artifacts.push(ArtifactInfo { artifact, bytes });
+                let blank = bytes == 0 || is_blank(&path)?;
+                artifacts.push(ArtifactInfo {
+                    artifact,
+                    bytes,
+                    blank,
+                });
             }
         }
         Ok(Folder {
@@ -305,6 +501,40 @@ impl Project {
         }
     }
 
+    fn holders(&self, dir: &Path) -> Result<Vec<(Phase, AgentId)>, Error> {
+        let path = dir.join(HOLDERS);
+        match read_optional(&path)? {
+            None => Ok(Vec::new()),
+            Some(text) => parse_holders(&text).map_err(|(line, detail)| Error::CorruptHolders {
+                path,
+                line,
+                detail,
+            }),
+        }
+    }
+
+    /// A parent's sub-tasks that are not finished, as `parent/sub (state)`.
+    fn open_subtasks(&self, task: &TaskName) -> Result<Vec<String>, Error> {
+        if task.is_subtask() {
+            return Ok(Vec::new());
+        }
+        let mut open = Vec::new();
+        for sub in self.subtask_names(task)? {
+            let state = match self.tracked_state(&sub) {
+                Ok(s) if s.is_terminal() => continue,
+                Ok(s) => s.to_string(),
+                Err(Error::Untracked { .. }) => "untracked".to_string(),
+                // Not known to be finished; the parent's other moves stay open.
+                Err(_) => "unreadable .state".to_string(),
+            };
+            open.push(format!("{sub} ({state})"));
+        }
+        for u in self.unaddressable_under(task)? {
+            open.push(format!("{} (unaddressable: {})", u.folder, u.why));
+        }
+        Ok(open)
+    }
+
     /// The sha256 (hex) of an artifact, `None` when it does not exist.
     fn artifact_sha(&self, dir: &Path, artifact: Artifact) -> Result<Option<String>, Error> {
         let path = dir.join(artifact.file_name());
@@ -339,17 +569,25 @@ impl Project {
         Ok((Some(record), status))
     }
 
-    /// The facts the rules need for a state change from `state`.
-    fn facts_for(&self, folder: &Folder, state: State) -> Result<Facts, Error> {
+    /// The facts the rules need for a state change of `task` from `state`.
+    fn facts_for(&self, task: &TaskName, folder: &Folder, state: State) -> Result<Facts, Error> {
         let mut facts = folder.facts();
         if state.is_approved() {
             let log = self.approvals(&folder.dir)?;
-            facts.approval_stale =
-                self.approval_status(&folder.dir, state.phase, &log)?.1 == ApprovalRecord::Stale;
+            let status = self.approval_status(&folder.dir, state.phase, &log)?.1;
+            facts.approval_stale = status == ApprovalRecord::Stale;
+            facts.approval_missing = status == ApprovalRecord::Missing;
         }
         if state.phase == Phase::Referee {
             let path = folder.dir.join(Artifact::Verdict.file_name());
             facts.verdict = read_optional(&path)?.as_deref().and_then(parse_verdict);
+        }
+        if state
+            .legal_targets()
+            .iter()
+            .any(|t| t.phase == Phase::Complete)
+        {
+            facts.open_subtasks = self.open_subtasks(task)?;
         }
         Ok(facts)
     }
@@ -439,39 +677,91 @@ impl Project {
         Ok(out)
     }
 
-    /// `status --list`.
+    /// Every folder under the tasks folder (and under each task's `subtasks/`) whose name
+    /// is not a task name, so that no command can address it.
+    pub fn unaddressable(&self) -> Result<Vec<Unaddressable>, Error> {
+        let mut out = Vec::new();
+        for (name, path) in dirs_lossy(&self.tasks)? {
+            match name.parse::<TaskName>() {
+                Ok(t) if !t.is_subtask() => out.extend(self.unaddressable_under(&t)?),
+                _ => out.push(unaddressable(name, path)),
+            }
+        }
+        Ok(out)
+    }
+
+    fn unaddressable_under(&self, parent: &TaskName) -> Result<Vec<Unaddressable>, Error> {
+        let dir = self.task_dir(parent).join(SUBTASKS);
+        Ok(dirs_lossy(&dir)?
+            .into_iter()
+            .filter(|(name, _)| parent.subtask(name).is_err())
+            .map(|(name, path)| unaddressable(format!("{parent}/{name}"), path))
+            .collect())
+    }
+
+    fn list_entry(&self, t: &TaskName, now: SystemTime) -> Result<ListEntry, Error> {
+        let folder = self.folder(t)?;
+        let state = folder
+            .state
+            .or_else(|| infer_state(&folder.facts().present));
+        let approval = match folder.state {
+            Some(s) if s.is_approved() => {
+                let log = self.approvals(&folder.dir)?;
+                Some(self.approval_status(&folder.dir, s.phase, &log)?.1)
+            }
+            _ => None,
+        };
+        Ok(ListEntry {
+            task: t.clone(),
+            tracked: folder.state.is_some(),
+            next: state.map(State::legal_targets).unwrap_or_default(),
+            state,
+            approval_stale: approval == Some(ApprovalRecord::Stale),
+            approval_missing: approval == Some(ApprovalRecord::Missing),
+            lease_holder: self
+                .lease(&folder.dir)?
+                .filter(|l| l.is_live(now))
+                .map(|l| l.agent),
+            subtasks: Vec::new(),
+            error: None,
+        })
+    }
+
+    /// `status --list`: every task, sub-tasks under their parent. A task that cannot be read
+    /// is still a row, carrying its error.
     pub fn list(&self, now: SystemTime) -> Result<Vec<ListEntry>, Error> {
-        let entry = |t: &TaskName| -> Result<ListEntry, Error> {
-            let folder = self.folder(t)?;
-            let state = folder
-                .state
-                .or_else(|| infer_state(&folder.facts().present));
-            let approval_stale = match folder.state {
-                Some(s) if s.is_approved() => self.facts_for(&folder, s)?.approval_stale,
-                _ => false,
-            };
-            Ok(ListEntry {
+        let entry = |t: &TaskName| {
+            self.list_entry(t, now).unwrap_or_else(|e| ListEntry {
                 task: t.clone(),
-                tracked: folder.state.is_some(),
-                next: state.map(State::legal_targets).unwrap_or_default(),
-                state,
-                approval_stale,
-                lease_holder: self
-                    .lease(&folder.dir)?
-                    .filter(|l| l.is_live(now))
-                    .map(|l| l.agent),
+                state: None,
+                tracked: false,
+                next: Vec::new(),
+                approval_stale: false,
+                approval_missing: false,
+                lease_holder: None,
                 subtasks: Vec::new(),
+                error: Some(e.to_string()),
             })
         };
         let mut out = Vec::new();
         for t in self.task_names()? {
-            let mut e = entry(&t)?;
-            for s in self.subtask_names(&t)? {
-                e.subtasks.push(entry(&s)?);
+            let mut e = entry(&t);
+            match self.subtask_names(&t) {
+                Ok(subs) => e.subtasks = subs.iter().map(entry).collect(),
+                Err(err) if e.error.is_none() => e.error = Some(err.to_string()),
+                Err(_) => {}
             }
             out.push(e);
         }
         Ok(out)
+    }
+
+    /// `status --list` with the folders no command can address.
+    pub fn listing(&self, now: SystemTime) -> Result<Listing, Error> {
+        Ok(Listing {
+            tasks: self.list(now)?,
+            unaddressable: self.unaddressable()?,
+        })
     }
 
     /// `status --validate-folder`.
@@ -486,6 +776,26 @@ impl Project {
                 .map(|s| out_of_order(s, &folder.facts().present))
                 .unwrap_or_default(),
         })
+    }
+
+    /// `status --validate-folder` without `--task`: every task and sub-task (how seed 001's
+    /// orchestrator calls it), and every folder no command can address.
+    pub fn validate_all(&self) -> Result<ProjectFolders, Error> {
+        let mut out = ProjectFolders {
+            reports: Vec::new(),
+            errors: Vec::new(),
+            unaddressable: self.unaddressable()?,
+        };
+        for t in self.all_task_names()? {
+            match self.validate_folder(&t) {
+                Ok(r) => out.reports.push(r),
+                Err(e) => out.errors.push(TaskError {
+                    task: t,
+                    error: e.to_string(),
+                }),
+            }
+        }
+        Ok(out)
     }
 
     /// `status --can-edit`: the task's state when it allows code edits, else `Err(state)`.
@@ -610,8 +920,14 @@ impl Project {
     }
 
     /// Checks `from → target` against the lifecycle and writes `.state`.
-    fn apply_transition(&self, folder: &Folder, from: State, target: State) -> Result<(), Error> {
-        check_transition(from, target, &self.facts_for(folder, from)?)?;
+    fn apply_transition(
+        &self,
+        task: &TaskName,
+        folder: &Folder,
+        from: State,
+        target: State,
+    ) -> Result<(), Error> {
+        check_transition(from, target, &self.facts_for(task, folder, from)?)?;
         self.write(&folder.dir.join(STATE), format!("{target}\n").as_bytes())
     }
 
@@ -626,11 +942,13 @@ impl Project {
         token: Option<u64>,
         now: SystemTime,
     ) -> Result<TransitionOutcome, Error> {
+        // The policy governs how a task may change: a broken .agent.md stops every change.
+        self.policy()?;
         let _lock = self.lock(task)?;
         let (folder, from) = self.tracked(task)?;
         let lease = self.lease(&folder.dir)?;
         self.check_holder(task, lease.as_ref(), agent, token, now)?;
-        self.apply_transition(&folder, from, target)?;
+        self.apply_transition(task, &folder, from, target)?;
         if lease.is_some() {
             remove_durably(&folder.dir.join(LOCK))?;
         }
@@ -647,7 +965,7 @@ impl Project {
     pub fn transition_owned(&self, task: &TaskName, target: State) -> Result<State, Error> {
         let _lock = self.lock(task)?;
         let (folder, from) = self.tracked(task)?;
-        self.apply_transition(&folder, from, target)?;
+        self.apply_transition(task, &folder, from, target)?;
         Ok(from)
     }
 
@@ -705,7 +1023,19 @@ impl Project {
                 agent: approver.to_string(),
             });
         }
-        let to = check_approve(from, &self.facts_for(&folder, from)?)?;
+        // Whoever held a lease on this phase did its work: they may not sign it off.
+        if self
+            .holders(&folder.dir)?
+            .iter()
+            .any(|(p, a)| *p == from.phase && a == &approver_id)
+        {
+            return Err(Error::HeldPhase {
+                task: task.clone(),
+                agent: approver.to_string(),
+                phase: from.phase,
+            });
+        }
+        let to = check_approve(from, &self.facts_for(task, &folder, from)?)?;
         let artifact = from.phase.artifact().expect("gated phases have artifacts");
         let approval = Approval {
             phase: from.phase,
@@ -798,17 +1128,42 @@ impl Project {
         Ok(())
     }
 
-    /// Adds `agent` to `.state.implementer` when it takes the implement phase.
-    pub fn record_implementer(
+    /// Records durably that `agent` holds `task` in `state`, before the lease is granted:
+    /// `{phase}|{agent}` in `.state.holders` for every phase (each holder of a phase is then
+    /// refused as the approver of that phase's gate), and, for implement, `agent` in
+    /// `.state.implementer` too (seed 001's format, which the separated phases read).
+    /// Recording a holder twice changes nothing.
+    pub fn record_holder(
         &self,
         task: &TaskName,
         agent: &AgentId,
         state: State,
     ) -> Result<(), Error> {
+        let key = (task.clone(), state.phase, agent.clone());
+        let recorded = || self.recorded.lock().unwrap_or_else(|p| p.into_inner());
+        if recorded().contains(&key) {
+            return Ok(());
+        }
+        self.record_holder_files(task, agent, state)?;
+        recorded().insert(key);
+        Ok(())
+    }
+
+    fn record_holder_files(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        state: State,
+    ) -> Result<(), Error> {
+        let dir = self.task_dir(task);
+        let mut holders = self.holders(&dir)?;
+        if !holders.iter().any(|(p, a)| *p == state.phase && a == agent) {
+            holders.push((state.phase, agent.clone()));
+            self.write(&dir.join(HOLDERS), render_holders(&holders).as_bytes())?;
+        }
         if state.phase != Phase::Implement {
             return Ok(());
         }
-        let dir = self.task_dir(task);
         let implementers = self.implementers(&dir)?;
         if implementers.contains(agent) {
             return Ok(());
@@ -862,7 +1217,7 @@ impl Project {
         }
         let token = self.fencing_mark()? + 1;
         self.set_fencing_mark(token)?;
-        self.record_implementer(task, agent, state)?;
+        self.record_holder(task, agent, state)?;
         let lease = Lease {
             agent: agent.clone(),
             phase: state,
@@ -900,6 +1255,7 @@ impl Project {
         agent: &AgentId,
         now: SystemTime,
     ) -> Result<Lease, Error> {
+        self.policy()?;
         let _lock = self.lock(task)?;
         let (folder, _) = self.tracked(task)?;
         match self.lease(&folder.dir)? {
@@ -1015,10 +1371,48 @@ impl Project {
         ))
     }
 
+    /// The gated phases `.state.approvals` holds a record for.
+    pub(crate) fn approved_phases(&self, folder: &Folder) -> Result<Vec<Phase>, Error> {
+        Ok(self
+            .approvals(&folder.dir)?
+            .into_iter()
+            .map(|a| a.phase)
+            .collect())
+    }
+
     pub(crate) fn state_mtime(&self, folder: &Folder) -> Option<SystemTime> {
         fs::metadata(folder.dir.join(STATE))
             .and_then(|m| m.modified())
             .ok()
+    }
+}
+
+/// The sub-folders of `dir` with their names (lossily decoded: a name that is not UTF-8 is
+/// still a folder to report), sorted; nothing when `dir` does not exist.
+fn dirs_lossy(dir: &Path) -> Result<Vec<(String, PathBuf)>, Error> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("read directory", dir)(e)),
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let e = e.map_err(io_err("read directory", dir))?;
+        if e.file_type().map_err(io_err("stat", &e.path()))?.is_dir() {
+            out.push((e.file_name().to_string_lossy().into_owned(), e.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn unaddressable(folder: String, path: PathBuf) -> Unaddressable {
+    let leaf = folder.rsplit('/').next().unwrap_or(&folder).to_string();
+    Unaddressable {
+        why: "its name is not kebab-case (lowercase letters and digits joined by single hyphens, at most 64 characters), so no command can name it".into(),
+        rename_to: kebab(&leaf),
+        folder,
+        path,
     }
 }
 
@@ -1122,6 +1516,63 @@ mod tests {
         assert!(!p.in_scope(Path::new("src/../../escape"), d.path()));
         assert!(p.in_scope(&home.path().join(".automaton/scripts/x"), d.path()));
         assert!(!p.in_scope(Path::new("/etc/passwd"), d.path()));
+    }
+
+    #[test]
+    fn layered_lookup_prefers_the_project_file_then_the_users() {
+        let home = tempfile::tempdir().expect("home");
+        let (d, _) = project();
+        let p = Project::open(d.path(), Some(home.path()));
+        let user = home.path().join(".automaton");
+        let own = d.path().join(".automaton");
+        assert_eq!(p.layered("prompts/research.md"), None, "neither exists");
+        fs::create_dir_all(user.join("prompts")).expect("mkdir");
+        fs::write(user.join("prompts/research.md"), "user").expect("write");
+        fs::write(user.join(".rules.md"), "user").expect("write");
+        assert_eq!(
+            p.layered("prompts/research.md"),
+            Some(user.join("prompts/research.md"))
+        );
+        fs::create_dir_all(own.join("prompts")).expect("mkdir");
+        fs::write(own.join("prompts/research.md"), "project").expect("write");
+        assert_eq!(
+            p.layered("prompts/research.md"),
+            Some(own.join("prompts/research.md")),
+            "the project's file wins"
+        );
+        assert_eq!(
+            p.layered(".rules.md"),
+            Some(user.join(".rules.md")),
+            "file by file: the project has no .rules.md"
+        );
+        for outside in ["../x", "/etc/passwd", "", "prompts/../../x"] {
+            assert_eq!(p.layered(outside), None, "{outside:?}");
+        }
+        let no_home = Project::open(d.path(), None);
+        assert_eq!(no_home.layered(".rules.md"), None);
+    }
+
+    #[test]
+    fn record_holder_records_every_phase_and_implement_in_seed_001_format_too() {
+        let (_d, p) = project();
+        let t = name("t");
+        p.create_task(&t).expect("create");
+        let a: AgentId = "a".parse().expect("valid");
+        let b: AgentId = "b".parse().expect("valid");
+        let st = |s: &str| s.parse::<State>().expect("valid");
+        p.record_holder(&t, &a, st("research")).expect("record");
+        p.record_holder(&t, &a, st("research"))
+            .expect("twice is once");
+        p.record_holder(&t, &b, st("implement")).expect("record");
+        let dir = p.task_dir(&t);
+        assert_eq!(
+            fs::read_to_string(dir.join(".state.holders")).expect("holders"),
+            "research|a\nimplement|b\n"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join(".state.implementer")).expect("implementer"),
+            "b\n"
+        );
     }
 
     #[test]
