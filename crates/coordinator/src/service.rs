@@ -15,8 +15,10 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::Error;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
-use crate::leases::Live;
-use crate::state::{Coordinator, Presented, format_millis};
+use crate::events::format_millis;
+use crate::lease_ops::Presented;
+use crate::state::Coordinator;
+use crate::table::Live;
 
 type Res<T> = Result<Response<T>, Status>;
 

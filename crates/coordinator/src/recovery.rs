@@ -1,233 +1,19 @@
-//! The live lease table and how it is rebuilt at start.
-//!
-//! Expiry is decided by the coordinator's monotonic clock (`Instant`), never by the wall
-//! clock of whoever reads a `.state.lock`. The TTL is a minimum: a lease lives at least its
-//! TTL after its last renewal, and at least the grace period after a restart.
+//! Recovery: a start rebuilds the lease table from the log alone (`replay`, `recover`); each
+//! task's files are reconciled with it when the task is first touched (`touch`), and by a
+//! background pass at the lowest CPU priority.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_store::{Lease, Project};
 use automaton_workflow::{AgentId, State, TaskName, TtlBounds};
 
-use crate::wal::Record;
-
+use crate::Error;
 use crate::fencing::TOKEN_BLOCK;
-
-/// A live lease as the coordinator holds it.
-#[derive(Debug, Clone)]
-pub struct Live {
-    pub task: TaskName,
-    pub agent: AgentId,
-    pub lease_id: String,
-    pub token: u64,
-    pub state: State,
-    pub ttl: Duration,
-    pub deadline: Instant,
-    pub claimed: SystemTime,
-    /// The `expires:` last written to `.state.lock`: kept at or beyond the real expiry so a
-    /// file reader never sees a live lease as expired.
-    pub view_expires: SystemTime,
-    /// Lapsed, its end queued for the log: it stays in the table (never live again) until
-    /// that end is durable, so nobody is told it ended before a restart would agree.
-    pub ending: bool,
-}
-
-impl Live {
-    /// The wall-clock time this lease ends unless renewed (for people and files).
-    pub fn expires_at(&self, now: Instant) -> SystemTime {
-        SystemTime::now() + self.deadline.saturating_duration_since(now)
-    }
-
-    /// The lease as the lease rules see it.
-    pub fn holder(&self) -> automaton_workflow::lease::Holder<'_> {
-        automaton_workflow::lease::Holder {
-            agent: &self.agent,
-            lease_id: &self.lease_id,
-            token: self.token,
-        }
-    }
-
-    pub(crate) fn as_record(&self) -> Record {
-        Record::Grant {
-            task: self.task.clone(),
-            agent: self.agent.clone(),
-            lease_id: self.lease_id.clone(),
-            token: self.token,
-            ttl: self.ttl,
-            state: self.state,
-        }
-    }
-
-    /// The `.state.lock` content for this lease.
-    pub fn view(&self) -> Lease {
-        Lease {
-            agent: self.agent.clone(),
-            phase: self.state,
-            claimed: self.claimed,
-            expires: self.view_expires,
-            lease_id: self.lease_id.clone(),
-            token: self.token,
-        }
-    }
-
-    /// Extends the lease to `now + ttl`; returns whether its `.state.lock` view must be
-    /// rewritten (only when the real expiry would pass the view's, see `next_view_expires`).
-    pub fn extend(&mut self, now: Instant) -> bool {
-        self.deadline = later(now, self.ttl);
-        let rewrite = self.view_expires < self.expires_at(now);
-        if rewrite {
-            self.view_expires = self.next_view_expires();
-        }
-        rewrite
-    }
-
-    /// The lease as the store shows it, with its real expiry (for task views and the CLI).
-    pub fn as_store_lease(&self, now: Instant) -> Lease {
-        Lease {
-            expires: self.expires_at(now),
-            ..self.view()
-        }
-    }
-
-    /// The view's expiry for a lease renewed now: two TTLs ahead, so that renewals every
-    /// TTL/3 (the usual client rhythm) rewrite the file once per TTL, not every time.
-    pub fn next_view_expires(&self) -> SystemTime {
-        wall_later(SystemTime::now(), self.ttl.saturating_mul(2))
-    }
-}
-
-/// `now + d`, saturating far in the future rather than panicking (TTLs are bounded at the
-/// edge; this keeps anything read from disk from reaching an overflow).
-pub(crate) fn later(now: Instant, d: Duration) -> Instant {
-    now.checked_add(d.min(TtlBounds::CEILING * 2))
-        .unwrap_or(now)
-}
-
-/// The wall-clock `t + d`, saturating likewise.
-pub(crate) fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
-    t.checked_add(d.min(TtlBounds::CEILING * 2)).unwrap_or(t)
-}
-
-#[derive(Debug, Default)]
-pub(crate) struct Table {
-    by_task: HashMap<TaskName, Live>,
-    by_id: HashMap<String, TaskName>,
-    next_token: u64,
-}
-
-impl Table {
-    /// The live lease on `task`, if any.
-    pub fn live(&self, task: &TaskName, now: Instant) -> Option<&Live> {
-        self.by_task.get(task).filter(|l| l.deadline > now)
-    }
-
-    /// `task`'s entry, live or lapsed.
-    pub fn entry(&self, task: &TaskName) -> Option<&Live> {
-        self.by_task.get(task)
-    }
-
-    /// The live lease with this id, if any.
-    pub fn by_id(&self, lease_id: &str, now: Instant) -> Option<&Live> {
-        self.by_id
-            .get(lease_id)
-            .and_then(|t| self.live(t, now))
-            .filter(|l| l.lease_id == lease_id)
-    }
-
-    pub fn by_id_mut(&mut self, lease_id: &str, now: Instant) -> Option<&mut Live> {
-        let task = self.by_id.get(lease_id)?;
-        self.by_task
-            .get_mut(task)
-            .filter(|l| l.deadline > now && l.lease_id == lease_id)
-    }
-
-    /// Inserts `live`, returning the lease it displaces on its task (a lapsed one: a live
-    /// lease is never displaced). Replay treats the new grant as that lease's end.
-    pub fn insert(&mut self, live: Live) -> Option<Live> {
-        let old = self.by_task.remove(&live.task);
-        if let Some(old) = &old {
-            self.by_id.remove(&old.lease_id);
-        }
-        self.by_id.insert(live.lease_id.clone(), live.task.clone());
-        self.by_task.insert(live.task.clone(), live);
-        old
-    }
-
-    pub fn remove(&mut self, task: &TaskName) -> Option<Live> {
-        let old = self.by_task.remove(task)?;
-        self.by_id.remove(&old.lease_id);
-        Some(old)
-    }
-
-    /// Removes `task`'s entry if it is still the lease `lease_id`.
-    pub fn remove_lease(&mut self, task: &TaskName, lease_id: &str) -> Option<Live> {
-        if self.by_task.get(task)?.lease_id != lease_id {
-            return None;
-        }
-        self.remove(task)
-    }
-
-    /// Marks every lease past its deadline as ending and returns them; they stay in the table
-    /// until their end is durable (then [`Table::remove_lease`]).
-    pub fn mark_lapsed(&mut self, now: Instant) -> Vec<Live> {
-        self.by_task
-            .values_mut()
-            .filter(|l| l.deadline <= now && !l.ending)
-            .map(|l| {
-                l.ending = true;
-                l.clone()
-            })
-            .collect()
-    }
-
-    /// Whether `lease_id` names a lease in the table that is past its deadline.
-    pub fn lapsed(&self, lease_id: &str, now: Instant) -> bool {
-        self.by_id
-            .get(lease_id)
-            .and_then(|t| self.by_task.get(t))
-            .is_some_and(|l| l.lease_id == lease_id && l.deadline <= now)
-    }
-
-    /// Makes sure the next token is above `token` (an adopted lease's).
-    pub fn bump_past(&mut self, token: u64) {
-        self.next_token = self.next_token.max(token.saturating_add(1));
-    }
-
-    /// The next fencing token (the caller makes sure it is covered on disk, see `fencing.rs`).
-    pub fn take_token(&mut self) -> u64 {
-        let t = self.next_token;
-        self.next_token += 1;
-        t
-    }
-
-    /// The table as log records, for a rewrite: the token mark, then every lease whose end
-    /// is not already queued.
-    pub fn records(&self) -> Vec<Record> {
-        std::iter::once(Record::Mark {
-            token: self.next_token.saturating_sub(1),
-        })
-        .chain(
-            self.by_task
-                .values()
-                .filter(|l| !l.ending)
-                .map(Live::as_record),
-        )
-        .collect()
-    }
-
-    /// The tasks that hold a live lease.
-    pub fn live_tasks(&self, now: Instant) -> impl Iterator<Item = &TaskName> {
-        self.by_task
-            .values()
-            .filter(move |l| l.deadline > now)
-            .map(|l| &l.task)
-    }
-
-    pub fn len(&self) -> usize {
-        self.by_task.len()
-    }
-}
+use crate::state::Coordinator;
+use crate::table::{Live, Table, later, wall_later};
+use crate::wal::Record;
 
 /// What a start found: the table, what it noticed, and the token mark.
 pub(crate) struct Recovered {
@@ -383,6 +169,122 @@ impl Live {
             view_expires: wall_later(now_wall, live.saturating_add(ttl)),
             ending: false,
         }
+    }
+}
+
+impl Coordinator {
+    /// A task's state: from memory, or read once from `.state` when the task is first
+    /// touched, which is also when its `.state.lock` is reconciled with the log: a lease the
+    /// CLI took while no coordinator ran is adopted (logged durably first), any other file
+    /// is a stale or broken view and is removed. Call under the task's guard.
+    pub(crate) async fn touch(&self, task: &TaskName) -> Result<State, Error> {
+        if let Some(s) = self.states().get(task) {
+            return Ok(*s);
+        }
+        let project = self.project.clone();
+        let t = task.clone();
+        let (state, file) = tokio::task::spawn_blocking(move || {
+            let state = project.tracked_state(&t)?;
+            Ok::<_, automaton_store::Error>((state, project.read_lease(&t)))
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("reading task {task} failed: {e}")))??;
+        let now_wall = SystemTime::now();
+        let ours = |id: &str| self.table().entry(task).is_some_and(|l| l.lease_id == id);
+        match file {
+            Ok(Some(l)) if ours(&l.lease_id) => {}
+            Ok(Some(l)) if adoptable(&l, self.log_mark, state, now_wall) => {
+                let live = Live::recovered(
+                    task.clone(),
+                    l.agent.clone(),
+                    l.lease_id.clone(),
+                    l.token,
+                    l.expires
+                        .duration_since(l.claimed)
+                        .unwrap_or(self.options.grace),
+                    state,
+                    self.options.grace,
+                    Instant::now(),
+                    now_wall,
+                );
+                // In the log before it counts: the next start must know it (and its end).
+                self.wal
+                    .grant(&live)
+                    .map_err(Error::Unavailable)?
+                    .await
+                    .map_err(Error::Unavailable)?;
+                tracing::warn!(task = %task, agent = %l.agent, token = l.token, "adopted a lease taken without the coordinator");
+                let mut table = self.table();
+                table.bump_past(l.token);
+                if table.entry(task).is_none() {
+                    table.insert(live);
+                }
+            }
+            Ok(Some(_)) | Err(_) => {
+                if let Err(e) = &file {
+                    tracing::warn!(task = %task, error = %e, "unreadable .state.lock removed");
+                }
+                self.project.write_lease_view(task, None)?;
+            }
+            Ok(None) => {}
+        }
+        self.states().insert(task.clone(), state);
+        Ok(state)
+    }
+
+    /// [`Coordinator::touch`] before a change of the task (under its guard): a task the store
+    /// will refuse anyway (unknown, untracked) is left to the store to explain.
+    pub(crate) async fn touch_for_change(&self, task: &TaskName) -> Result<(), Error> {
+        match self.touch(task).await {
+            Err(e @ (Error::Unavailable(_) | Error::Internal(_))) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Coordinator::touch`] under the task's guard, for paths that do not hold it (reads).
+    pub(crate) async fn touch_guarded(&self, task: &TaskName) -> Result<(), Error> {
+        if self.states().contains_key(task) {
+            return Ok(());
+        }
+        let _guard = self.guard(task).await;
+        self.touch(task).await.map(drop)
+    }
+
+    /// Touches every task in the background, at the lowest CPU priority: stale views are
+    /// removed and leases the CLI took are adopted within seconds of a start, without
+    /// holding the start up (a request that touches a task first does it itself).
+    pub fn spawn_reconciler(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let me = Arc::downgrade(self);
+        let project = self.project.clone();
+        let _ = std::thread::Builder::new()
+            .name("reconcile".into())
+            .spawn(move || {
+                #[cfg(unix)]
+                let _ = rustix::process::setpriority_process(None, 19);
+                let started = Instant::now();
+                let tasks = match project.all_task_names() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot list the tasks to reconcile");
+                        return;
+                    }
+                };
+                let n = tasks.len();
+                for task in tasks {
+                    let Some(coord) = me.upgrade() else { return };
+                    if let Err(e) = runtime.block_on(coord.touch_guarded(&task)) {
+                        tracing::debug!(task = %task, error = %e, "not reconciled");
+                    }
+                }
+                tracing::info!(
+                    tasks = n,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "every task folder reconciled with the lease log"
+                );
+            });
     }
 }
 
