@@ -485,6 +485,48 @@ impl Coordinator {
     }
 }
 
+/// The coordinator's log-backed table as a lease store: the same rules as the files (see
+/// `automaton_store::check_lease_rules`), every answer durable before it is given.
+impl automaton_store::LeaseStore for Coordinator {
+    type Error = Error;
+
+    async fn claim(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<(automaton_store::Lease, bool), Error> {
+        let g = Coordinator::claim(self, task, agent, ttl).await?;
+        Ok((g.live.as_store_lease(Instant::now()), g.renewed))
+    }
+
+    async fn live(&self, task: &TaskName) -> Result<Option<automaton_store::Lease>, Error> {
+        if let Err(e @ (Error::Unavailable(_) | Error::Internal(_))) =
+            self.touch_guarded(task).await
+        {
+            return Err(e);
+        }
+        Ok(self.lease_of(task))
+    }
+
+    async fn release(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        token: u64,
+    ) -> Result<automaton_store::Lease, Error> {
+        let Some(l) = self.live_of(task) else {
+            return Err(automaton_store::Error::NoLease {
+                task: task.clone(),
+                agent: agent.clone(),
+            }
+            .into());
+        };
+        let ended = Coordinator::release(self, &l.lease_id, Some(token), Some(agent)).await?;
+        Ok(ended.view())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -544,6 +586,15 @@ mod tests {
             .await
             .expect("an event within 5 s")
             .expect("the event feed is open")
+    }
+
+    #[tokio::test]
+    async fn the_coordinator_follows_the_same_lease_rules_as_the_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        automaton_store::check_lease_rules(&*coord, &name("t"))
+            .await
+            .expect("the coordinator follows the rules");
     }
 
     #[tokio::test]

@@ -8,6 +8,7 @@
 
 mod audit;
 mod fsx;
+mod lease_store;
 mod project;
 mod records;
 
@@ -19,6 +20,7 @@ use automaton_workflow::{
 };
 
 pub use audit::{AuditReport, AuditTask, Category3};
+pub use lease_store::{LeaseStore, check_lease_rules};
 pub use project::{
     ApprovalView, ApproveOutcome, ArtifactInfo, FolderReport, ListEntry, Listing, Project,
     ProjectFolders, TaskError, TaskView, TransitionOutcome, Unaddressable, Upgraded, new_lease_id,
