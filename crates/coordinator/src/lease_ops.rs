@@ -119,7 +119,7 @@ impl Coordinator {
                 .await
                 .map_err(Error::Unavailable)?;
             if rewrite {
-                self.view(task, Some(l.view()));
+                self.view_of(&l, true);
             }
             self.emit_renewed(&l);
             return Ok(Granted {
@@ -198,7 +198,7 @@ impl Coordinator {
     }
 
     pub(crate) fn after_grant(&self, live: &Live) {
-        self.view(&live.task, Some(live.view()));
+        self.view_of(live, true);
         if self.watched() {
             self.emit(
                 "lease_granted",
@@ -286,11 +286,11 @@ impl Coordinator {
         }
         let rewrite = l.extend(now);
         let out = answer(l);
-        let view = rewrite.then(|| (l.task.clone(), l.view()));
-        drop(table);
-        if let Some((task, v)) = view {
-            self.view(&task, Some(v));
+        if rewrite {
+            // Under the table's lock: no later end's removal can be sent before it.
+            self.view(&l.task, Some(l.view()));
         }
+        drop(table);
         Ok(out)
     }
 
@@ -378,7 +378,7 @@ impl Coordinator {
     }
 
     pub(crate) fn after_end(&self, l: &Live, reason: &'static str) {
-        self.view(&l.task, None);
+        self.view_of(l, false);
         // Without a KeepAlive stream, building the notice is wasted work.
         if self.watchers.any() {
             self.watchers.lost(&Lost {
@@ -595,6 +595,55 @@ mod tests {
         automaton_store::check_lease_rules(&*coord, &name("t"))
             .await
             .expect("the coordinator follows the rules");
+    }
+
+    #[tokio::test]
+    async fn a_late_end_never_removes_the_view_of_the_lease_that_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let task: TaskName = name("t");
+        coord
+            .claim(&task, &name("a"), Some(Duration::from_millis(10)))
+            .await
+            .expect("claim a");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let b = {
+            // A's end and B's grant commit in one batch; their follow-ups then race.
+            let held = coord.wal.hold_commits();
+            coord.expire();
+            let agent_b: AgentId = name("b");
+            let claim = coord.claim(&task, &agent_b, None);
+            let mut claim = Box::pin(claim);
+            assert!(
+                claim
+                    .as_mut()
+                    .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+                    .is_pending()
+            );
+            drop(held);
+            claim.await.expect("claim b")
+        };
+        let lock = dir.path().join(".automaton/tasks/t/.state.lock");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let on_disk = std::fs::read_to_string(&lock).ok();
+            if let Some(text) = &on_disk
+                && automaton_store::Lease::parse(text).map(|l| l.token) == Ok(b.live.token)
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "B's view never settled on disk: {on_disk:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let text = std::fs::read_to_string(&lock).expect("B's view stays");
+        assert_eq!(
+            automaton_store::Lease::parse(&text).map(|l| l.token),
+            Ok(b.live.token)
+        );
     }
 
     #[tokio::test]

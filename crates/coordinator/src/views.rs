@@ -8,6 +8,7 @@ use automaton_store::Project;
 use automaton_workflow::TaskName;
 
 use crate::state::Coordinator;
+use crate::table::Live;
 
 /// A task's `.state.lock` view is written once its latest change is this old: a lease
 /// granted and ended within it never touches the disk at all.
@@ -19,6 +20,21 @@ const VIEW_MAX_LAG: Duration = Duration::from_secs(5);
 impl Coordinator {
     pub(crate) fn view(&self, task: &TaskName, lease: Option<automaton_store::Lease>) {
         let _ = self.views.send((task.clone(), lease));
+    }
+
+    /// Sends `l`'s view (`shown`: the lease, or `false` for its removal) only while `l` is
+    /// still its task's entry (or, for a removal, no other lease is): decided and sent under
+    /// the table's lock, so the view of a grant or end that finished late never overwrites a
+    /// newer lease's. Views of one task are written in the order they are sent.
+    pub(crate) fn view_of(&self, l: &Live, shown: bool) {
+        let table = self.table();
+        let entry = table.entry(&l.task);
+        let current = entry.is_some_and(|e| e.lease_id == l.lease_id);
+        if shown && current {
+            self.view(&l.task, Some(l.view()));
+        } else if !shown && (current || entry.is_none()) {
+            self.view(&l.task, None);
+        }
     }
 }
 
