@@ -12,6 +12,15 @@ mod lease_store;
 mod project;
 mod records;
 
+// The operations of `Project` (defined in project.rs): `impl Project` blocks, one concern a file.
+mod change;
+mod fencing;
+mod layered;
+mod lease_files;
+mod read;
+mod scope;
+mod view;
+
 use std::path::PathBuf;
 
 use automaton_workflow::{
@@ -20,12 +29,15 @@ use automaton_workflow::{
 };
 
 pub use audit::{AuditReport, AuditTask, Category3};
+pub use change::{ApproveOutcome, TransitionOutcome, Upgraded};
+pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
-pub use project::{
-    ApprovalView, ApproveOutcome, ArtifactInfo, FolderReport, ListEntry, Listing, Project,
-    ProjectFolders, TaskError, TaskView, TransitionOutcome, Unaddressable, Upgraded, new_lease_id,
-};
+pub use project::Project;
+pub use read::{ArtifactInfo, Unaddressable};
 pub use records::{Approval, Lease, format_time, parse_time};
+pub use view::{
+    ApprovalView, FolderReport, ListEntry, Listing, ProjectFolders, TaskError, TaskView,
+};
 
 /// Broad classes of failure; the CLI maps them to exit codes, the coordinator to gRPC codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
