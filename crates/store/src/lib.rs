@@ -8,6 +8,11 @@
 
 mod audit;
 mod fsx;
+#[cfg(test)]
+#[path = "../../workflow/src/fuzz.rs"]
+mod fuzz;
+#[cfg(test)]
+mod fuzz_tests;
 mod lease_store;
 mod project;
 mod records;

@@ -1238,7 +1238,9 @@ impl Project {
             Some(t) => t
                 .trim()
                 .parse::<u64>()
-                .map_err(|_| Error::CorruptFencing { path }),
+                .ok()
+                .filter(|m| *m <= crate::records::MAX_TOKEN)
+                .ok_or(Error::CorruptFencing { path }),
         }
     }
 
