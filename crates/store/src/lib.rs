@@ -30,7 +30,7 @@ pub use project::{
     ApprovalView, ApproveOutcome, ArtifactInfo, FolderReport, ListEntry, Listing, Project,
     ProjectFolders, TaskError, TaskView, TransitionOutcome, Unaddressable, Upgraded, new_lease_id,
 };
-pub use records::{Approval, Lease, format_time, parse_time};
+pub use records::{Approval, Lease, MAX_TOKEN, format_time, parse_time};
 
 /// Broad classes of failure; the CLI maps them to exit codes, the coordinator to gRPC codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1239,7 +1239,7 @@ impl Project {
                 .trim()
                 .parse::<u64>()
                 .ok()
-                .filter(|m| *m <= crate::records::MAX_TOKEN)
+                .filter(|m| *m <= crate::MAX_TOKEN)
                 .ok_or(Error::CorruptFencing { path }),
         }
     }

@@ -19,7 +19,7 @@ pub fn parse_time(s: &str) -> Option<SystemTime> {
 
 /// The highest fencing token a file may hold (`.state.lock`, the fencing mark): half the range,
 /// so the additions that follow a read one (the next token, a reserved block) cannot overflow.
-pub(crate) const MAX_TOKEN: u64 = i64::MAX as u64;
+pub const MAX_TOKEN: u64 = i64::MAX as u64;
 
 /// A task lease as mirrored in `.state.lock` (seed 001's four lines plus `lease:` and `token:`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
