@@ -117,6 +117,7 @@ fn fuzz_config_durations() {
 fn fuzz_coordinator_start() {
     const SEP: char = '\u{1e}';
     let seeds: Vec<String> = [
+        // The holder renews the lease the log and the file agree on.
         [
             "Mode: multi-agent\n",
             LOGS[0],
@@ -124,19 +125,23 @@ fn fuzz_coordinator_start() {
             "7\n",
             "1500",
         ],
+        // A fresh claim for the longest TTL a request can ask.
+        ["Mode: multi-agent\n", LOGS[1], "", "", "18446744073709551615"],
+        // The longest lock timeout, and the highest tokens, in the log and in the file.
         [
-            "Mode: multi-agent\nLock timeout: 18446744073709551615s\n",
+            "Mode: multi-agent\nLock timeout: 36500d\n",
             LOGS[2],
             "agent: a\nphase: implement\nclaimed: 1970-01-01T00:00:00Z\nexpires: 9999-12-31T23:59:59Z\nlease: q\ntoken: 18446744073709551615\n",
-            "18446744073709551615\n",
-            "18446744073709551615",
+            "9223372036854775807\n",
+            "0",
         ],
+        // A lock file adopted from the CLI's local mode, the lease's own TTL from it.
         [
             "Mode: multi-agent\n",
-            LOGS[1],
+            LOGS[3],
+            "agent: bob@gpu-b.example\nphase: implement\nclaimed: 1970-01-01T00:00:00Z\nexpires: 9999-12-31T23:59:59Z\nlease: q\ntoken: 9223372036854775807\n",
             "",
             "",
-            "0",
         ],
     ]
     .iter()
