@@ -184,9 +184,13 @@ fn install_hook() {
                 let mut c = c.borrow_mut();
                 match c.as_mut() {
                     Some(slot) => {
-                        let at = info
+                        let mut at = info
                             .location()
                             .map_or("?".to_string(), |l| format!("{}:{}", l.file(), l.line()));
+                        // In std or a dependency: the site is where our code called it.
+                        if at.starts_with('/') {
+                            at = format!("{at} (from {})", caller());
+                        }
                         let msg = info
                             .payload()
                             .downcast_ref::<&str>()
@@ -204,6 +208,17 @@ fn install_hook() {
             }
         }));
     });
+}
+
+/// The innermost frame of this workspace's code (not this harness) on the stack.
+fn caller() -> String {
+    let trace = std::backtrace::Backtrace::force_capture().to_string();
+    trace
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("at "))
+        .find(|f| !f.starts_with('/') && f.contains(".rs:") && !f.contains("fuzz.rs"))
+        .unwrap_or("?")
+        .to_string()
 }
 
 fn env_u64(key: &str) -> Option<u64> {
