@@ -253,17 +253,7 @@ impl Coordinator {
         let Some(l) = table.by_id_mut(lease_id, now) else {
             let lapsed = table.lapsed(lease_id, now);
             drop(table);
-            let not_found = Error::LeaseNotFound(automaton_workflow::excerpt(lease_id));
-            if !lapsed {
-                return Err(Refused::Now(not_found));
-            }
-            // Queue the ends of whatever has lapsed (the sweep may not have run yet), then
-            // wait for everything queued so far.
-            self.expire();
-            return match self.wal.barrier() {
-                Ok(commit) => Err(Refused::OnceDurable(commit, not_found)),
-                Err(e) => Err(Refused::Now(Error::Unavailable(e))),
-            };
+            return Err(self.not_found(lease_id, lapsed));
         };
         if let Some(who) = who
             && who != &l.agent
@@ -294,6 +284,22 @@ impl Coordinator {
         Ok(out)
     }
 
+    /// The refusal of a lease id with no live lease, answered once every end queued before it
+    /// is durable: a release, transition or expiry takes a lease out of the table and queues
+    /// its end in one step under the table's lock, so the barrier queued after this lookup
+    /// covers that end (without pending records it costs no sync). `lapsed`: the lease is
+    /// still in the table past its deadline, its end perhaps not queued yet.
+    fn not_found(&self, lease_id: &str, lapsed: bool) -> Refused {
+        if lapsed {
+            self.expire();
+        }
+        let not_found = Error::LeaseNotFound(automaton_workflow::excerpt(lease_id));
+        match self.wal.barrier() {
+            Ok(commit) => Refused::OnceDurable(commit, not_found),
+            Err(e) => Refused::Now(Error::Unavailable(e)),
+        }
+    }
+
     /// Ends a lease at its holder's request; acknowledged once the end is in the log. `who`:
     /// the agent a caller speaks for (an agent token's name, or the request's agent).
     pub async fn release(
@@ -317,44 +323,50 @@ impl Coordinator {
                         |r| automaton_store::Error::from_refusal(&l.task, r, l.expires_at(now)),
                     )?;
                     let task = l.task.clone();
-                    Ok(table.remove(&task))
+                    Ok(self.take_and_end(&mut table, &task))
                 }
             }
         };
-        let l = match found {
-            Ok(Some(l)) => l,
-            Ok(None) => {
-                return Err(Error::Internal(
-                    "the lease table changed under its lock".into(),
-                ));
-            }
-            Err(lapsed) => {
-                if lapsed {
-                    // Refused only once its end is durable (see `renew_with`).
-                    self.expire();
-                    self.wal
-                        .barrier()
-                        .map_err(Error::Unavailable)?
-                        .await
-                        .map_err(Error::Unavailable)?;
+        match found {
+            Ok(Some(ended)) => self.end(ended?, "released").await,
+            Ok(None) => Err(Error::Internal(
+                "the lease table changed under its lock".into(),
+            )),
+            Err(lapsed) => match self.not_found(lease_id, lapsed) {
+                Refused::Now(e) => Err(e),
+                Refused::OnceDurable(commit, e) => {
+                    commit.await.map_err(Error::Unavailable)?;
+                    Err(e)
                 }
-                return Err(Error::LeaseNotFound(automaton_workflow::excerpt(lease_id)));
+            },
+        }
+    }
+
+    /// Takes `task`'s lease out of `table` and queues its end, in one step under the table's
+    /// lock (see [`Coordinator::not_found`]). If the log takes nothing more, the lease stays.
+    pub(crate) fn take_and_end(
+        &self,
+        table: &mut crate::table::Table,
+        task: &TaskName,
+    ) -> Option<Result<(Live, crate::wal::Commit), Error>> {
+        let l = table.remove(task)?;
+        Some(match self.wal.end(&l.lease_id) {
+            Ok(commit) => Ok((l, commit)),
+            Err(e) => {
+                table.insert(l);
+                Err(Error::Unavailable(e))
             }
-        };
-        self.end(l, "released").await
+        })
     }
 
     /// Logs the end of a removed lease durably, then updates the view and tells the world. If
     /// the log cannot take it, the lease goes back into the table (the coordinator is
     /// stopping: nothing may look ended that a restart would bring back).
-    pub(crate) async fn end(&self, l: Live, reason: &'static str) -> Result<Live, Error> {
-        let commit = match self.wal.end(&l.lease_id) {
-            Ok(c) => c,
-            Err(e) => {
-                self.restore(&l);
-                return Err(Error::Unavailable(e));
-            }
-        };
+    pub(crate) async fn end(
+        &self,
+        (l, commit): (Live, crate::wal::Commit),
+        reason: &'static str,
+    ) -> Result<Live, Error> {
         let ((l, _), logged) =
             Committing::new(self, commit, (l, reason), |c, (l, reason), logged| {
                 if logged.is_ok() {
@@ -421,12 +433,18 @@ impl Coordinator {
     /// durable are they removed and announced (views, loss notices, events). Until then they
     /// stay in the table, lapsed: never live, never renewed, superseded by a new grant.
     pub fn expire(&self) -> usize {
-        let lapsed = self.table().mark_lapsed(Instant::now());
-        if lapsed.is_empty() {
-            return 0;
-        }
+        // Marked and queued in one step under the table's lock (see `not_found`).
+        let (lapsed, commit) = {
+            let mut table = self.table();
+            let lapsed = table.mark_lapsed(Instant::now());
+            if lapsed.is_empty() {
+                return 0;
+            }
+            let commit = self.wal.ends(lapsed.iter().map(|l| l.lease_id.as_str()));
+            (lapsed, commit)
+        };
         let n = lapsed.len();
-        let commit = match self.wal.ends(lapsed.iter().map(|l| l.lease_id.as_str())) {
+        let commit = match commit {
             Ok(c) => c,
             // The writer has stopped: the coordinator is stopping, and a restart replays
             // these leases (they get the grace, as if the crash came first).

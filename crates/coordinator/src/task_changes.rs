@@ -44,9 +44,9 @@ impl Coordinator {
         self.states().insert(task.clone(), target);
         let ended = match live {
             Some(l) => {
-                let removed = self.table().remove(task);
+                let removed = self.take_and_end(&mut self.table(), task);
                 match removed {
-                    Some(r) => Some(self.end(r, "transitioned").await?),
+                    Some(r) => Some(self.end(r?, "transitioned").await?),
                     None => Some(l),
                 }
             }
