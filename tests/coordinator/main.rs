@@ -4,6 +4,7 @@
 
 mod cli;
 mod harness;
+mod history;
 mod leases;
 mod limits;
 mod restart;
