@@ -25,8 +25,10 @@ const START_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub const OPERATOR_TOKEN: &str = "operator-secret-0123456789";
 pub const AGENT_TOKEN: &str = "agent-secret-0123456789ab";
+/// A second agent's token (`agent-b`).
+pub const AGENT_B_TOKEN: &str = "agent-b-secret-0123456789";
 
-/// One operator (`ops`) and one agent token (`agent-1`).
+/// One operator (`ops`) and two agent tokens, each bound to its agent (`agent-a`, `agent-b`).
 pub const TOKENS_TOML: &str = r#"
 [[tokens]]
 name = "ops"
@@ -34,9 +36,14 @@ role = "operator"
 token = "operator-secret-0123456789"
 
 [[tokens]]
-name = "agent-1"
+name = "agent-a"
 role = "agent"
 token = "agent-secret-0123456789ab"
+
+[[tokens]]
+name = "agent-b"
+role = "agent"
+token = "agent-b-secret-0123456789"
 "#;
 
 /// Environment variables that would make a child depend on the machine running the tests.
@@ -305,7 +312,13 @@ pub struct Coord {
 impl Coord {
     /// Starts the coordinator on `env`'s project and waits for its `listening on` line.
     pub fn start(env: &Arc<Env>, args: &[&str]) -> Coord {
+        Coord::start_with_env(env, args, &[])
+    }
+
+    /// [`Coord::start`] with extra environment variables (failpoints, say).
+    pub fn start_with_env(env: &Arc<Env>, args: &[&str], envs: &[(&str, &str)]) -> Coord {
         let mut c = env.coordinator_command(args);
+        c.envs(envs.iter().copied());
         c.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -621,6 +634,7 @@ impl Api {
         let r = self.req(pb::ReleaseRequest {
             lease_id: lease_id.into(),
             token,
+            ..Default::default()
         });
         self.leases.release(r).await.map(|r| r.into_inner())
     }

@@ -164,7 +164,7 @@ async fn claim_renew_release_each_emit_their_event() {
 /// once … when any lease it has named is lost (expired …)".
 #[tokio::test(flavor = "multi_thread")]
 async fn short_ttl_expires_emits_lease_expired_and_keepalive_reports_lost() {
-    let coord = Coord::start(&Env::new(), &[]);
+    let coord = Coord::start(&Env::new(), &["--lease-ttl-min", "10ms"]);
     let mut api = coord.api().await;
     api.claimable_task("short").await;
     let mut ev = Events::watch(&api).await;
@@ -477,7 +477,7 @@ async fn race_32_agents_500_rounds_one_winner_each_increasing_tokens() {
 /// changes".
 #[tokio::test(flavor = "multi_thread")]
 async fn stale_token_after_expiry_and_regrant_is_refused_and_changes_nothing() {
-    let coord = Coord::start(&Env::new(), &[]);
+    let coord = Coord::start(&Env::new(), &["--lease-ttl-min", "10ms"]);
     let env = coord.env.clone();
     let mut api = coord.api().await;
     api.claimable_task("fenced").await;

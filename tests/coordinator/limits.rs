@@ -564,7 +564,7 @@ impl KeepAlive {
 #[tokio::test(flavor = "multi_thread")]
 async fn keepalive_loss_notice_reaches_only_the_stream_that_renewed_the_lease() {
     const QUIET: Duration = Duration::from_millis(300);
-    let coord = Coord::start(&Env::new(), &[]);
+    let coord = Coord::start(&Env::new(), &["--lease-ttl-min", "10ms"]);
     let mut ops = coord.api().await;
     for t in ["x", "y", "z", "w"] {
         ops.claimable_task(t).await;

@@ -340,7 +340,7 @@ async fn kill_9_under_claim_release_load_loses_nothing_acknowledged() {
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_exits_0_keeps_leases_and_grace_period_extends_them() {
     let env = Env::new();
-    let mut coord = Coord::start(&env, &[]);
+    let mut coord = Coord::start(&env, &["--lease-ttl-min", "10ms"]);
     let mut api = coord.api().await;
     api.claimable_task("kept").await;
     api.claimable_task("graced").await;
@@ -435,7 +435,7 @@ async fn fencing_tokens_increase_across_restarts() {
         .token;
     assert!(t1b > t1);
 
-    coord.restart(&[]);
+    coord.restart(&["--lease-ttl-min", "10ms"]);
     let mut api = coord.api().await;
     let t2 = api
         .claim("two", "agent-b", 60_000)
@@ -445,7 +445,7 @@ async fn fencing_tokens_increase_across_restarts() {
     assert!(t2 > t1b, "after SIGTERM: {t2} ≤ {t1b}");
     assert_eq!(api.lease_of("one").await.expect("kept").token, t1);
 
-    coord.restart_after_kill(&[]);
+    coord.restart_after_kill(&["--lease-ttl-min", "10ms"]);
     let mut api = coord.api().await;
     let t3 = api
         .claim("three", "agent-c", 60_000)
@@ -469,7 +469,7 @@ async fn fencing_tokens_increase_across_restarts() {
 #[tokio::test(flavor = "multi_thread")]
 async fn longer_ttl_from_a_reclaim_survives_kill_9() {
     let env = Env::new();
-    let mut coord = Coord::start(&env, &["--grace-period", "1s"]);
+    let mut coord = Coord::start(&env, &["--grace-period", "1s", "--lease-ttl-min", "10ms"]);
     let mut api = coord.api().await;
     api.claimable_task("t").await;
     let first = api.claim("t", "agent-a", 300).await.expect("claim");
@@ -479,7 +479,7 @@ async fn longer_ttl_from_a_reclaim_survives_kill_9() {
         (again.lease_id.as_str(), again.token),
         (first.lease_id.as_str(), first.token)
     );
-    coord.restart_after_kill(&["--grace-period", "1s"]);
+    coord.restart_after_kill(&["--grace-period", "1s", "--lease-ttl-min", "10ms"]);
     let mut api = coord.api().await;
     // Past both the first TTL and the grace period: only the longer TTL keeps it alive.
     tokio::time::sleep(Duration::from_millis(2_000)).await;

@@ -9,7 +9,8 @@ use sha2::Digest;
 use tonic::Code;
 
 use crate::harness::{
-    AGENT_TOKEN, Coord, Env, OPERATOR_TOKEN, TOKENS_TOML, bearer, connect, expect_err, lock_view,
+    AGENT_B_TOKEN, AGENT_TOKEN, Coord, Env, OPERATOR_TOKEN, TOKENS_TOML, bearer, connect,
+    expect_err, lock_view,
 };
 
 /// Issue §Semantics "Separation of duties … reviewer ≠ implementer on claim and on approve,
@@ -60,8 +61,9 @@ async fn reviewer_is_not_implementer_and_agent_token_cannot_approve() {
     assert!(before == env.snapshot(), "a refused claim changed files");
     assert!(agent.lease_of("sod").await.is_none());
 
-    // B may.
-    let b = agent
+    // B may (with its own token: a token is bound to its agent).
+    let mut agent_b = coord.api_as(AGENT_B_TOKEN).await;
+    let b = agent_b
         .claim("sod", "agent-b", 60_000)
         .await
         .expect("B claims code_review");
@@ -69,7 +71,7 @@ async fn reviewer_is_not_implementer_and_agent_token_cannot_approve() {
     assert!(b.token > a.token);
     let review = "# Code review\nlooks right\n";
     env.artifact("sod", "CODE_REVIEW.md", review);
-    agent
+    agent_b
         .transition_under("sod", "code_review:awaiting_approval", &b)
         .await
         .expect("B asks for approval");
@@ -208,7 +210,7 @@ async fn auth_no_token_unauthenticated_wrong_role_permission_denied() {
     let coord = Coord::start(&env, &[]);
     assert!(
         coord.wait_stderr(
-            "bearer tokens (1 operator, 1 agent)",
+            "bearer tokens (1 operator, 2 agent)",
             Duration::from_secs(5)
         ),
         "the mode line names the protection:\n{}",
@@ -292,7 +294,7 @@ async fn auth_no_token_unauthenticated_wrong_role_permission_denied() {
     );
     assert!(before == env.snapshot(), "refused calls changed files");
     let l = agent
-        .claim("guarded", "agent-1", 60_000)
+        .claim("guarded", "agent-a", 60_000)
         .await
         .expect("an agent claims");
     agent.renew(&l.lease_id, l.token).await.expect("renews");
@@ -540,7 +542,7 @@ fn config_precedence_unknown_keys_and_masked_tokens() {
     );
     // Tokens are shown, masked.
     let tokens = v["tokens"].as_array().expect("tokens");
-    assert_eq!(tokens.len(), 2);
+    assert_eq!(tokens.len(), 3);
     for t in tokens {
         assert_eq!(t["token"].as_str(), Some("********"));
     }

@@ -87,6 +87,7 @@ impl Backend for Coordinator {
         let request = ReleaseRequest {
             lease_id: lease.id,
             token: lease.token,
+            ..Default::default()
         };
         let _: ReleaseResponse = self.client(client).unary(RELEASE, request).await?;
         Ok(())

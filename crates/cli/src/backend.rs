@@ -397,6 +397,7 @@ impl Backend {
                 let req = pb::ReleaseRequest {
                     lease_id: live.lease_id.clone(),
                     token: live.token,
+                    agent: agent.to_string(),
                 };
                 r.run(r.leases().release(req))?;
                 lease_from_pb(&live)

@@ -57,6 +57,14 @@ pub struct Config {
     /// The lease log is rewritten with only the live leases once this many bytes were
     /// appended since its last rewrite (and more than twice that rewrite's size).
     pub log_compact_bytes: u64,
+    /// The shortest TTL a claim may ask for (`INVALID_ARGUMENT` below it).
+    #[serde(with = "duration")]
+    pub lease_ttl_min: Duration,
+    /// The longest TTL a claim may ask for; the project's lock timeout is brought inside.
+    #[serde(with = "duration")]
+    pub lease_ttl_max: Duration,
+    /// The most lease ids one KeepAlive message may name.
+    pub keepalive_max_ids: usize,
     pub tls: Option<Tls>,
     pub tokens: Vec<Token>,
 }
@@ -72,6 +80,9 @@ impl Default for Config {
             max_in_flight: 1024,
             max_message_bytes: 4 * 1024 * 1024,
             log_compact_bytes: 16 * 1024 * 1024,
+            lease_ttl_min: automaton_workflow::TtlBounds::DEFAULT.min,
+            lease_ttl_max: automaton_workflow::TtlBounds::DEFAULT.max,
+            keepalive_max_ids: 1024,
             tls: None,
             tokens: Vec::new(),
         }
@@ -86,6 +97,8 @@ pub struct Overrides {
     pub listen: Option<SocketAddr>,
     pub insecure: bool,
     pub grace_period: Option<Duration>,
+    pub lease_ttl_min: Option<Duration>,
+    pub lease_ttl_max: Option<Duration>,
 }
 
 mod duration {
@@ -151,6 +164,12 @@ impl Config {
         if let Some(g) = flags.grace_period {
             cfg.grace_period = g;
         }
+        if let Some(t) = flags.lease_ttl_min {
+            cfg.lease_ttl_min = t;
+        }
+        if let Some(t) = flags.lease_ttl_max {
+            cfg.lease_ttl_max = t;
+        }
         Ok(cfg)
     }
 
@@ -184,6 +203,8 @@ impl Config {
         for (key, slot) in [
             ("AUTOMATON_GRACE_PERIOD", &mut self.grace_period),
             ("AUTOMATON_RPC_TIMEOUT", &mut self.rpc_timeout),
+            ("AUTOMATON_LEASE_TTL_MIN", &mut self.lease_ttl_min),
+            ("AUTOMATON_LEASE_TTL_MAX", &mut self.lease_ttl_max),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = parse_duration(&v).ok_or_else(|| bad(key, &v, "a duration like 30s"))?;
@@ -192,6 +213,7 @@ impl Config {
         for (key, slot) in [
             ("AUTOMATON_MAX_IN_FLIGHT", &mut self.max_in_flight),
             ("AUTOMATON_MAX_MESSAGE_BYTES", &mut self.max_message_bytes),
+            ("AUTOMATON_KEEPALIVE_MAX_IDS", &mut self.keepalive_max_ids),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = v.parse().map_err(|_| bad(key, &v, "a number"))?;
@@ -234,6 +256,13 @@ impl Config {
             )));
         }
         for t in &self.tokens {
+            // An agent token speaks for the agent it names: the name must be one.
+            if t.role == Role::Agent && t.name.parse::<automaton_workflow::AgentId>().is_err() {
+                return Err(Error::Config(format!(
+                    "agent token name '{}' is not an agent id: use lowercase letters, digits and dashes (it is the agent this token may act as)",
+                    t.name
+                )));
+            }
             if t.token.len() < 16 {
                 return Err(Error::Config(format!(
                     "token of '{}' is shorter than 16 characters: use a long random secret",
@@ -250,6 +279,18 @@ impl Config {
             (
                 self.log_compact_bytes < 4096,
                 "log_compact_bytes must be at least 4096",
+            ),
+            (
+                self.keepalive_max_ids == 0,
+                "keepalive_max_ids must be at least 1",
+            ),
+            (
+                self.lease_ttl_min.is_zero() || self.lease_ttl_min > self.lease_ttl_max,
+                "lease_ttl_min must be above zero and at most lease_ttl_max",
+            ),
+            (
+                self.lease_ttl_max > automaton_workflow::TtlBounds::CEILING,
+                "lease_ttl_max must be at most 366 days",
             ),
         ] {
             if bad {
@@ -273,6 +314,25 @@ impl Config {
             )));
         }
         Ok(())
+    }
+
+    /// What the coordinator is opened with.
+    pub fn options(&self, failpoints: crate::Failpoints) -> crate::Options {
+        crate::Options {
+            grace: self.grace_period,
+            log_compact_bytes: self.log_compact_bytes,
+            ttl: self.ttl_bounds(),
+            keepalive_max_ids: self.keepalive_max_ids,
+            failpoints,
+        }
+    }
+
+    /// The TTLs a claim may ask for.
+    pub fn ttl_bounds(&self) -> automaton_workflow::TtlBounds {
+        automaton_workflow::TtlBounds {
+            min: self.lease_ttl_min,
+            max: self.lease_ttl_max,
+        }
     }
 
     /// The effective configuration as TOML, tokens masked.
@@ -325,13 +385,19 @@ mod tests {
                 cfg.rpc_timeout,
                 cfg.max_in_flight,
                 cfg.max_message_bytes,
-                cfg.log_compact_bytes
+                cfg.log_compact_bytes,
+                cfg.lease_ttl_min,
+                cfg.lease_ttl_max,
+                cfg.keepalive_max_ids
             ),
             (
                 d.rpc_timeout,
                 d.max_in_flight,
                 d.max_message_bytes,
-                d.log_compact_bytes
+                d.log_compact_bytes,
+                d.lease_ttl_min,
+                d.lease_ttl_max,
+                d.keepalive_max_ids
             ),
             "the example shows the defaults"
         );

@@ -4,6 +4,7 @@
 //! leases this stream has renewed (see `watchers.rs`).
 
 use std::collections::{HashSet, VecDeque};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -13,7 +14,9 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Status, Streaming};
 
-use crate::state::Coordinator;
+use automaton_workflow::AgentId;
+
+use crate::state::{Coordinator, Refused};
 use crate::watchers::Notice;
 
 pub(crate) struct KeepAlive {
@@ -25,11 +28,22 @@ pub(crate) struct KeepAlive {
     /// The leases this client has named: the ones whose loss it must hear about.
     named: HashSet<String>,
     pending: VecDeque<pb::KeepAliveResponse>,
+    /// A lapsed lease's end on its way to the log: answers wait behind it (a client told its
+    /// lease is gone must never see it back after a restart).
+    durable: Option<crate::wal::Commit>,
+    /// The agent an agent token speaks for: it renews only its own leases.
+    who: Option<AgentId>,
+    /// An error that ends the stream once the answers before it are sent.
+    fail: Option<Status>,
     done: bool,
 }
 
 impl KeepAlive {
-    pub(crate) fn new(coord: Arc<Coordinator>, inbound: Streaming<pb::KeepAliveRequest>) -> Self {
+    pub(crate) fn new(
+        coord: Arc<Coordinator>,
+        inbound: Streaming<pb::KeepAliveRequest>,
+        who: Option<AgentId>,
+    ) -> Self {
         let (id, notices) = coord.watchers.open();
         KeepAlive {
             coord,
@@ -38,6 +52,9 @@ impl KeepAlive {
             notices,
             named: HashSet::new(),
             pending: VecDeque::new(),
+            durable: None,
+            who,
+            fail: None,
             done: false,
         }
     }
@@ -46,7 +63,7 @@ impl KeepAlive {
         let watched = self.coord.watched();
         let first = !self.named.contains(&id);
         let (coord, stream) = (&self.coord, self.id);
-        let renewed = self.coord.renew_with(&id, None, |l| {
+        let renewed = self.coord.renew_with(&id, None, self.who.as_ref(), |l| {
             if first {
                 // Under the table's lock: the lease cannot end before this stream is told.
                 coord.watchers.watch(stream, &l.lease_id);
@@ -76,16 +93,39 @@ impl KeepAlive {
                     lost: None,
                 }
             }
-            Err(_) => pb::KeepAliveResponse {
-                lost: Some(pb::LeaseLost {
-                    task: String::new(),
-                    token: 0,
-                    reason: "unknown".into(),
-                }),
-                lease_id: id,
-                lease: None,
-            },
+            Err(refused) => {
+                if let Refused::OnceDurable(commit, _) = refused {
+                    // A later barrier covers an earlier one: keep the newest.
+                    self.durable = Some(commit);
+                }
+                pb::KeepAliveResponse {
+                    lost: Some(pb::LeaseLost {
+                        task: String::new(),
+                        token: 0,
+                        reason: "unknown".into(),
+                    }),
+                    lease_id: automaton_workflow::excerpt(&id),
+                    lease: None,
+                }
+            }
         }
+    }
+
+    /// The next answer, once whatever it waits for is durable.
+    fn next_answer(&mut self, cx: &mut Context<'_>) -> Poll<Option<pb::KeepAliveResponse>> {
+        if let Some(commit) = &mut self.durable {
+            match Pin::new(commit).poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) => self.durable = None,
+                Poll::Ready(Err(e)) => {
+                    self.durable = None;
+                    self.pending.clear();
+                    self.fail = Some(Status::unavailable(e));
+                    return Poll::Ready(None);
+                }
+            }
+        }
+        Poll::Ready(self.pending.pop_front())
     }
 }
 
@@ -103,8 +143,14 @@ impl Stream for KeepAlive {
         if this.done {
             return Poll::Ready(None);
         }
-        if let Some(r) = this.pending.pop_front() {
-            return Poll::Ready(Some(Ok(r)));
+        match this.next_answer(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(r)) => return Poll::Ready(Some(Ok(r))),
+            Poll::Ready(None) => {}
+        }
+        if let Some(status) = this.fail.take() {
+            this.done = true;
+            return Poll::Ready(Some(Err(status)));
         }
         loop {
             match this.notices.poll_recv(cx) {
@@ -131,12 +177,26 @@ impl Stream for KeepAlive {
         loop {
             match Pin::new(&mut this.inbound).poll_next(cx) {
                 Poll::Ready(Some(Ok(m))) => {
+                    let max = this.coord.options.keepalive_max_ids;
+                    if m.lease_ids.len() > max {
+                        this.done = true;
+                        return Poll::Ready(Some(Err(Status::invalid_argument(format!(
+                            "a KeepAlive request named {} leases; at most {max} per request: split it",
+                            m.lease_ids.len()
+                        )))));
+                    }
                     for id in m.lease_ids {
                         let r = this.renew(id);
                         this.pending.push_back(r);
                     }
-                    if let Some(r) = this.pending.pop_front() {
-                        return Poll::Ready(Some(Ok(r)));
+                    match this.next_answer(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Some(r)) => return Poll::Ready(Some(Ok(r))),
+                        Poll::Ready(None) => {}
+                    }
+                    if let Some(status) = this.fail.take() {
+                        this.done = true;
+                        return Poll::Ready(Some(Err(status)));
                     }
                     // An empty request: read the next one.
                 }

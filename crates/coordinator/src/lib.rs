@@ -33,7 +33,8 @@ use tonic::metadata::MetadataValue;
 pub use config::{Config, Overrides, Role};
 pub use leases::Live;
 pub use owner::Ownership;
-pub use state::{Coordinator, Event, Granted, Presented};
+pub use state::{Coordinator, Event, Granted, Options, Presented};
+pub use wal::Failpoints;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -56,6 +57,11 @@ pub enum Error {
     Config(String),
     #[error("{0}")]
     Internal(String),
+    /// The lease log cannot be written: the coordinator is stopping (fail-stop).
+    #[error(
+        "the coordinator cannot make changes durable ({0}); it is stopping: retry against its next start"
+    )]
+    Unavailable(String),
 }
 
 /// The one place that chooses gRPC codes. The `automaton-error-kind` metadata lets the CLI
@@ -81,6 +87,7 @@ impl From<Error> for Status {
                 (tonic::Code::FailedPrecondition, ErrorKind::Refused)
             }
             Error::Internal(_) => (tonic::Code::Internal, ErrorKind::Io),
+            Error::Unavailable(_) => (tonic::Code::Unavailable, ErrorKind::Io),
         };
         let mut status = Status::new(code, e.to_string());
         status.metadata_mut().insert(
@@ -125,10 +132,18 @@ pub async fn serve(
     health
         .set_service_status("", tonic_health::ServingStatus::Serving)
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    // Reflection in both versions: grpcurl and current tools speak v1; grpcio's reflection
+    // client, Postman and older grpcurl speak only v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
         .build_v1()
+        .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
     let sweeper = {
@@ -159,12 +174,23 @@ pub async fn serve(
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
             .map_err(|e| Error::Config(format!("invalid TLS certificate or key: {e}")))?;
     }
+    // Fail-stop: once the lease log cannot be written, stop serving (health first, so load
+    // balancers stop sending), end the streams, and return the reason as an error.
+    let log_failure: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
     let signal = {
         let health = health.clone();
         let coord = coord.clone();
+        let log_failure = log_failure.clone();
         async move {
-            shutdown.await;
-            tracing::info!("shutting down: draining in-flight requests");
+            tokio::select! {
+                _ = shutdown => {
+                    tracing::info!("shutting down: draining in-flight requests");
+                }
+                why = coord.log_failed() => {
+                    tracing::error!(error = %why, "the lease log failed: not serving, stopping");
+                    *log_failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                }
+            }
             health
                 .set_service_status("", tonic_health::ServingStatus::NotServing)
                 .await;
@@ -183,7 +209,8 @@ pub async fn serve(
             cfg.rpc_timeout,
         ))
         .add_service(health_svc)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(tasks)
         .add_service(leases)
         .add_service(events)
@@ -195,5 +222,9 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Internal(format!("server failed: {e}")));
     sweeper.abort();
-    result
+    result?;
+    match log_failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(why) => Err(Error::Unavailable(why)),
+        None => Ok(()),
+    }
 }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use automaton_coordinator::{
-    Config, Coordinator, Overrides, Ownership, config::parse_duration, serve,
+    Config, Coordinator, Failpoints, Overrides, Ownership, config::parse_duration, serve,
 };
 use automaton_store::Project;
 use clap::Parser;
@@ -34,6 +34,12 @@ struct Flags {
     /// Minimum life of every lease after a restart (e.g. 30s).
     #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 30s or 2m"))]
     grace_period: Option<std::time::Duration>,
+    /// Shortest TTL a claim may ask for (default 1s; shorter ones get INVALID_ARGUMENT).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 1s or 500ms"))]
+    lease_ttl_min: Option<std::time::Duration>,
+    /// Longest TTL a claim may ask for (default 7d).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 7d or 12h"))]
+    lease_ttl_max: Option<std::time::Duration>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -71,6 +77,8 @@ fn run() -> anyhow::Result<()> {
         listen: flags.listen,
         insecure: flags.insecure,
         grace_period: flags.grace_period,
+        lease_ttl_min: flags.lease_ttl_min,
+        lease_ttl_max: flags.lease_ttl_max,
     })?;
     if flags.print_config {
         print!("{}", cfg.to_toml());
@@ -91,8 +99,18 @@ fn run() -> anyhow::Result<()> {
         let addr = listener
             .local_addr()
             .context("cannot read the bound address")?;
-        let (coord, notes) =
-            Coordinator::open(project.clone(), cfg.grace_period, cfg.log_compact_bytes)?;
+        // Test hooks only: make the lease log's disk fail on purpose (docs/coordinator.md).
+        let failpoints = match std::env::var("AUTOMATON_FAILPOINTS") {
+            Ok(v) => Failpoints::parse(&v).map_err(anyhow::Error::msg)?,
+            Err(_) => Failpoints::default(),
+        };
+        if failpoints != Failpoints::default() {
+            tracing::warn!(
+                ?failpoints,
+                "failpoints set: the lease log will fail on purpose"
+            );
+        }
+        let (coord, notes) = Coordinator::open(project.clone(), cfg.options(failpoints))?;
         for n in &notes {
             tracing::warn!(note = %n, "recovery");
         }
@@ -105,9 +123,12 @@ fn run() -> anyhow::Result<()> {
             leases = coord.live_leases(),
             "coordinator serving"
         );
+        // Installed before the line below: a SIGTERM sent as soon as it is read must drain,
+        // not kill the process with the default action.
+        let shutdown = shutdown_signal()?;
         // The one line on stdout: what a script or test waits for.
         println!("listening on {addr}");
-        serve(coord, &cfg, listener, shutdown_signal()).await?;
+        serve(coord, &cfg, listener, shutdown).await?;
         Ok::<_, anyhow::Error>(ownership)
     });
     // Work a timed-out request left behind (a read or write on a stuck disk) must not hold
@@ -122,17 +143,16 @@ fn run() -> anyhow::Result<()> {
 /// How long the exit waits for work that requests which timed out left running.
 const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// Resolves on SIGTERM or Ctrl-C; the handlers are installed when this is called.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install the SIGTERM handler")?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .context("cannot install the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = term => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    })
 }

@@ -52,6 +52,53 @@ fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
     }
 }
 
+/// The agent a caller acts as. An agent token is bound to its agent: the request's agent must
+/// be empty or that agent. An operator names any agent.
+fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
+    match who.role {
+        Role::Agent if requested.is_empty() || requested == who.name => agent_id(&who.name),
+        Role::Agent => Err(Error::PermissionDenied(format!(
+            "'{}' holds an agent token and may act only as itself, not as '{}': leave agent empty or send '{}'",
+            who.name,
+            automaton_workflow::excerpt(requested),
+            who.name
+        ))
+        .into()),
+        Role::Operator if requested.is_empty() => Err(Error::Invalid(
+            "no agent named: send the agent that acts (an operator may act for any agent)".into(),
+        )
+        .into()),
+        Role::Operator => agent_id(requested),
+    }
+}
+
+/// The agent an agent token is bound to; `None` for operators, who may act for any agent.
+fn bound_agent(who: &Caller) -> Result<Option<AgentId>, Status> {
+    match who.role {
+        Role::Agent => agent_id(&who.name).map(Some),
+        Role::Operator => Ok(None),
+    }
+}
+
+/// Whether `who` may see the lease id and token of `l`: its holder and operators.
+fn may_see_secrets(who: &Caller, l: &Live) -> bool {
+    who.role == Role::Operator || l.agent.as_str() == who.name
+}
+
+/// Longest lease id a request may name (ours are far shorter).
+const MAX_LEASE_ID: usize = 256;
+
+fn lease_id_arg(id: &str) -> Result<&str, Status> {
+    if id.len() > MAX_LEASE_ID {
+        return Err(Error::Invalid(format!(
+            "lease id '{}' is longer than {MAX_LEASE_ID} bytes: send the lease_id a Claim returned",
+            automaton_workflow::excerpt(id)
+        ))
+        .into());
+    }
+    Ok(id)
+}
+
 pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {
     let now = Instant::now();
     pb::Lease {
@@ -101,6 +148,7 @@ impl pb::tasks_server::Tasks for Service {
 
     #[tracing::instrument(skip_all, fields(task = %req.get_ref().task))]
     async fn get_task(&self, req: Request<pb::GetTaskRequest>) -> Res<pb::TaskDetail> {
+        let who = caller(&req);
         let task = task_name(&req.get_ref().task)?;
         let t = task.clone();
         let mut view = self
@@ -110,10 +158,23 @@ impl pb::tasks_server::Tasks for Service {
         // The coordinator's table is the truth; the file view may lag it. One lookup serves
         // both the view and the typed lease.
         let live = self.coord.live_of(&task);
-        view.lease = live
-            .as_ref()
-            .map(|l| l.as_store_lease(std::time::Instant::now()));
-        let lease = live.as_ref().map(|l| lease_pb(l, false));
+        let secrets = live.as_ref().is_some_and(|l| may_see_secrets(&who, l));
+        view.lease = live.as_ref().map(|l| {
+            let mut shown = l.as_store_lease(std::time::Instant::now());
+            if !secrets {
+                shown.lease_id.clear();
+                shown.token = 0;
+            }
+            shown
+        });
+        let lease = live.as_ref().map(|l| {
+            let mut shown = lease_pb(l, false);
+            if !secrets {
+                shown.lease_id.clear();
+                shown.token = 0;
+            }
+            shown
+        });
         Ok(Response::new(pb::TaskDetail {
             summary: Some(pb::TaskSummary {
                 task: task.to_string(),
@@ -173,11 +234,17 @@ impl pb::tasks_server::Tasks for Service {
                     .join(", ")
             ))
         })?;
-        let presented = Presented {
-            agent: (!r.agent.is_empty())
+        let agent = match who.role {
+            Role::Agent => Some(acting_agent(&who, &r.agent)?),
+            Role::Operator => (!r.agent.is_empty())
                 .then(|| agent_id(&r.agent))
                 .transpose()?,
-            lease_id: (!r.lease_id.is_empty()).then_some(r.lease_id),
+        };
+        let presented = Presented {
+            agent,
+            lease_id: (!r.lease_id.is_empty())
+                .then(|| lease_id_arg(&r.lease_id).map(str::to_string))
+                .transpose()?,
             token: (r.token != 0).then_some(r.token),
         };
         if who.role == Role::Agent && presented.lease_id.is_none() && presented.token.is_none() {
@@ -243,28 +310,46 @@ impl pb::leases_server::Leases for Service {
     // DEBUG, not INFO: the default filter would otherwise build a span on every claim.
     #[tracing::instrument(level = "debug", skip_all, fields(task = %req.get_ref().task, agent = %req.get_ref().agent))]
     async fn claim(&self, req: Request<pb::ClaimRequest>) -> Res<pb::Lease> {
+        let who = caller(&req);
         let r = req.into_inner();
         let task = task_name(&r.task)?;
-        let agent = agent_id(&r.agent)?;
+        let agent = acting_agent(&who, &r.agent)?;
         let ttl = (r.ttl_ms != 0).then(|| Duration::from_millis(r.ttl_ms));
         let g = self.coord.claim(&task, &agent, ttl).await?;
         Ok(Response::new(lease_pb(&g.live, g.renewed)))
     }
 
     async fn renew(&self, req: Request<pb::RenewRequest>) -> Res<pb::Lease> {
+        let who = bound_agent(&caller(&req))?;
         let r = req.into_inner();
         let l = self
             .coord
-            .renew(&r.lease_id, (r.token != 0).then_some(r.token))?;
+            .renew(
+                lease_id_arg(&r.lease_id)?,
+                (r.token != 0).then_some(r.token),
+                who.as_ref(),
+            )
+            .await?;
         self.coord.emit_renewed(&l);
         Ok(Response::new(lease_pb(&l, true)))
     }
 
     async fn release(&self, req: Request<pb::ReleaseRequest>) -> Res<pb::ReleaseResponse> {
+        let who = caller(&req);
         let r = req.into_inner();
+        let agent = match who.role {
+            Role::Agent => Some(acting_agent(&who, &r.agent)?),
+            Role::Operator => (!r.agent.is_empty())
+                .then(|| agent_id(&r.agent))
+                .transpose()?,
+        };
         let l = self
             .coord
-            .release(&r.lease_id, (r.token != 0).then_some(r.token))
+            .release(
+                lease_id_arg(&r.lease_id)?,
+                (r.token != 0).then_some(r.token),
+                agent.as_ref(),
+            )
             .await?;
         Ok(Response::new(pb::ReleaseResponse {
             released: Some(lease_pb(&l, false)),
@@ -277,9 +362,11 @@ impl pb::leases_server::Leases for Service {
         &self,
         req: Request<Streaming<pb::KeepAliveRequest>>,
     ) -> Res<Self::KeepAliveStream> {
+        let who = bound_agent(&caller(&req))?;
         Ok(Response::new(Box::pin(crate::keepalive::KeepAlive::new(
             self.coord.clone(),
             req.into_inner(),
+            who,
         ))))
     }
 }
@@ -290,8 +377,10 @@ impl pb::events_server::Events for Service {
 
     async fn watch_events(
         &self,
-        _req: Request<pb::WatchEventsRequest>,
+        req: Request<pb::WatchEventsRequest>,
     ) -> Res<Self::WatchEventsStream> {
+        // Fencing tokens are for holders and operators.
+        let tokens_shown = caller(&req).role == Role::Operator;
         let mut events = self.coord.subscribe_events();
         let mut stop = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(1024);
@@ -308,7 +397,7 @@ impl pb::events_server::Events for Service {
                         kind: e.kind.into(),
                         task: e.task,
                         agent: e.agent,
-                        token: e.token,
+                        token: if tokens_shown { e.token } else { 0 },
                         detail: e.detail,
                     },
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => pb::Event {

@@ -65,9 +65,37 @@ pub struct Presented {
     pub token: Option<u64>,
 }
 
-impl Presented {
-    fn any(&self) -> bool {
-        self.lease_id.is_some() || self.token.is_some()
+/// Why a renewal was refused: at once, or once the commit (the end of a lapsed lease, or a
+/// barrier behind it) is durable.
+pub(crate) enum Refused {
+    Now(Error),
+    OnceDurable(crate::wal::Commit, Error),
+}
+
+/// What a coordinator is opened with (from [`crate::Config`]).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// After a restart every lease lives at least this long, so holders can reconnect.
+    pub grace: Duration,
+    /// Rewrite the lease log once this much was appended since its last rewrite.
+    pub log_compact_bytes: u64,
+    /// The TTLs a claim may ask for.
+    pub ttl: automaton_workflow::TtlBounds,
+    /// The most lease ids one KeepAlive message may name.
+    pub keepalive_max_ids: usize,
+    /// Test hooks that fail the log's disk on purpose (`AUTOMATON_FAILPOINTS`).
+    pub failpoints: crate::wal::Failpoints,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            grace: Duration::from_secs(30),
+            log_compact_bytes: 16 << 20,
+            ttl: automaton_workflow::TtlBounds::DEFAULT,
+            keepalive_max_ids: 1024,
+            failpoints: crate::wal::Failpoints::default(),
+        }
     }
 }
 
@@ -77,6 +105,7 @@ pub struct Coordinator {
     me: std::sync::Weak<Coordinator>,
     pub(crate) project: Project,
     policy: Policy,
+    pub(crate) options: Options,
     table: Mutex<Table>,
     fencing: Arc<Fencing>,
     wal: Wal,
@@ -102,25 +131,39 @@ pub struct Coordinator {
 impl Coordinator {
     /// Rebuilds the lease table from the log and the files, compacts the log, repairs the
     /// `.state.lock` views. Returns the coordinator and what recovery noticed.
-    /// `log_compact_bytes`: rewrite the lease log while running once this much was appended
-    /// since its last rewrite (and more than twice that rewrite).
     pub fn open(
         project: Project,
-        grace: Duration,
-        log_compact_bytes: u64,
+        options: Options,
     ) -> Result<(Arc<Coordinator>, Vec<String>), Error> {
-        let policy = project.policy()?;
+        let mut policy = project.policy()?;
+        let mut notes = Vec::new();
+        let bounded = options.ttl.clamp(policy.lock_timeout);
+        if bounded != policy.lock_timeout {
+            notes.push(format!(
+                "the project's lock timeout ({}) is outside the allowed TTLs: claims without a TTL get {}",
+                humantime::format_duration(policy.lock_timeout),
+                humantime::format_duration(bounded)
+            ));
+            policy.lock_timeout = bounded;
+        }
+        let grace = options.grace;
         let wal_path = project.meta().join("leases.wal");
         let log = crate::wal::read(&wal_path).map_err(Error::Internal)?;
         let crate::leases::Recovered {
             table,
-            notes,
+            notes: recovered,
             files,
             fencing_mark,
         } = crate::leases::recover(&project, &log, grace)?;
+        notes.extend(recovered);
         let fencing = Fencing::new(project.clone(), fencing_mark);
-        let wal = Wal::create(&wal_path, &table.records(), log_compact_bytes)
-            .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
+        let wal = Wal::create(
+            &wal_path,
+            &table.records(),
+            options.log_compact_bytes,
+            options.failpoints,
+        )
+        .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
         // Views: every live lease written; every other lock file (stale or unreadable, as
         // recovery found them) removed.
         let now = Instant::now();
@@ -143,6 +186,7 @@ impl Coordinator {
                 me: me.clone(),
                 project,
                 policy,
+                options,
                 table: Mutex::new(table),
                 fencing,
                 wal,
@@ -204,6 +248,11 @@ impl Coordinator {
         // A panic while holding the table cannot leave it half-updated in a way that matters
         // more than stopping the service would: keep serving.
         self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Resolves with the reason once the lease log has failed (the coordinator must stop).
+    pub async fn log_failed(&self) -> String {
+        self.wal.failed().await
     }
 
     pub fn live_leases(&self) -> usize {
@@ -298,7 +347,13 @@ impl Coordinator {
         agent: &AgentId,
         ttl: Option<Duration>,
     ) -> Result<Granted, Error> {
-        let ttl = ttl.unwrap_or(self.policy.lock_timeout);
+        let ttl =
+            match ttl {
+                Some(t) => self.options.ttl.check(t).map_err(|r| {
+                    automaton_store::Error::from_refusal(task, r, SystemTime::now())
+                })?,
+                None => self.policy.lock_timeout,
+            };
         let guard = self.guard(task).await;
         let state = self.state_of(task)?;
         self.project
@@ -318,7 +373,11 @@ impl Coordinator {
                 }
                 Some(l) => {
                     let id = l.lease_id.clone();
-                    let l = table.by_id_mut(&id, now).expect("just found");
+                    let Some(l) = table.by_id_mut(&id, now) else {
+                        return Err(Error::Internal(
+                            "the lease table changed under its lock".into(),
+                        ));
+                    };
                     let longer = ttl > l.ttl;
                     l.ttl = ttl;
                     let rewrite = l.extend(now);
@@ -329,11 +388,19 @@ impl Coordinator {
         };
         if let Some((l, longer, rewrite)) = renewal {
             drop(guard);
-            // A restart gives every lease max(logged TTL, grace): a longer TTL must be in the
-            // log before it is promised, or a restart could shorten the promise.
-            if longer {
-                self.wal.append_grant(&l).await.map_err(Error::Internal)?;
-            }
+            // Nothing is acknowledged before it is durable: the grant this claim repeats may
+            // still be on its way to the log (its own claim cut off, say). A restart gives
+            // every lease max(logged TTL, grace), so a longer TTL is logged before it is
+            // promised; otherwise a barrier waits for what is queued.
+            let logged = if longer {
+                self.wal.grant(&l)
+            } else {
+                self.wal.barrier()
+            };
+            logged
+                .map_err(Error::Unavailable)?
+                .await
+                .map_err(Error::Unavailable)?;
             if rewrite {
                 self.view(task, Some(l.view()));
             }
@@ -343,7 +410,7 @@ impl Coordinator {
                 renewed: true,
             });
         }
-        let live = {
+        let (live, displaced) = {
             let mut table = self.table();
             let token = table.take_token();
             self.fencing.cover(token)?;
@@ -355,37 +422,64 @@ impl Coordinator {
                 token,
                 state,
                 ttl,
-                deadline: now + ttl,
+                deadline: crate::leases::later(now, ttl),
                 claimed,
                 view_expires: claimed,
+                ending: false,
             };
             live.view_expires = live.next_view_expires();
-            table.insert(live.clone());
-            live
+            // A lease displaced here had lapsed; the grant's record is its end at replay.
+            let displaced = table.insert(live.clone()).filter(|d| !d.ending);
+            (live, displaced)
         };
-        if let Err(e) = self.project.record_implementer(task, agent, state) {
-            self.unclaim(&live);
-            return Err(e.into());
-        }
         drop(guard);
         let commit = match self.wal.grant(&live) {
             Ok(commit) => commit,
             Err(e) => {
                 self.unclaim(&live);
-                return Err(Error::Internal(e));
+                return Err(Error::Unavailable(e));
             }
         };
-        let (live, logged) = Committing::new(self, commit, live, |c, live, logged| match logged {
-            Ok(()) => c.after_grant(live),
-            Err(_) => c.unclaim(live),
-        })
+        let (live, logged) = Committing::new(
+            self,
+            commit,
+            (live, displaced),
+            |c, (live, displaced), logged| match logged {
+                Ok(()) => {
+                    if let Some(d) = displaced {
+                        c.after_end(d, "expired");
+                    }
+                    c.after_grant(live)
+                }
+                Err(_) => c.unclaim(live),
+            },
+        )
         .finish()
         .await;
-        logged.map_err(Error::Internal)?;
+        logged.map_err(Error::Unavailable)?;
+        let (live, _) = live;
+        // The implementer is recorded once the grant is durable, before it is acknowledged:
+        // a grant taken back leaves no trace, and a crash in between is repaired at start
+        // (every surviving implement grant's agent is recorded then).
+        if let Err(e) = self.record_implementer(&live) {
+            self.unclaim(&live);
+            return Err(e);
+        }
         Ok(Granted {
             live,
             renewed: false,
         })
+    }
+
+    /// Records the agent of an implement grant in `.state.implementer`, once per task and
+    /// agent (the file is read only the first time).
+    fn record_implementer(&self, live: &Live) -> Result<(), Error> {
+        if live.state.phase != automaton_workflow::Phase::Implement {
+            return Ok(());
+        }
+        self.project
+            .record_implementer(&live.task, &live.agent, live.state)?;
+        Ok(())
     }
 
     fn after_grant(&self, live: &Live) {
@@ -404,14 +498,7 @@ impl Coordinator {
     /// Takes back a grant that was never acknowledged. Its end goes to the log too: a log
     /// rewrite may have put the grant into its snapshot meanwhile.
     fn unclaim(&self, live: &Live) {
-        let mut table = self.table();
-        if table
-            .live(&live.task, Instant::now())
-            .is_some_and(|l| l.lease_id == live.lease_id)
-        {
-            table.remove(&live.task);
-        }
-        drop(table);
+        self.table().remove_lease(&live.task, &live.lease_id);
         self.wal.append_end_nowait(&live.lease_id);
     }
 
@@ -430,32 +517,71 @@ impl Coordinator {
     }
 
     /// Extends a live lease to now + its TTL. No disk sync: the log records TTLs, not
-    /// expiries, and a restart gives every lease at least max(TTL, grace) again.
-    pub fn renew(&self, lease_id: &str, token: Option<u64>) -> Result<Live, Error> {
-        self.renew_with(lease_id, token, Live::clone)
-    }
-
-    /// Renews and builds the answer from the lease in place (no copy): the KeepAlive stream
-    /// is the hottest path of the service.
-    pub fn renew_with<R>(
+    /// expiries, and a restart gives every lease at least max(TTL, grace) again. `who`: the
+    /// agent a caller with an agent token speaks for (it may renew only its own leases).
+    pub async fn renew(
         &self,
         lease_id: &str,
         token: Option<u64>,
+        who: Option<&AgentId>,
+    ) -> Result<Live, Error> {
+        match self.renew_with(lease_id, token, who, Live::clone) {
+            Ok(l) => Ok(l),
+            Err(Refused::Now(e)) => Err(e),
+            Err(Refused::OnceDurable(commit, e)) => {
+                commit.await.map_err(Error::Unavailable)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Renews and builds the answer from the lease in place (no copy): the KeepAlive stream
+    /// is the hottest path of the service. A lease found lapsed is refused only once its end
+    /// is durable (etcd's lessor waits for the revoke likewise): the caller awaits the commit
+    /// in [`Refused::OnceDurable`] before answering, so no restart can bring back a lease
+    /// somebody was told had ended.
+    pub(crate) fn renew_with<R>(
+        &self,
+        lease_id: &str,
+        token: Option<u64>,
+        who: Option<&AgentId>,
         answer: impl FnOnce(&Live) -> R,
-    ) -> Result<R, Error> {
+    ) -> Result<R, Refused> {
         let now = Instant::now();
         let mut table = self.table();
-        let l = table
-            .by_id_mut(lease_id, now)
-            .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
+        let Some(l) = table.by_id_mut(lease_id, now) else {
+            let lapsed = table.lapsed(lease_id, now);
+            drop(table);
+            let not_found = Error::LeaseNotFound(automaton_workflow::excerpt(lease_id));
+            if !lapsed {
+                return Err(Refused::Now(not_found));
+            }
+            // Queue the ends of whatever has lapsed (the sweep may not have run yet), then
+            // wait for everything queued so far.
+            self.expire();
+            return match self.wal.barrier() {
+                Ok(commit) => Err(Refused::OnceDurable(commit, not_found)),
+                Err(e) => Err(Refused::Now(Error::Unavailable(e))),
+            };
+        };
+        if let Some(who) = who
+            && who != &l.agent
+        {
+            return Err(Refused::Now(Error::PermissionDenied(format!(
+                "lease '{}' is not held by '{who}': an agent renews only its own leases",
+                automaton_workflow::excerpt(lease_id)
+            ))));
+        }
         if let Some(t) = token
             && t != l.token
         {
-            return Err(Error::Store(automaton_store::Error::StaleToken {
-                task: l.task.clone(),
-                given: t,
-                current: Some(l.token),
-            }));
+            return Err(Refused::Now(Error::Store(
+                automaton_store::Error::StaleToken {
+                    task: l.task.clone(),
+                    given: t,
+                    current: Some(l.token),
+                },
+            )));
         }
         let rewrite = l.extend(now);
         let out = answer(l);
@@ -473,42 +599,87 @@ impl Coordinator {
         self.watchers_of_events.load(Ordering::Relaxed) > 0
     }
 
-    /// Ends a lease at its holder's request; acknowledged once the end is in the log.
-    pub async fn release(&self, lease_id: &str, token: Option<u64>) -> Result<Live, Error> {
+    /// Ends a lease at its holder's request; acknowledged once the end is in the log. `who`:
+    /// the agent a caller speaks for (an agent token's name, or the request's agent).
+    pub async fn release(
+        &self,
+        lease_id: &str,
+        token: Option<u64>,
+        who: Option<&AgentId>,
+    ) -> Result<Live, Error> {
         let now = Instant::now();
-        let l = {
+        let found = {
             let mut table = self.table();
-            let l = table
-                .by_id(lease_id, now)
-                .ok_or_else(|| Error::LeaseNotFound(lease_id.to_string()))?;
-            if let Some(t) = token
-                && t != l.token
-            {
-                return Err(Error::Store(automaton_store::Error::StaleToken {
-                    task: l.task.clone(),
-                    given: t,
-                    current: Some(l.token),
-                }));
+            match table.by_id(lease_id, now) {
+                None => Err(table.lapsed(lease_id, now)),
+                Some(l) => {
+                    let presented = automaton_workflow::lease::Presented {
+                        agent: who,
+                        lease_id: Some(lease_id),
+                        token,
+                    };
+                    automaton_workflow::lease::check_release(l.holder(), &presented).map_err(
+                        |r| automaton_store::Error::from_refusal(&l.task, r, l.expires_at(now)),
+                    )?;
+                    let task = l.task.clone();
+                    Ok(table.remove(&task))
+                }
             }
-            let task = l.task.clone();
-            table.remove(&task).expect("just found")
+        };
+        let l = match found {
+            Ok(Some(l)) => l,
+            Ok(None) => {
+                return Err(Error::Internal(
+                    "the lease table changed under its lock".into(),
+                ));
+            }
+            Err(lapsed) => {
+                if lapsed {
+                    // Refused only once its end is durable (see `renew_with`).
+                    self.expire();
+                    self.wal
+                        .barrier()
+                        .map_err(Error::Unavailable)?
+                        .await
+                        .map_err(Error::Unavailable)?;
+                }
+                return Err(Error::LeaseNotFound(automaton_workflow::excerpt(lease_id)));
+            }
         };
         self.end(l, "released").await
     }
 
-    /// Logs the end of a removed lease durably, then updates the view and tells the world.
+    /// Logs the end of a removed lease durably, then updates the view and tells the world. If
+    /// the log cannot take it, the lease goes back into the table (the coordinator is
+    /// stopping: nothing may look ended that a restart would bring back).
     async fn end(&self, l: Live, reason: &'static str) -> Result<Live, Error> {
-        let commit = self.wal.end(&l.lease_id).map_err(Error::Internal)?;
+        let commit = match self.wal.end(&l.lease_id) {
+            Ok(c) => c,
+            Err(e) => {
+                self.restore(&l);
+                return Err(Error::Unavailable(e));
+            }
+        };
         let ((l, _), logged) =
             Committing::new(self, commit, (l, reason), |c, (l, reason), logged| {
                 if logged.is_ok() {
                     c.after_end(l, reason);
+                } else {
+                    c.restore(l);
                 }
             })
             .finish()
             .await;
-        logged.map_err(Error::Internal)?;
+        logged.map_err(Error::Unavailable)?;
         Ok(l)
+    }
+
+    /// Puts back a lease whose end never reached the log, unless its task moved on.
+    fn restore(&self, l: &Live) {
+        let mut table = self.table();
+        if table.entry(&l.task).is_none() {
+            table.insert(l.clone());
+        }
     }
 
     fn after_end(&self, l: &Live, reason: &'static str) {
@@ -551,49 +722,67 @@ impl Coordinator {
         true
     }
 
-    /// Removes every lease past its deadline.
+    /// Ends every lease past its deadline: their ends go to the log, and only once that is
+    /// durable are they removed and announced (views, loss notices, events). Until then they
+    /// stay in the table, lapsed: never live, never renewed, superseded by a new grant.
     pub fn expire(&self) -> usize {
-        let expired = self.table().take_expired(Instant::now());
-        for l in &expired {
-            self.wal.append_end_nowait(&l.lease_id);
-            self.after_end(l, "expired");
+        let lapsed = self.table().mark_lapsed(Instant::now());
+        if lapsed.is_empty() {
+            return 0;
         }
-        expired.len()
+        let n = lapsed.len();
+        let commit = match self.wal.ends(lapsed.iter().map(|l| l.lease_id.as_str())) {
+            Ok(c) => c,
+            // The writer has stopped: the coordinator is stopping, and a restart replays
+            // these leases (they get the grace, as if the crash came first).
+            Err(_) => return 0,
+        };
+        let Some(me) = self.me.upgrade() else {
+            return 0;
+        };
+        let finish = move |me: &Coordinator, logged: Result<(), String>| {
+            if logged.is_err() {
+                return;
+            }
+            for l in &lapsed {
+                me.table().remove_lease(&l.task, &l.lease_id);
+                me.after_end(l, "expired");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let logged = commit.await;
+                    finish(&me, logged);
+                });
+            }
+            // Off any runtime, this thread may wait.
+            Err(_) => finish(&me, commit.wait_blocking()),
+        }
+        n
     }
 
-    /// Checks a mutating call against the task's live lease: with one standing, the call must
-    /// present it (and nothing stale); without one, presenting a lease is presenting a stale one.
+    /// Checks a mutating call against the task's live lease (the rules are
+    /// `automaton_workflow::lease::check_change`, shared with the CLI's local mode).
     fn check_presented(&self, task: &TaskName, p: &Presented) -> Result<Option<Live>, Error> {
         let now = Instant::now();
         let table = self.table();
         let live = table.live(task, now);
-        match live {
-            None if p.any() => Err(Error::Store(automaton_store::Error::StaleToken {
-                task: task.clone(),
-                given: p.token.unwrap_or(0),
-                current: None,
-            })),
-            None => Ok(None),
-            Some(l) => {
-                let stale = p.token.is_some_and(|t| t != l.token)
-                    || p.lease_id.as_ref().is_some_and(|id| id != &l.lease_id);
-                if stale {
-                    return Err(Error::Store(automaton_store::Error::StaleToken {
-                        task: task.clone(),
-                        given: p.token.unwrap_or(0),
-                        current: Some(l.token),
-                    }));
-                }
-                if !p.any() || p.agent.as_ref().is_some_and(|a| a != &l.agent) {
-                    return Err(Error::Store(automaton_store::Error::HolderRequired {
-                        task: task.clone(),
-                        holder: l.agent.clone(),
-                        expires: l.expires_at(now),
-                    }));
-                }
-                Ok(Some(l.clone()))
-            }
-        }
+        let presented = automaton_workflow::lease::Presented {
+            agent: p.agent.as_ref(),
+            lease_id: p.lease_id.as_deref(),
+            token: p.token,
+        };
+        automaton_workflow::lease::check_change(live.map(Live::holder), &presented).map_err(
+            |r| {
+                automaton_store::Error::from_refusal(
+                    task,
+                    r,
+                    live.map_or_else(SystemTime::now, |l| l.expires_at(now)),
+                )
+            },
+        )?;
+        Ok(live.cloned())
     }
 
     /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
@@ -894,7 +1083,16 @@ mod tests {
     /// A coordinator over a fresh project with one task in `research`.
     async fn coordinator(dir: &std::path::Path) -> Arc<Coordinator> {
         let project = Project::open(dir, None);
-        let (coord, _) = Coordinator::open(project, Duration::from_secs(1), 1 << 20).expect("open");
+        let options = Options {
+            grace: Duration::from_secs(1),
+            log_compact_bytes: 1 << 20,
+            ttl: automaton_workflow::TtlBounds {
+                min: Duration::from_millis(10),
+                max: Duration::from_secs(3600),
+            },
+            ..Options::default()
+        };
+        let (coord, _) = Coordinator::open(project, options).expect("open");
         let task: TaskName = name("t");
         coord.create_task(&task).await.expect("create");
         let p = Presented::default();
@@ -942,7 +1140,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_claim_dropped_while_its_log_write_fails_is_taken_back() {
+    async fn a_claim_dropped_while_its_log_write_fails_is_taken_back_and_the_log_stops() {
         let dir = tempfile::tempdir().expect("tempdir");
         let coord = coordinator(dir.path()).await;
         let mut events = coord.subscribe_events();
@@ -961,11 +1159,102 @@ mod tests {
             events.rx.try_recv().is_err(),
             "nothing was granted, so nothing may be announced"
         );
-        let other = coord
+        // Fail-stop: after a failed sync the log takes nothing more, and says why.
+        let why = tokio::time::timeout(Duration::from_secs(5), coord.log_failed())
+            .await
+            .expect("the failure is reported");
+        assert!(why.contains("fdatasync"), "{why}");
+        let refused = coord
             .claim(&task, &name("b"), None)
             .await
-            .expect("the task is free for the next agent at once");
-        assert_eq!(other.live.agent.as_str(), "b");
+            .expect_err("no grant after the log failed");
+        assert!(matches!(refused, Error::Unavailable(_)), "{refused:?}");
+    }
+
+    #[tokio::test]
+    async fn a_lapsed_lease_is_refused_and_announced_only_once_its_end_is_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let mut events = coord.subscribe_events();
+        let task: TaskName = name("t");
+        let g = coord
+            .claim(&task, &name("a"), Some(Duration::from_millis(10)))
+            .await
+            .expect("claim");
+        let _ = next_event(&mut events).await; // granted
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let held = coord.wal.hold_commits();
+        let renewal = coord.renew(&g.live.lease_id, None, None);
+        let mut renewal = std::pin::pin!(renewal);
+        let once = renewal
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        assert!(
+            once.is_pending(),
+            "a lapsed lease must not be refused before its end is on disk: {once:?}"
+        );
+        assert!(
+            events.rx.try_recv().is_err(),
+            "nor announced: a restart now would bring it back"
+        );
+        drop(held);
+        let e = renewal.await.expect_err("lapsed");
+        assert!(matches!(e, Error::LeaseNotFound(_)), "{e:?}");
+        let e = next_event(&mut events).await;
+        assert_eq!((e.kind, e.task.as_str()), ("lease_expired", "t"));
+        let log = crate::wal::read(&dir.path().join(".automaton/leases.wal")).expect("log");
+        assert!(
+            log.contains(&crate::wal::Record::End {
+                lease_id: g.live.lease_id.clone()
+            }),
+            "the end is in the log: {log:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_repeat_claim_is_acknowledged_only_once_the_grant_is_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        // The first claim is cut off while its grant commits; the repeat must wait for it.
+        let held = coord.wal.hold_commits();
+        {
+            let first = coord.claim(&task, &agent, None);
+            let mut first = std::pin::pin!(first);
+            assert!(
+                first
+                    .as_mut()
+                    .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+                    .is_pending()
+            );
+        }
+        let again = coord.claim(&task, &agent, None);
+        let mut again = std::pin::pin!(again);
+        let once = again
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        assert!(
+            once.is_pending(),
+            "a repeat claim acknowledged before the grant is durable: {once:?}"
+        );
+        drop(held);
+        assert!(again.await.expect("repeat claim").renewed);
+    }
+
+    #[tokio::test]
+    async fn a_ttl_outside_the_bounds_is_invalid_and_names_them() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        for ms in [u64::MAX, 1 << 53, 1] {
+            let e = coord
+                .claim(&name("t"), &name("a"), Some(Duration::from_millis(ms)))
+                .await
+                .expect_err("out of bounds");
+            let status = tonic::Status::from(e);
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+            assert!(status.message().contains("10ms"), "{}", status.message());
+        }
+        assert_eq!(coord.live_leases(), 0);
     }
 
     #[tokio::test]
@@ -977,7 +1266,7 @@ mod tests {
         let mut events = coord.subscribe_events();
         cut_off(
             &coord,
-            coord.release(&granted.live.lease_id, Some(granted.live.token)),
+            coord.release(&granted.live.lease_id, Some(granted.live.token), None),
         );
         let e = next_event(&mut events).await;
         assert_eq!((e.kind, e.task.as_str()), ("lease_released", "t"));

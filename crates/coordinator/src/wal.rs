@@ -32,8 +32,13 @@ pub(crate) enum Record {
         ttl: Duration,
         state: State,
     },
-    /// Released, expired, or ended by a transition.
+    /// Released, expired, or ended by a transition. (A grant also ends every earlier grant
+    /// of its task: a claim that displaces a lapsed lease writes no `End` of its own.)
     End { lease_id: String },
+    /// Every token up to this one may have been issued by a coordinator: written at the head
+    /// of every rewrite, so a start can tell its own `.state.lock` views (never adopted: the
+    /// log knows their fate) from leases the CLI took while no coordinator ran.
+    Mark { token: u64 },
 }
 
 impl Record {
@@ -48,6 +53,9 @@ impl Record {
                 state,
             } => render_grant(task, agent, lease_id, *token, *ttl, *state, out),
             Record::End { lease_id } => render_end(lease_id, out),
+            Record::Mark { token } => {
+                let _ = writeln!(out, "M\t{token}");
+            }
         }
     }
 
@@ -64,6 +72,9 @@ impl Record {
             }),
             ["E", lease_id] => Some(Record::End {
                 lease_id: lease_id.to_string(),
+            }),
+            ["M", token] => Some(Record::Mark {
+                token: token.parse().ok()?,
             }),
             _ => None,
         }
@@ -137,30 +148,67 @@ enum Job {
     },
 }
 
-/// Sizes the writer keeps, for deciding when to rewrite.
-#[derive(Default)]
-struct Sizes {
+/// Test hooks that make the log's disk fail on purpose, so that fail-stop can be tested
+/// against the real binary. Set from `AUTOMATON_FAILPOINTS` (see `docs/coordinator.md`);
+/// never set in production.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Failpoints {
+    /// The commit after this many successful ones fails as a failed `fdatasync` would.
+    pub log_sync_fails_after: Option<u64>,
+    /// A rewrite fails after its rename, as a failed directory sync would.
+    pub log_rewrite_dir_sync_fails: bool,
+}
+
+impl Failpoints {
+    /// `log-sync-fails-after=N`, `log-rewrite-dir-sync-fails`, comma-separated.
+    pub fn parse(text: &str) -> Result<Failpoints, String> {
+        let mut f = Failpoints::default();
+        for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            match item.split_once('=') {
+                Some(("log-sync-fails-after", n)) => {
+                    f.log_sync_fails_after =
+                        Some(n.trim().parse().map_err(|_| {
+                            format!("failpoint '{item}': write log-sync-fails-after=N")
+                        })?)
+                }
+                None if item == "log-rewrite-dir-sync-fails" => f.log_rewrite_dir_sync_fails = true,
+                _ => {
+                    return Err(format!(
+                        "unknown failpoint '{item}': use log-sync-fails-after=N or log-rewrite-dir-sync-fails"
+                    ));
+                }
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// What the writer shares with the append side.
+struct Shared {
     /// Bytes appended since the last rewrite.
     appended: AtomicU64,
     /// Size of the last rewrite.
     base: AtomicU64,
     /// A rewrite is queued and not yet done.
     rewriting: AtomicBool,
-    /// Tests: fail the next commit without writing it.
-    #[cfg(test)]
-    fail_next: AtomicBool,
+    /// Commits left before a failpoint fails one (`u64::MAX`: never).
+    commits_before_failure: AtomicU64,
+    rewrite_dir_sync_fails: AtomicBool,
+    /// Why the writer stopped, once it has: the coordinator then stops too.
+    failed: tokio::sync::watch::Sender<Option<String>>,
     /// Tests: held, no commit starts.
     #[cfg(test)]
     held: std::sync::Mutex<()>,
 }
 
-impl Sizes {
-    /// Whether a test asked the next commit to fail.
+impl Shared {
+    /// Whether a failpoint fails this commit.
     fn failing(&self) -> bool {
-        #[cfg(test)]
-        return self.fail_next.swap(false, Ordering::Relaxed);
-        #[cfg(not(test))]
-        false
+        self.commits_before_failure
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n != u64::MAX).then(|| n.saturating_sub(1))
+            })
+            .is_ok_and(|n| n == 0)
     }
 }
 
@@ -168,7 +216,7 @@ impl Sizes {
 #[derive(Clone)]
 pub(crate) struct Wal {
     tx: mpsc::Sender<Job>,
-    sizes: Arc<Sizes>,
+    shared: Arc<Shared>,
     compact_bytes: u64,
 }
 
@@ -176,7 +224,7 @@ pub(crate) struct Wal {
 pub(crate) struct Commit(oneshot::Receiver<Result<(), String>>);
 
 fn writer_stopped() -> String {
-    "the lease log writer has stopped".to_string()
+    "the lease log writer has stopped after a disk failure".to_string()
 }
 
 /// The writer's answer, or why there is none.
@@ -225,18 +273,23 @@ struct Log {
     len: u64,
 }
 
+/// How a rewrite failed: before its rename the old log is whole and stays in use; after it,
+/// the old file is unlinked and the new one's name may not be durable: the writer must stop.
+enum RewriteError {
+    Before(std::io::Error),
+    After(std::io::Error),
+}
+
 impl Log {
-    /// Writes `bytes` and zeroed space as the whole log: temporary file, synced, renamed,
-    /// directory synced.
-    fn create(path: &Path, bytes: &[u8]) -> std::io::Result<Log> {
-        let tmp = path.with_extension("wal.tmp");
+    /// Writes `bytes` and zeroed space to a temporary file and syncs it, ready to be renamed.
+    fn prepare(tmp: &Path, bytes: &[u8]) -> std::io::Result<Log> {
         let mut log = Log {
             file: OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(true)
-                .open(&tmp)?,
+                .open(tmp)?,
             at: 0,
             len: 0,
         };
@@ -245,9 +298,30 @@ impl Log {
         log.len = log.at;
         log.zero_to(log.at + AHEAD)?;
         log.file.sync_all()?;
-        fs::rename(&tmp, path)?;
+        Ok(log)
+    }
+
+    /// Writes `bytes` and zeroed space as the whole log: temporary file, synced, renamed,
+    /// directory synced.
+    fn create(path: &Path, bytes: &[u8], dir_sync_fails: bool) -> Result<Log, RewriteError> {
+        let tmp = path.with_extension("wal.tmp");
+        let log = Self::prepare(&tmp, bytes).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            RewriteError::Before(e)
+        })?;
+        if let Err(e) = fs::rename(&tmp, path) {
+            let _ = fs::remove_file(&tmp);
+            return Err(RewriteError::Before(e));
+        }
+        if dir_sync_fails {
+            return Err(RewriteError::After(std::io::Error::other(
+                "directory sync failure injected",
+            )));
+        }
         if let Some(dir) = path.parent() {
-            File::open(dir)?.sync_all()?;
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(RewriteError::After)?;
         }
         Ok(log)
     }
@@ -263,32 +337,17 @@ impl Log {
         Ok(())
     }
 
-    /// Writes `buf` after the records and syncs it.
+    /// Writes `buf` after the records and syncs it. A failure is final: after a failed
+    /// `fdatasync` the page cache can no longer be trusted (fsyncgate), so the caller stops.
     fn append(&mut self, buf: &[u8]) -> std::io::Result<()> {
         let end = self.at + buf.len() as u64;
         if end > self.len {
             self.zero_to(end + AHEAD)?;
         }
-        let result = self
-            .file
-            .write_all_at(buf, self.at)
-            .and_then(|()| self.file.sync_data());
-        match result {
-            Ok(()) => {
-                self.at = end;
-                Ok(())
-            }
-            Err(e) => {
-                // Not acknowledged: the next commit writes over it; zero what part of it
-                // landed, so no stray tail of it outlives a shorter successor.
-                let _ = self.zero_range(self.at, buf.len());
-                Err(e)
-            }
-        }
-    }
-
-    fn zero_range(&self, from: u64, n: usize) -> std::io::Result<()> {
-        self.file.write_all_at(&vec![0; n], from)
+        self.file.write_all_at(buf, self.at)?;
+        self.file.sync_data()?;
+        self.at = end;
+        Ok(())
     }
 }
 
@@ -296,20 +355,37 @@ impl Wal {
     /// Starts a fresh log holding exactly `live` (compacted: written to a temporary file,
     /// synced, renamed, directory synced) and the writer thread that appends to it. While
     /// running, a rewrite is wanted once `compact_bytes` were appended since the last one.
-    pub(crate) fn create(path: &Path, live: &[Record], compact_bytes: u64) -> std::io::Result<Wal> {
+    pub(crate) fn create(
+        path: &Path,
+        live: &[Record],
+        compact_bytes: u64,
+        failpoints: Failpoints,
+    ) -> std::io::Result<Wal> {
         let bytes = render_all(live);
-        let log = Log::create(path, &bytes)?;
-        let sizes = Arc::new(Sizes::default());
-        sizes.base.store(bytes.len() as u64, Ordering::Relaxed);
+        let log = Log::create(path, &bytes, false).map_err(|e| match e {
+            RewriteError::Before(e) | RewriteError::After(e) => e,
+        })?;
+        let shared = Arc::new(Shared {
+            appended: AtomicU64::new(0),
+            base: AtomicU64::new(bytes.len() as u64),
+            rewriting: AtomicBool::new(false),
+            commits_before_failure: AtomicU64::new(
+                failpoints.log_sync_fails_after.unwrap_or(u64::MAX),
+            ),
+            rewrite_dir_sync_fails: AtomicBool::new(failpoints.log_rewrite_dir_sync_fails),
+            failed: tokio::sync::watch::channel(None).0,
+            #[cfg(test)]
+            held: std::sync::Mutex::new(()),
+        });
         let (tx, rx) = mpsc::channel::<Job>();
         let path: PathBuf = path.to_path_buf();
-        let writer_sizes = sizes.clone();
+        let writer_shared = shared.clone();
         std::thread::Builder::new()
             .name("lease-log".into())
-            .spawn(move || writer(log, &path, rx, &writer_sizes))?;
+            .spawn(move || writer(log, &path, rx, &writer_shared))?;
         Ok(Wal {
             tx,
-            sizes,
+            shared,
             compact_bytes,
         })
     }
@@ -350,38 +426,61 @@ impl Wal {
         self.submit(bytes)
     }
 
-    /// Appends the grant of `l` and waits until it is on disk.
-    pub(crate) async fn append_grant(&self, l: &Live) -> Result<(), String> {
-        self.grant(l)?.await
+    /// Queues the ends of several leases as one write.
+    pub(crate) fn ends<'a>(
+        &self,
+        lease_ids: impl Iterator<Item = &'a str>,
+    ) -> Result<Commit, String> {
+        let mut bytes = Vec::new();
+        for id in lease_ids {
+            render_end(id, &mut bytes);
+        }
+        self.submit(bytes)
     }
 
-    /// Appends the end of a lease without waiting: for expiries, which a restart would redo
-    /// anyway.
+    /// Resolves once every record queued before it is on disk.
+    pub(crate) fn barrier(&self) -> Result<Commit, String> {
+        self.submit(Vec::new())
+    }
+
+    /// Appends the end of a lease without waiting: for grants taken back, whose end nobody
+    /// is told of (a later grant of the task supersedes them at replay anyway).
     pub(crate) fn append_end_nowait(&self, lease_id: &str) {
         let mut bytes = Vec::with_capacity(lease_id.len() + 3);
         render_end(lease_id, &mut bytes);
         let _ = self.send(Job::Append { bytes, done: None });
     }
 
+    /// Resolves with the reason once the writer has stopped after a disk failure.
+    pub(crate) async fn failed(&self) -> String {
+        let mut rx = self.shared.failed.subscribe();
+        match rx.wait_for(Option::is_some).await {
+            Ok(why) => why.clone().unwrap_or_default(),
+            Err(_) => writer_stopped(),
+        }
+    }
+
     /// Tests: no commit starts until the guard is dropped.
     #[cfg(test)]
     pub(crate) fn hold_commits(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.sizes.held.lock().expect("not poisoned")
+        self.shared.held.lock().expect("not poisoned")
     }
 
     /// Tests: the next commit fails, and writes nothing.
     #[cfg(test)]
     pub(crate) fn fail_next_commit(&self) {
-        self.sizes.fail_next.store(true, Ordering::Relaxed);
+        self.shared
+            .commits_before_failure
+            .store(0, Ordering::Relaxed);
     }
 
     /// Whether the log has grown enough since its last rewrite to be rewritten: more than
     /// the threshold and more than twice the last rewrite, and no rewrite already queued.
     pub(crate) fn wants_rewrite(&self) -> bool {
-        let appended = self.sizes.appended.load(Ordering::Relaxed);
+        let appended = self.shared.appended.load(Ordering::Relaxed);
         appended > self.compact_bytes
-            && appended > 2 * self.sizes.base.load(Ordering::Relaxed)
-            && !self.sizes.rewriting.load(Ordering::Relaxed)
+            && appended > 2 * self.shared.base.load(Ordering::Relaxed)
+            && !self.shared.rewriting.load(Ordering::Relaxed)
     }
 
     /// Replaces the log with exactly `live`, after everything queued before it. `live` must
@@ -391,7 +490,7 @@ impl Wal {
     /// that tells when the rewrite is done.
     pub(crate) fn rewrite(&self, live: &[Record]) -> oneshot::Receiver<Result<(), String>> {
         let (done, wait) = oneshot::channel();
-        self.sizes.rewriting.store(true, Ordering::Relaxed);
+        self.shared.rewriting.store(true, Ordering::Relaxed);
         if self
             .send(Job::Rewrite {
                 bytes: render_all(live),
@@ -399,7 +498,7 @@ impl Wal {
             })
             .is_err()
         {
-            self.sizes.rewriting.store(false, Ordering::Relaxed);
+            self.shared.rewriting.store(false, Ordering::Relaxed);
         }
         wait
     }
@@ -407,39 +506,45 @@ impl Wal {
 
 /// Group commit: take everything that is waiting, write the appends in one go, one
 /// `fdatasync`, then acknowledge them all. A rewrite in the batch first commits the appends
-/// queued before it.
-fn writer(mut log: Log, path: &Path, rx: mpsc::Receiver<Job>, sizes: &Sizes) {
+/// queued before it. The first write, sync or post-rename failure stops the writer for
+/// good (fail-stop): every waiting and later record is refused, and the coordinator exits.
+fn writer(mut log: Log, path: &Path, rx: mpsc::Receiver<Job>, shared: &Shared) {
     let mut buf = Vec::with_capacity(64 * 1024);
     let mut waiting: Vec<oneshot::Sender<Result<(), String>>> = Vec::new();
     let commit = |log: &mut Log,
                   buf: &mut Vec<u8>,
-                  waiting: &mut Vec<oneshot::Sender<Result<(), String>>>| {
+                  waiting: &mut Vec<oneshot::Sender<Result<(), String>>>|
+     -> Result<(), String> {
         if buf.is_empty() && waiting.is_empty() {
-            return;
+            return Ok(());
         }
         #[cfg(test)]
-        let _held = sizes.held.lock();
-        let result = if sizes.failing() {
+        let _held = shared.held.lock();
+        let result = if shared.failing() {
             Err(format!(
-                "cannot append to {}: failure injected",
+                "cannot sync {}: fdatasync failure injected",
                 path.display()
             ))
         } else {
             log.append(buf)
                 .map_err(|e| format!("cannot append to {}: {e}", path.display()))
         };
-        match &result {
-            Ok(()) => {
-                sizes
-                    .appended
-                    .fetch_add(buf.len() as u64, Ordering::Relaxed);
-            }
-            Err(e) => tracing::error!(error = %e, "lease log write failed"),
+        if result.is_ok() {
+            shared
+                .appended
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
         }
         buf.clear();
         for done in waiting.drain(..) {
             let _ = done.send(result.clone());
         }
+        result
+    };
+    let stop = |why: String| {
+        tracing::error!(error = %why, "lease log failed: stopping (fail-stop)");
+        shared.failed.send_replace(Some(why));
+        // Returning drops the receiver: every job still queued, and every later one, is
+        // answered "writer stopped".
     };
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
@@ -450,32 +555,50 @@ fn writer(mut log: Log, path: &Path, rx: mpsc::Receiver<Job>, sizes: &Sizes) {
                     waiting.extend(done);
                 }
                 Job::Rewrite { bytes, done } => {
-                    commit(&mut log, &mut buf, &mut waiting);
-                    let appended = sizes.appended.load(Ordering::Relaxed);
-                    let result = Log::create(path, &bytes)
-                        .map(|fresh| {
+                    if let Err(why) = commit(&mut log, &mut buf, &mut waiting) {
+                        return stop(why);
+                    }
+                    let appended = shared.appended.load(Ordering::Relaxed);
+                    let dir_fails = shared.rewrite_dir_sync_fails.load(Ordering::Relaxed);
+                    let result = match Log::create(path, &bytes, dir_fails) {
+                        Ok(fresh) => {
                             tracing::debug!(
                                 appended,
                                 live_bytes = bytes.len(),
                                 "lease log rewritten with the live leases"
                             );
                             log = fresh;
-                            sizes.appended.store(0, Ordering::Relaxed);
-                            sizes.base.store(bytes.len() as u64, Ordering::Relaxed);
-                        })
-                        .map_err(|e| format!("cannot rewrite {}: {e}", path.display()));
-                    if let Err(e) = &result {
-                        // The old log is still whole: appends go on to it.
-                        tracing::error!(error = %e, "lease log rewrite failed");
-                    }
-                    sizes.rewriting.store(false, Ordering::Relaxed);
+                            shared.appended.store(0, Ordering::Relaxed);
+                            shared.base.store(bytes.len() as u64, Ordering::Relaxed);
+                            Ok(())
+                        }
+                        Err(RewriteError::Before(e)) => {
+                            // The old log is whole and still in place: appends go on to it.
+                            let why = format!("cannot rewrite {}: {e}", path.display());
+                            tracing::error!(error = %why, "lease log rewrite failed; the old log stays");
+                            Err(why)
+                        }
+                        Err(RewriteError::After(e)) => {
+                            let why = format!(
+                                "cannot sync the directory of {} after its rewrite: {e}",
+                                path.display()
+                            );
+                            if let Some(done) = done {
+                                let _ = done.send(Err(why.clone()));
+                            }
+                            return stop(why);
+                        }
+                    };
+                    shared.rewriting.store(false, Ordering::Relaxed);
                     if let Some(done) = done {
                         let _ = done.send(result);
                     }
                 }
             }
         }
-        commit(&mut log, &mut buf, &mut waiting);
+        if let Err(why) = commit(&mut log, &mut buf, &mut waiting) {
+            return stop(why);
+        }
     }
 }
 
@@ -504,7 +627,8 @@ mod tests {
     async fn log_round_trips_and_ignores_a_torn_tail() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("leases.wal");
-        let wal = Wal::create(&path, &[grant("x", 1)], 1 << 20).expect("create");
+        let wal =
+            Wal::create(&path, &[grant("x", 1)], 1 << 20, Failpoints::default()).expect("create");
         append(&wal, &grant("y", 2)).await;
         append(
             &wal,
@@ -539,7 +663,7 @@ mod tests {
     async fn a_rewrite_keeps_the_snapshot_and_what_follows_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("leases.wal");
-        let wal = Wal::create(&path, &[], 64).expect("create");
+        let wal = Wal::create(&path, &[], 64, Failpoints::default()).expect("create");
         for i in 0..10 {
             append(&wal, &grant(&format!("old{i}"), i)).await;
         }

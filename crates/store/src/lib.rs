@@ -126,6 +126,16 @@ pub enum Error {
         holder: AgentId,
         agent: AgentId,
     },
+    #[error(
+        "A lease of {ttl_ms} ms is outside the allowed {} to {}: ask for a TTL between them, or none for the project's lock timeout.",
+        humantime::format_duration(*min),
+        humantime::format_duration(*max)
+    )]
+    TtlOutOfBounds {
+        ttl_ms: u64,
+        min: std::time::Duration,
+        max: std::time::Duration,
+    },
     #[error("Task '{task}' has no live lease held by {agent}; there is nothing to release.")]
     NoLease { task: TaskName, agent: AgentId },
     #[error(
@@ -189,12 +199,41 @@ pub enum Error {
 }
 
 impl Error {
+    /// A lease rule's refusal for `task`; `expires` is the live lease's end, for people.
+    pub fn from_refusal(
+        task: &TaskName,
+        refusal: automaton_workflow::lease::Refusal,
+        expires: std::time::SystemTime,
+    ) -> Error {
+        use automaton_workflow::lease::Refusal;
+        match refusal {
+            Refusal::Stale { given, current } => Error::StaleToken {
+                task: task.clone(),
+                given,
+                current,
+            },
+            Refusal::HolderRequired { holder } => Error::HolderRequired {
+                task: task.clone(),
+                holder,
+                expires,
+            },
+            Refusal::NotHolder { holder, agent } => Error::NotHolder {
+                task: task.clone(),
+                holder,
+                agent,
+            },
+            Refusal::TtlOutOfBounds { ttl_ms, min, max } => {
+                Error::TtlOutOfBounds { ttl_ms, min, max }
+            }
+        }
+    }
+
     pub fn kind(&self) -> ErrorKind {
         use Error::*;
         match self {
             TaskNotFound { .. } | ParentNotFound { .. } => ErrorKind::NotFound,
             AlreadyExists { .. } => ErrorKind::AlreadyExists,
-            Name(_) => ErrorKind::Invalid,
+            Name(_) | TtlOutOfBounds { .. } => ErrorKind::Invalid,
             UnknownPhase { .. }
             | Policy { .. }
             | CorruptLease { .. }

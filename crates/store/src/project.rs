@@ -600,25 +600,13 @@ impl Project {
         now: SystemTime,
     ) -> Result<(), Error> {
         let live = lease.filter(|l| l.is_live(now));
-        if let Some(given) = token
-            && live.is_none_or(|l| l.token != given)
-        {
-            return Err(Error::StaleToken {
-                task: task.clone(),
-                given,
-                current: live.map(|l| l.token),
-            });
-        }
-        if let Some(l) = live
-            && agent != Some(&l.agent)
-        {
-            return Err(Error::HolderRequired {
-                task: task.clone(),
-                holder: l.agent.clone(),
-                expires: l.expires,
-            });
-        }
-        Ok(())
+        let presented = automaton_workflow::lease::Presented {
+            agent,
+            lease_id: None,
+            token,
+        };
+        automaton_workflow::lease::check_change(live.map(Lease::holder), &presented)
+            .map_err(|r| Error::from_refusal(task, r, live.map_or(now, |l| l.expires)))
     }
 
     /// Checks `from → target` against the lifecycle and writes `.state`.
@@ -845,7 +833,13 @@ impl Project {
                 project: self.root.clone(),
             });
         }
-        let ttl = ttl.unwrap_or(policy.lock_timeout);
+        let bounds = automaton_workflow::TtlBounds::DEFAULT;
+        let ttl = match ttl {
+            Some(t) => bounds
+                .check(t)
+                .map_err(|r| Error::from_refusal(task, r, now))?,
+            None => bounds.clamp(policy.lock_timeout),
+        };
         let _lock = self.lock(task)?;
         let state = self.claimable(task, agent, &policy)?;
         let dir = self.task_dir(task);
@@ -909,15 +903,28 @@ impl Project {
         let _lock = self.lock(task)?;
         let (folder, _) = self.tracked(task)?;
         match self.lease(&folder.dir)? {
+            // The holder may remove its own lock file, live or lapsed.
             Some(l) if &l.agent == agent => {
                 remove_durably(&folder.dir.join(LOCK))?;
                 Ok(l)
             }
-            Some(l) if l.is_live(now) => Err(Error::NotHolder {
-                task: task.clone(),
-                holder: l.agent,
-                agent: agent.clone(),
-            }),
+            Some(l) if l.is_live(now) => {
+                let presented = automaton_workflow::lease::Presented {
+                    agent: Some(agent),
+                    ..Default::default()
+                };
+                Err(
+                    automaton_workflow::lease::check_release(l.holder(), &presented)
+                        .err()
+                        .map_or(
+                            Error::NoLease {
+                                task: task.clone(),
+                                agent: agent.clone(),
+                            },
+                            |r| Error::from_refusal(task, r, l.expires),
+                        ),
+                )
+            }
             _ => Err(Error::NoLease {
                 task: task.clone(),
                 agent: agent.clone(),

@@ -40,6 +40,15 @@ fn de_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SystemTime, D::Erro
 }
 
 impl Lease {
+    /// The lease as the lease rules see it.
+    pub fn holder(&self) -> automaton_workflow::lease::Holder<'_> {
+        automaton_workflow::lease::Holder {
+            agent: &self.agent,
+            lease_id: &self.lease_id,
+            token: self.token,
+        }
+    }
+
     pub fn is_live(&self, now: SystemTime) -> bool {
         now < self.expires
     }

@@ -1,12 +1,14 @@
 //! The task lifecycle of automaton: phases and their approval sub-states, the legal
 //! transitions between them, each phase's required artifact and the artifacts it forbids,
-//! the referee's verdict, task names, and the policy read from `.agent.md`.
+//! the referee's verdict, task names, the policy read from `.agent.md`, and the lease rules
+//! every lease store applies.
 //!
 //! Everything here is a pure function over values. This crate must not touch the disk, the
 //! clock or the network; `automaton-store` reads the files and hands the facts in.
 
 mod artifact;
 mod guidance;
+pub mod lease;
 mod names;
 mod phase;
 mod policy;
@@ -15,7 +17,8 @@ mod verdict;
 
 pub use artifact::{Artifact, forbidden_in, out_of_order};
 pub use guidance::{Guidance, guidance};
-pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName};
+pub use lease::TtlBounds;
+pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName, excerpt};
 pub use phase::{Gate, Phase, State, UnknownPhase};
 pub use policy::{DEFAULT_LOCK_TIMEOUT, Policy, PolicyError, PolicyFile, parse_duration};
 pub use rules::{

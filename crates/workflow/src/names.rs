@@ -21,6 +21,20 @@ pub enum NameError {
     Agent(String),
 }
 
+/// A caller's string as an error may repeat it: at most 64 bytes (cut on a character
+/// boundary) and its length, so a 1 MiB name is never echoed back whole, nor logged.
+pub fn excerpt(s: &str) -> String {
+    const SHOWN: usize = 64;
+    if s.len() <= SHOWN {
+        return s.to_string();
+    }
+    let mut end = SHOWN;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &s[..end], s.len())
+}
+
 fn is_kebab(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_NAME_LEN
@@ -78,7 +92,7 @@ impl TaskName {
 impl FromStr for TaskName {
     type Err = NameError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || NameError::Task(s.to_string());
+        let err = || NameError::Task(excerpt(s));
         match s.split_once('/') {
             None if is_kebab(s) => Ok(TaskName {
                 parent: None,
@@ -146,7 +160,7 @@ impl FromStr for AgentId {
         if ok {
             Ok(AgentId(s.to_string()))
         } else {
-            Err(NameError::Agent(s.to_string()))
+            Err(NameError::Agent(excerpt(s)))
         }
     }
 }
@@ -206,6 +220,16 @@ mod tests {
 
     #[test]
     fn agent_ids_are_single_tokens() {
+        let long = "x".repeat(1 << 20);
+        let e = long.parse::<TaskName>().expect_err("too long").to_string();
+        assert!(
+            e.len() < 400,
+            "a 1 MiB name is not echoed whole: {} bytes",
+            e.len()
+        );
+        assert!(e.contains("(1048576 bytes)"), "{e}");
+        let long = "é".repeat(100);
+        assert!(excerpt(&long).ends_with("(200 bytes)"));
         for ok in ["agent-1", "a", "bob@gpu-b.example", "w_3.x"] {
             assert!(ok.parse::<AgentId>().is_ok(), "{ok}");
         }
