@@ -50,7 +50,7 @@ const SHORT_RUN: Duration = Duration::from_secs(30);
 const GRACE_MS: u64 = 500;
 /// The coordinator refuses TTLs under `--lease-ttl-min` (default 1 s); the short ones here
 /// (50–400 ms) are the point.
-const TTL_MIN_ARGS: &[&str] = &[];
+const TTL_MIN_ARGS: &[&str] = &["--lease-ttl-min", "10ms"];
 /// Leases probed by a renewal right after each restart (rule 4).
 const PROBES_PER_RESTART: usize = 6;
 
@@ -93,6 +93,8 @@ impl Rng {
 struct Tracked {
     lease: LeaseInfo,
     until: Us,
+    /// The send time of the latest acknowledged renewal: each sets the deadline afresh.
+    renewed: Us,
 }
 
 /// What the clients and the restarter share: the history being recorded, and what they know.
@@ -134,15 +136,22 @@ impl Shared {
         });
     }
 
-    /// A grant or renewal acknowledged: live until send + TTL at least.
+    /// A grant or renewal acknowledged: live until send + TTL at least. A renewal sets the
+    /// deadline afresh (a Claim by the holder may shorten the TTL, a renewal after a restart
+    /// ends the grace period), so the latest one counts.
     fn live(&self, l: &LeaseInfo, sent: Us) {
         let until = sent + l.ttl_ms * 1000;
         let mut t = lock(&self.tracked);
         let e = t.entry(l.lease_id.clone()).or_insert_with(|| Tracked {
             lease: l.clone(),
             until,
+            renewed: sent,
         });
-        e.until = e.until.max(until);
+        if sent >= e.renewed {
+            e.lease.ttl_ms = l.ttl_ms;
+            e.until = until;
+            e.renewed = sent;
+        }
     }
 
     /// An end was asked for (its outcome may be unknown): no longer certainly live.
@@ -383,11 +392,12 @@ impl Client {
             false,
         );
         match outcome {
-            Outcome::Ok(_) => {
-                self.sh.live(&l, start);
+            Outcome::Ok(Answer::Lease { lease, .. }) => {
+                self.sh.live(&lease, start);
                 self.held.push(l);
                 false
             }
+            Outcome::Ok(_) => unreachable!("a renewal answers a lease"),
             Outcome::Refused(..) | Outcome::Lost(_) => {
                 self.forget(&l);
                 false
@@ -486,7 +496,7 @@ impl Client {
             );
             match outcome {
                 Outcome::Lost(_) => self.forget(&l),
-                Outcome::Ok(_) => self.sh.live(&l, start),
+                Outcome::Ok(Answer::Lease { lease, .. }) => self.sh.live(&lease, start),
                 _ => {}
             }
         }
@@ -824,9 +834,10 @@ async fn restart(
         let start = sh.now();
         let outcome = match api.renew(&l.lease_id, l.token).await {
             Ok(a) => {
-                sh.live(&l, start);
+                let lease = info(&a, &l);
+                sh.live(&lease, start);
                 Outcome::Ok(Answer::Lease {
-                    lease: info(&a, &l),
+                    lease,
                     renewed: true,
                 })
             }
