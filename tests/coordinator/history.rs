@@ -449,8 +449,13 @@ impl Client {
                 lease_ids: pending.keys().cloned().collect(),
             })
             .await;
+        if sent.is_err() {
+            // The stream ended (a kill): the request was never sent, so nothing to record.
+            self.ka = None;
+            return true;
+        }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-        let mut broken = sent.err().map(|_| "the stream is closed".to_string());
+        let mut broken: Option<String> = None;
         while broken.is_none() && !pending.is_empty() {
             let ka = self.ka.as_mut().expect("open while not broken");
             let m = match tokio::time::timeout_at(deadline, ka.rx.message()).await {

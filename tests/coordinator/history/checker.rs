@@ -199,6 +199,10 @@ struct Facts {
     min_ttl_ms: u64,
     /// (send, answer, TTL in µs) of each acknowledged grant or renewal.
     live: Vec<(Us, Us, Us)>,
+    /// Renewals that may or may not have happened (no answer), each of which would have set
+    /// the deadline afresh: (send, the end of the process that may have done it, the TTL it
+    /// would have set, `None` for the lease's own).
+    maybe: Vec<(Us, Us, Option<Us>)>,
     /// The first send of a write that may end it (release, transition), done or ambiguous.
     end_sent: Option<Us>,
     /// Acknowledged ends: when, and how.
@@ -245,7 +249,32 @@ fn ms(us: Us) -> String {
 fn collect(h: &History) -> (HashMap<String, Facts>, BTreeMap<&str, Vec<ClaimAck<'_>>>) {
     let mut all: HashMap<String, Facts> = HashMap::new();
     let mut claims: BTreeMap<&str, Vec<ClaimAck>> = BTreeMap::new();
+    // The end of the process that may have answered a request sent at `t`: the next kill.
+    let life_end = |t: Us| {
+        h.restarts
+            .iter()
+            .map(|r| r.kill)
+            .find(|&k| k > t)
+            .unwrap_or(Us::MAX)
+    };
+    let mut unanswered_claims: Vec<(&str, &str, Us, Us)> = Vec::new();
     for (i, c) in h.calls.iter().enumerate() {
+        match (&c.op, &c.outcome) {
+            (Op::Renew { lease, .. } | Op::KeepAlive { lease, .. }, Outcome::Ambiguous(_)) => {
+                facts_of(&mut all, lease)
+                    .maybe
+                    .push((c.start, life_end(c.start), None));
+            }
+            (
+                Op::Claim {
+                    task,
+                    agent,
+                    ttl_ms,
+                },
+                Outcome::Ambiguous(_),
+            ) => unanswered_claims.push((task, agent, c.start, ttl_ms * 1000)),
+            _ => {}
+        }
         // A write that may end the lease it presents: from its send on, it may be gone.
         if let Op::Release { lease } | Op::Transition { lease, .. } = &c.op
             && matches!(c.outcome, Outcome::Ok(_) | Outcome::Ambiguous(_))
@@ -317,6 +346,24 @@ fn collect(h: &History) -> (HashMap<String, Facts>, BTreeMap<&str, Vec<ClaimAck<
             _ => {}
         }
     }
+    // A claim without an answer by a lease's holder may have renewed it with its own TTL.
+    if !unanswered_claims.is_empty() {
+        let mut by_holder: HashMap<(String, String), Vec<String>> = HashMap::new();
+        for (id, f) in &all {
+            by_holder
+                .entry((f.task.clone(), f.agent.clone()))
+                .or_default()
+                .push(id.clone());
+        }
+        for (task, agent, send, ttl) in unanswered_claims {
+            let key = (task.to_string(), agent.to_string());
+            for id in by_holder.get(&key).into_iter().flatten() {
+                if let Some(f) = all.get_mut(id) {
+                    f.maybe.push((send, life_end(send), Some(ttl)));
+                }
+            }
+        }
+    }
     // Superseded: once a grant with a higher token on the task is acknowledged, every lease
     // with a lower token has ended.
     let mut by_task: HashMap<&str, Vec<(u64, Us, &str)>> = HashMap::new();
@@ -378,19 +425,39 @@ fn covers(set: &[(Us, Us)], from: Us, to: Us) -> bool {
     set.iter().any(|&(a, b)| a <= from && to < b)
 }
 
+/// Every renewal that did or may have set the lease's deadline afresh: (send, latest time it
+/// may have happened, the TTL it set).
+fn resets(f: &Facts) -> Vec<(Us, Us, Us)> {
+    let shortest = f
+        .live
+        .iter()
+        .map(|r| r.2)
+        .chain(f.maybe.iter().filter_map(|m| m.2))
+        .min()
+        .unwrap_or(0);
+    f.live
+        .iter()
+        .copied()
+        .chain(
+            f.maybe
+                .iter()
+                .map(|&(s, e, t)| (s, e, t.unwrap_or(shortest))),
+        )
+        .collect()
+}
+
 /// [answer, send + TTL) of each acknowledged grant or renewal. A renewal sets the deadline to
 /// its own time + the lease's TTL, and a Claim by the holder may set a shorter TTL: so an
-/// interval is also cut where a renewal that may have come after it (answered after it was
-/// sent) with a shorter TTL ends.
-fn renewed_intervals(live: &[(Us, Us, Us)]) -> Vec<(Us, Us)> {
-    let same_ttl = live.windows(2).all(|w| w[0].2 == w[1].2);
+/// interval is also cut where a renewal with a shorter TTL that may have come after it (one
+/// answered, or possibly done, after it was sent) ends.
+fn renewed_intervals(live: &[(Us, Us, Us)], resets: &[(Us, Us, Us)]) -> Vec<(Us, Us)> {
+    let same_ttl = resets.windows(2).all(|w| w[0].2 == w[1].2);
     live.iter()
-        .enumerate()
-        .map(|(i, &(send, answer, ttl))| {
+        .map(|&(send, answer, ttl)| {
             let mut until = send + ttl;
             if !same_ttl {
-                for (j, &(s, a, t)) in live.iter().enumerate() {
-                    if j != i && a > send && t < ttl {
+                for &(s, latest, t) in resets {
+                    if latest > send && t < ttl {
                         until = until.min(s.max(send) + t);
                     }
                 }
@@ -406,7 +473,8 @@ fn renewed_intervals(live: &[(Us, Us, Us)]) -> Vec<(Us, Us)> {
 /// set by a renewal after the restart); all of it cut at the first send of a release or
 /// transition presenting it.
 fn certainly_live(f: &Facts, restarts: &[Restart], grace_ms: u64) -> Vec<(Us, Us)> {
-    let mut set = merge(renewed_intervals(&f.live));
+    let resets = resets(f);
+    let mut set = merge(renewed_intervals(&f.live, &resets));
     let cut = f.end_sent.unwrap_or(Us::MAX);
     let ttl = if f.min_ttl_ms == u64::MAX {
         0
@@ -418,11 +486,12 @@ fn certainly_live(f: &Facts, restarts: &[Restart], grace_ms: u64) -> Vec<(Us, Us
             break;
         }
         if contains(&set, r.kill) {
-            // A renewal in the new process resets the deadline to its time + TTL, which may
-            // come before spawn + max(TTL, grace): its own interval takes over from there.
+            // A renewal in the new process (done or maybe) resets the deadline to its time +
+            // TTL, which may come before spawn + max(TTL, grace): an acknowledged one's own
+            // interval takes over from there.
             let mut until = r.spawn + ttl.max(grace_ms) * 1000;
-            for &(send, answer, t) in &f.live {
-                if answer > r.spawn {
+            for &(send, latest, t) in &resets {
+                if latest > r.spawn {
                     until = until.min(send.max(r.spawn) + t);
                 }
             }
@@ -1013,6 +1082,53 @@ mod tests {
             "{}",
             c.of_rule(3)[0]
         );
+    }
+
+    #[test]
+    fn an_unanswered_shorter_reclaim_before_a_kill_promises_nothing() {
+        // A (10 s) re-claimed by its holder with 50 ms, unanswered, then a kill: the re-claim
+        // may have happened, so A may have lapsed and been swept before the kill.
+        let a = lease("t", "a", 1, 10_000);
+        let h = History {
+            calls: vec![
+                claim(&a, 0, 1_000),
+                call(
+                    Op::Claim {
+                        task: "t".into(),
+                        agent: "a".into(),
+                        ttl_ms: 50,
+                    },
+                    1_000_000,
+                    1_200_000,
+                    Outcome::Ambiguous("cut off by the kill".into()),
+                ),
+                call(
+                    Op::Get { task: "t".into() },
+                    2_000_000,
+                    2_001_000,
+                    Outcome::Ok(Answer::Task {
+                        state: "research".into(),
+                        lease: None,
+                    }),
+                ),
+            ],
+            restarts: vec![Restart {
+                kill: 1_200_000,
+                spawn: 1_201_000,
+                listening: 1_300_000,
+            }],
+            grace_ms: 1_000,
+        };
+        let c = check(&h);
+        assert!(c.violations.is_empty(), "{:#?}", c.violations);
+        // Answered (with the 10 s TTL), the same GetTask is a violation.
+        let mut h = h;
+        h.calls[1].outcome = Outcome::Ok(Answer::Lease {
+            lease: a.clone(),
+            renewed: true,
+        });
+        h.calls[1].end = 1_100_000;
+        assert_eq!(rules(&check(&h)), vec![4]);
     }
 
     #[test]
