@@ -805,14 +805,16 @@ async fn restart(
         ));
     }
     let env = sh.env.clone();
-    let kill = sh.now();
     let t0 = sh.t0;
-    let (coord, spawn) = tokio::task::spawn_blocking(move || {
+    let (coord, kill, spawn) = tokio::task::spawn_blocking(move || {
         let mut coord = coord;
         coord.kill9();
-        let spawn = t0.elapsed().as_micros() as Us;
+        // Only now is it certainly dead: until then it may still answer (this thread may
+        // start late on a busy machine).
+        let kill = t0.elapsed().as_micros() as Us;
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        (Coord::start(&env, &args), spawn)
+        let spawn = t0.elapsed().as_micros() as Us;
+        (Coord::start(&env, &args), kill, spawn)
     })
     .await
     .unwrap_or_else(|e| panic!("restart {n} failed: {e}"));

@@ -147,6 +147,8 @@ pub struct Call {
 /// One `kill -9` and the restart after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Restart {
+    /// When the old process was certainly dead (SIGKILL sent and the process reaped): it may
+    /// answer until then, never after.
     pub kill: Us,
     /// Just before the new process was spawned: it loads the log after this, and every lease it
     /// restores lives at least max(TTL, grace) from its load, so from `spawn` too.
