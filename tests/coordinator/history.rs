@@ -15,13 +15,20 @@
 //!    after each restart), and generally: a certainly-live lease is never refused or lost;
 //! 5. a write under a lease known to have ended is refused.
 //!
+//! "Certainly live" is a safe bound: from the answer to a grant or renewal until its send
+//! time plus the TTL (cut where a renewal that may have come later set a shorter deadline, and
+//! at the send of a release or transition under it); a lease certainly live at a kill stays so
+//! until the restarted process's spawn time + max(TTL, grace), since it loads the log after
+//! that (its `listening on` time comes later still and would overstate the promise).
+//!
 //! One u64 seed drives every random choice (the interleaving with the server still varies
 //! from run to run); it is printed at the start and in every failure message.
 //!
 //! ```text
-//! cargo test --test coordinator history -- --nocapture                            # ~45 s
+//! cargo test --test coordinator history -- --nocapture                            # ~40 s
 //! AUTOMATON_HISTORY_SEED=N cargo test --test coordinator history -- --nocapture   # replay N
 //! AUTOMATON_HISTORY_MINUTES=10 cargo test --release --test coordinator history -- --nocapture
+//! AUTOMATON_HISTORY_DUMP=FILE …   # also writes every call, restart and violation to FILE
 //! ```
 
 mod checker;
