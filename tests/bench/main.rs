@@ -228,3 +228,37 @@ fn raw_client_needs_a_cleartext_url() {
     r.code(1);
     assert!(r.error_line().contains("--client tonic"), "{}", r.stderr);
 }
+
+/// `automaton-bench restart`: every round restarts the real coordinator after `kill -9` on a
+/// project of many folders and on the small reference, and reports both times.
+#[test]
+fn restart_bench_times_every_round_against_the_reference() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("restart.json");
+    let coordinator = coordinator_bin();
+    let run = bench(&[
+        "restart",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--tasks",
+        "300",
+        "--live-leases",
+        "5",
+        "--rounds",
+        "2",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("JSON");
+    let rounds = report["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 2, "{report}");
+    for r in rounds {
+        for key in ["listening_s", "serving_s", "reference_serving_s"] {
+            let v = r[key].as_f64().unwrap_or(-1.0);
+            assert!(v > 0.0 && v < 60.0, "{key} = {v} in {r}");
+        }
+        assert!(r["serving_s"].as_f64() >= r["listening_s"].as_f64(), "{r}");
+    }
+}

@@ -217,6 +217,21 @@ async fn cli_forwards_to_the_running_coordinator_with_identical_output() {
     assert_eq!(stale.code, 1, "{stale:?}");
     assert!(stale.error_line().contains("is stale"), "{stale:?}");
     assert_eq!(api.state("alpha").await, "research");
+    // One set of lease rules: another agent's name is refused, the holder's name alone is
+    // enough, as in the local mode (it used to be refused when forwarded).
+    let other = env.cli(&[
+        "--task",
+        "alpha",
+        "--transition",
+        "research:awaiting_approval",
+        "--agent",
+        "agent-y",
+    ]);
+    assert_eq!(other.code, 1, "{other:?}");
+    assert!(
+        other.error_line().contains("is leased to agent-x"),
+        "{other:?}"
+    );
     let r = env.cli(&[
         "--task",
         "alpha",
@@ -224,10 +239,6 @@ async fn cli_forwards_to_the_running_coordinator_with_identical_output() {
         "research:awaiting_approval",
         "--agent",
         "agent-x",
-        "--lease",
-        &l.lease_id,
-        "--token",
-        &l.token.to_string(),
     ]);
     r.ok();
     assert_eq!(api.state("alpha").await, "research:awaiting_approval");

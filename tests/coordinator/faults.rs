@@ -510,6 +510,11 @@ async fn a_grant_taken_back_leaves_no_implementer_behind() {
         None,
         "a grant taken back recorded its implementer"
     );
+    assert_eq!(
+        env.task_file("impl", ".state.holders"),
+        None,
+        "a grant taken back recorded its holder"
+    );
     let _ = coord.child.kill();
     let _ = coord.child.wait();
     let coord = Coord::start(&env, &[]);
@@ -573,5 +578,55 @@ async fn a_stale_view_is_not_adopted_after_the_log_was_rewritten() {
             .expect("claim")
             .token
             > v.token
+    );
+}
+
+/// Issue: "look at a folder's files when its task is first touched (a lease the CLI wrote
+/// while no coordinator ran must still be found before that task is granted)". The start
+/// reads no task folder; the first claim of the task adopts the CLI's lease (logged, so it
+/// survives `kill -9`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_the_cli_took_while_no_coordinator_ran_is_found_before_the_task_is_granted() {
+    let env = Env::new();
+    std::fs::write(env.root().join(".agent.md"), "Mode: multi-agent\n").expect(".agent.md");
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    for t in ["cli", "other"] {
+        api.claimable_task(t).await;
+    }
+    let before = api.claim("other", "agent-a", 60_000).await.expect("claim");
+    let status = coord.terminate();
+    assert!(status.success());
+    // No coordinator: the CLI writes the lease itself.
+    env.cli(&[
+        "--task", "cli", "--claim", "--agent", "agent-x", "--ttl", "10m",
+    ])
+    .ok();
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    expect_err(
+        api.claim("cli", "agent-y", 60_000).await,
+        Code::FailedPrecondition,
+        "leased to agent-x",
+        Some("refused"),
+    );
+    let held = api.lease_of("cli").await.expect("adopted");
+    assert_eq!(held.agent, "agent-x");
+    assert!(
+        held.token > before.token,
+        "the CLI's token is above the coordinator's"
+    );
+    let mut coord = coord;
+    coord.restart_after_kill(&[]);
+    let mut api = coord.api().await;
+    expect_err(
+        api.claim("cli", "agent-y", 60_000).await,
+        Code::FailedPrecondition,
+        "leased to agent-x",
+        Some("refused"),
+    );
+    assert_eq!(
+        api.lease_of("other").await.expect("kept").token,
+        before.token
     );
 }

@@ -30,7 +30,10 @@ impl Env {
     /// A project with `Mode: multi-agent` in its `.agent.md`.
     pub fn multi_agent() -> Env {
         let env = Env::new();
-        env.write(".agent.md", "# Agent config\n- **Mode**: multi-agent\n");
+        env.write(
+            ".automaton/.agent.md",
+            "# Agent config\n- **Mode**: multi-agent\n",
+        );
         env
     }
 
@@ -51,13 +54,35 @@ impl Env {
     pub fn command(&self, args: &[&str]) -> Command {
         let mut c = Command::new(BIN);
         c.arg("status").args(args).arg("--project").arg(self.root());
-        c.env("HOME", self.home.path()).current_dir(self.root());
+        c.env("HOME", self.home.path())
+            .env_remove("AUTOMATON_COORDINATOR")
+            .current_dir(self.root());
         c
     }
 
     /// Runs `automaton status ARGS --project ROOT`.
     pub fn status(&self, args: &[&str]) -> Run {
         Run::from(self.command(args).output().expect("run automaton"))
+    }
+
+    /// Runs `python3 deploy/status.py ARGS --project ROOT` (the shim prompts call), with the
+    /// binary under test as `AUTOMATON_BIN`.
+    pub fn shim(&self, args: &[&str]) -> Run {
+        let out = Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../deploy/status.py"
+            ))
+            .args(args)
+            .arg("--project")
+            .arg(self.root())
+            .env("AUTOMATON_BIN", BIN)
+            .env("HOME", self.home.path())
+            .env_remove("AUTOMATON_COORDINATOR")
+            .current_dir(self.root())
+            .output()
+            .expect("python3 must be installed to run the status.py shim");
+        Run::from(out)
     }
 
     /// Writes a file relative to the project root, creating folders.

@@ -61,7 +61,10 @@ fn claim_writes_state_lock_with_seed_001_fields_lease_and_token() {
 #[test]
 fn claim_default_ttl_is_agent_md_lock_timeout() {
     let env = Env::new();
-    env.write(".agent.md", "Mode: multi-agent\nLock timeout: 90s\n");
+    env.write(
+        ".automaton/.agent.md",
+        "Mode: multi-agent\nLock timeout: 90s\n",
+    );
     research_task(&env, "t");
     env.status(&["--task", "t", "--claim", "--agent", "a", "--json"])
         .ok();
@@ -325,7 +328,10 @@ fn implementer_refused_code_review_approval() {
 #[test]
 fn separated_phases_configurable_in_agent_md() {
     let env = Env::new();
-    env.write(".agent.md", "Mode: multi-agent\nSeparated phases: none\n");
+    env.write(
+        ".automaton/.agent.md",
+        "Mode: multi-agent\nSeparated phases: none\n",
+    );
     implemented_by(&env, &["alice"]);
     env.status(&["--task", "t", "--claim", "--agent", "alice"])
         .ok();

@@ -2,5 +2,6 @@
 //! project in a fresh temporary folder, with HOME pointed at another one.
 
 mod harness;
+mod issue14;
 mod leases;
 mod spec;

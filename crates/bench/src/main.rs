@@ -24,6 +24,7 @@ mod coord;
 mod echo;
 mod etcd;
 mod inline;
+mod restart;
 mod rpc;
 mod spawn;
 mod stats;
@@ -57,6 +58,9 @@ struct Cli {
 enum Cmd {
     /// Claim, renew (KeepAlive) and release throughput and latency at each client count.
     Leases(LeasesArgs),
+    /// Time from `kill -9` to serving again on a project with many task folders, against a
+    /// small project's restart.
+    Restart(restart::RestartArgs),
     /// The coordinator's API with no work behind it (no leases, no disk): what tonic and the
     /// kernel cost here, the ceiling for `leases --coordinator URL`.
     EchoServer {
@@ -561,6 +565,7 @@ async fn connect_retry(url: &str) -> Result<Channel> {
 async fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Leases(args) => leases(args).await,
+        Cmd::Restart(args) => restart::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
     }
 }

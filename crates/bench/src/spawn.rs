@@ -54,6 +54,13 @@ impl Spawned {
         )
     }
 
+    /// SIGKILL, at once (a crash), and reaps the process.
+    pub fn kill9(&mut self) {
+        self.stopped = true;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     fn exited(&mut self) -> Option<String> {
         match self.child.try_wait() {
             Ok(Some(st)) => Some(st.to_string()),
@@ -82,11 +89,20 @@ fn tail(path: &Path) -> String {
 pub fn coordinator(bin: &Path, scratch: &Path) -> Result<Spawned> {
     let project = scratch.join("project");
     fs::create_dir_all(&project)?;
+    coordinator_on(bin, &project, scratch)
+}
+
+/// Starts `automaton-coordinator --project PROJECT --listen 127.0.0.1:0`, logging under
+/// `scratch` (appending: a restart keeps the earlier lines), and waits for `listening on`.
+pub fn coordinator_on(bin: &Path, project: &Path, scratch: &Path) -> Result<Spawned> {
     let log = scratch.join("coordinator.log");
-    let stderr = File::create(&log)?;
+    let stderr = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)?;
     let mut child = Command::new(bin)
         .arg("--project")
-        .arg(&project)
+        .arg(project)
         .args(["--listen", "127.0.0.1:0"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

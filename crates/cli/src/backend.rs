@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 use automaton_proto::v1 as pb;
 use automaton_store::{
     Approval, ApproveOutcome, AuditReport, Error, ErrorKind, FolderReport, Lease, ListEntry,
-    Project, TaskView, TransitionOutcome, parse_time,
+    Project, ProjectFolders, TaskView, TransitionOutcome, parse_time,
 };
 use automaton_workflow::{AgentId, State, TaskName};
 use tonic::transport::Channel;
@@ -142,14 +142,28 @@ impl Remote {
 }
 
 /// The coordinator to talk to: `--coordinator URL`, else `AUTOMATON_COORDINATOR`, else the
-/// address in `.automaton/coordinator.lock` while a live coordinator holds that lock.
-pub fn find_coordinator(project: &Project, flag: Option<&str>) -> Option<String> {
-    if let Some(url) = flag
-        .map(str::to_string)
-        .or_else(|| std::env::var("AUTOMATON_COORDINATOR").ok())
-    {
-        return (!url.is_empty()).then_some(url);
+/// address in `.automaton/coordinator.lock` while a live coordinator holds that lock. An
+/// empty URL is refused: it used to mean "work on the files", which would write behind the
+/// back of a coordinator that owns the project.
+pub fn find_coordinator(project: &Project, flag: Option<&str>) -> Result<Option<String>, Failure> {
+    let (source, url) = match flag {
+        Some(url) => ("--coordinator", Some(url.to_string())),
+        None => (
+            "AUTOMATON_COORDINATOR",
+            std::env::var_os("AUTOMATON_COORDINATOR").map(|v| v.to_string_lossy().into_owned()),
+        ),
+    };
+    match url {
+        Some(url) if url.trim().is_empty() => Err(Failure::Usage(format!(
+            "{source} is empty. Give a coordinator URL (e.g. http://127.0.0.1:7070), or leave it unset to use the coordinator that owns the project (or the files when none does)."
+        ))),
+        Some(url) => Ok(Some(url)),
+        None => Ok(owner_of(project)),
     }
+}
+
+/// The address in `.automaton/coordinator.lock`, while a live coordinator holds that lock.
+fn owner_of(project: &Project) -> Option<String> {
     let path = project.meta().join("coordinator.lock");
     let file = std::fs::File::open(&path).ok()?;
     // A lock we can take is a lock nobody holds: the coordinator that wrote the file is gone.
@@ -330,6 +344,19 @@ impl Backend {
             Backend::Remote(r) => {
                 let req = pb::ValidateFolderRequest {
                     task: task.to_string(),
+                };
+                from_json(&r.run(r.tasks().validate_folder(req))?.report_json)
+            }
+        }
+    }
+
+    /// `--validate-folder` without `--task`: every task (an empty task in the request).
+    pub fn validate_all(&self) -> Result<ProjectFolders, Failure> {
+        match self {
+            Backend::Local(p) => Ok(p.validate_all()?),
+            Backend::Remote(r) => {
+                let req = pb::ValidateFolderRequest {
+                    task: String::new(),
                 };
                 from_json(&r.run(r.tasks().validate_folder(req))?.report_json)
             }

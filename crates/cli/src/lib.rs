@@ -127,6 +127,19 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
+/// The actions other than showing, changing or leasing a task.
+fn other_action(args: &StatusArgs) -> bool {
+    args.create_task.is_some()
+        || args.list
+        || args.validate_folder
+        || args.audit
+        || args.can_edit
+        || args.can_create_task
+        || args.scope_check
+        || args.same_session
+        || args.upgrade
+}
+
 fn usage(msg: impl Into<String>) -> Failure {
     Failure::Usage(msg.into())
 }
@@ -135,12 +148,51 @@ fn usage(msg: impl Into<String>) -> Failure {
 pub struct Output {
     pub stdout: String,
     pub code: i32,
+    /// A line for stderr after the output (why a command that printed ends non-zero).
+    pub note: Option<String>,
 }
 
 impl Output {
     fn ok(stdout: String) -> Output {
-        Output { stdout, code: 0 }
+        Output::with_code(stdout, 0)
     }
+
+    fn with_code(stdout: String, code: i32) -> Output {
+        Output {
+            stdout,
+            code,
+            note: None,
+        }
+    }
+}
+
+/// The project the command names: `--project`, else the current directory.
+fn open_project(args: &StatusArgs) -> Result<(Project, PathBuf), Failure> {
+    let cwd = std::env::current_dir()
+        .map_err(|e| usage(format!("cannot read the current directory: {e}")))?;
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
+    Ok((project, cwd))
+}
+
+/// A `.agent.md` at the project root instead of `{project}/.automaton/` (seed 002).
+fn misplaced_agent_md_warning(args: &StatusArgs) -> Option<String> {
+    let (project, _) = open_project(args).ok()?;
+    let (legacy, honoured) = project.misplaced_agent_md()?;
+    let right = project.meta().join(".agent.md");
+    Some(if honoured {
+        format!(
+            "WARNING: {} is read, but the project's .agent.md belongs in {}: move it there.",
+            legacy.display(),
+            right.display()
+        )
+    } else {
+        format!(
+            "WARNING: {} is ignored: the policy is read from {}. Merge what it says into that file and remove it.",
+            legacy.display(),
+            right.display()
+        )
+    })
 }
 
 /// Runs a parsed command line; prints and returns the exit code.
@@ -148,9 +200,13 @@ pub fn run(cli: Cli) -> i32 {
     match cli.command {
         Command::Status(args) => {
             let json = args.json;
-            match status(&args) {
+            let warning = misplaced_agent_md_warning(&args);
+            let code = match status(&args) {
                 Ok(out) => {
                     print(&out.stdout);
+                    if let Some(note) = out.note {
+                        eprintln!("{note}");
+                    }
                     out.code
                 }
                 Err(f) => {
@@ -172,7 +228,12 @@ pub fn run(cli: Cli) -> i32 {
                     }
                     code
                 }
+            };
+            // Last, so that a refusal's first line stays its `ERROR:` line.
+            if let Some(w) = warning {
+                eprintln!("{w}");
             }
+            code
         }
     }
 }
@@ -217,10 +278,9 @@ fn duration_arg(flag: &str, value: &str) -> Result<Duration, Failure> {
 }
 
 fn status(args: &StatusArgs) -> Result<Output, Failure> {
-    let cwd = std::env::current_dir()
-        .map_err(|e| usage(format!("cannot read the current directory: {e}")))?;
-    let home = std::env::var_os("HOME").map(PathBuf::from);
-    let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
+    let (project, cwd) = open_project(args)?;
+    // Every command: a project that does not exist is an error, and nothing is created.
+    project.ensure_exists()?;
     let now = SystemTime::now();
     let mutating = args.transition.is_some()
         || args.approve
@@ -228,7 +288,17 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         || args.claim
         || args.release
         || args.upgrade;
-    let backend = match backend::find_coordinator(&project, args.coordinator.as_deref()) {
+    // The commands whose outcome .agent.md governs fail alike on a broken one, on either
+    // backend (a coordinator read it when it started; the file may have changed since).
+    let reads_policy = (args.task.is_some() && !other_action(args))
+        || args.transition.is_some()
+        || args.approve
+        || args.claim
+        || args.release;
+    if reads_policy {
+        project.policy()?;
+    }
+    let backend = match backend::find_coordinator(&project, args.coordinator.as_deref())? {
         Some(address) if args.local && mutating => {
             return Err(Failure::Refused(format!(
                 "A coordinator owns this project ({address}): --local is for reads; send changes through the coordinator (drop --local)."
@@ -279,24 +349,61 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         return Ok(Output::ok(emit(&value, text)));
     }
     if args.list {
-        let entries = backend.list()?;
-        return Ok(Output::ok(emit(&entries, render::list(&project, &entries))));
+        // Folders no command can address are read here on either backend: they are not
+        // tasks, so the coordinator does not know them.
+        let listing = automaton_store::Listing {
+            tasks: backend.list()?,
+            unaddressable: project.unaddressable()?,
+        };
+        // JSON: the task rows, then one object per unaddressable folder (`folder`, `why`).
+        let value: Vec<serde_json::Value> = listing
+            .tasks
+            .iter()
+            .map(serde_json::to_value)
+            .chain(listing.unaddressable.iter().map(serde_json::to_value))
+            .collect::<Result<_, _>>()
+            .map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
+        let mut out = Output::with_code(
+            emit(&value, render::list(&project, &listing)),
+            listing.exit_code(),
+        );
+        let broken: Vec<String> = listing
+            .tasks
+            .iter()
+            .flat_map(automaton_store::ListEntry::rows)
+            .filter(|e| e.error.is_some())
+            .map(|e| e.task.to_string())
+            .collect();
+        if !broken.is_empty() && !json {
+            out.note = Some(format!(
+                "ERROR: {} task{} could not be read ({}). Fix the file each row names, then retry.",
+                broken.len(),
+                if broken.len() == 1 { "" } else { "s" },
+                broken.join(", ")
+            ));
+        }
+        return Ok(out);
     }
     if args.validate_folder {
+        if args.task.is_none() {
+            let all = backend.validate_all()?;
+            let text = render::folders(&project, &all);
+            return Ok(Output::with_code(emit(&all, text), all.exit_code()));
+        }
         let task = task_arg(args, "--validate-folder")?;
         let report = backend.validate_folder(&task)?;
         let code = if report.passed() { 0 } else { 1 };
-        return Ok(Output {
-            stdout: emit(&report, render::folder(&report)),
+        return Ok(Output::with_code(
+            emit(&report, render::folder(&report)),
             code,
-        });
+        ));
     }
     if args.audit {
         let report = backend.audit()?;
-        return Ok(Output {
-            stdout: emit(&report, render::audit(&report)),
-            code: report.exit_code(),
-        });
+        return Ok(Output::with_code(
+            emit(&report, render::audit(&report)),
+            report.exit_code(),
+        ));
     }
     if args.can_edit {
         let task = task_arg(args, "--can-edit")?;
@@ -305,15 +412,15 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
                 &serde_json::json!({"allowed": true, "state": state}),
                 "ALLOWED\n".into(),
             )),
-            Err(state) => Output {
-                stdout: emit(
+            Err(state) => Output::with_code(
+                emit(
                     &serde_json::json!({"allowed": false, "state": state}),
                     format!(
                         "DENIED: Task '{task}' is in {state} phase. Code edits require implement or doc_review phase.\n"
                     ),
                 ),
-                code: 1,
-            },
+                1,
+            ),
         });
     }
     if args.can_create_task {
@@ -343,10 +450,10 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
                 project.root().display()
             )
         };
-        return Ok(Output {
-            stdout: emit(&serde_json::json!({"in_scope": inside, "file": file}), text),
-            code: if inside { 0 } else { 1 },
-        });
+        return Ok(Output::with_code(
+            emit(&serde_json::json!({"in_scope": inside, "file": file}), text),
+            if inside { 0 } else { 1 },
+        ));
     }
     if args.same_session {
         let task = task_arg(args, "--same-session")?;
@@ -358,13 +465,13 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         } else {
             "DIFFERENT_SESSION"
         };
-        return Ok(Output {
-            stdout: emit(
+        return Ok(Output::with_code(
+            emit(
                 &serde_json::json!({"same_session": same, "age_seconds": age.as_secs()}),
                 format!("{word}\n"),
             ),
-            code: if same { 1 } else { 0 },
-        });
+            if same { 1 } else { 0 },
+        ));
     }
     if args.upgrade {
         let only = args
@@ -378,7 +485,20 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
             )));
         }
         let done = project.upgrade(only.as_ref())?;
-        return Ok(Output::ok(emit(&done, render::upgraded(&done))));
+        // Folders no command can address are reported, never touched.
+        let skipped = if only.is_none() {
+            project.unaddressable()?
+        } else {
+            Vec::new()
+        };
+        // JSON: the upgraded tasks, then one object per unaddressable folder (as --list).
+        let value: Vec<serde_json::Value> = done
+            .iter()
+            .map(serde_json::to_value)
+            .chain(skipped.iter().map(serde_json::to_value))
+            .collect::<Result<_, _>>()
+            .map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
+        return Ok(Output::ok(emit(&value, render::upgraded(&done, &skipped))));
     }
     if args.claim {
         let task = task_arg(args, "--claim")?;
@@ -409,8 +529,8 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         )));
     }
     let task = task_arg(args, "automaton status")?;
-    let view = backend.view(&task)?;
     let policy = project.policy()?;
+    let view = backend.view(&task)?;
     Ok(Output::ok(emit(
         &view,
         render::task(&view, policy.multi_agent),

@@ -3,8 +3,8 @@
 use std::fmt::Write;
 
 use automaton_store::{
-    ApprovalView, ApproveOutcome, AuditReport, Category3, FolderReport, Lease, ListEntry, Project,
-    TaskView, TransitionOutcome, Upgraded, format_time,
+    ApprovalView, ApproveOutcome, AuditReport, Category3, FolderReport, Lease, ListEntry, Listing,
+    Project, ProjectFolders, TaskView, TransitionOutcome, Unaddressable, Upgraded, format_time,
 };
 use automaton_workflow::{Severity, State, TaskName};
 
@@ -54,7 +54,9 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
                 record: None,
                 ..
             } => {
-                format!("approved, but .state.approvals has no record of it ({artifact})")
+                format!(
+                    "NOT RECORDED: .state.approvals has no record of approving {artifact}, so this state cannot be left. A person runs --approve"
+                )
             }
             ApprovalView::Approved {
                 artifact,
@@ -109,7 +111,7 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
         .artifacts
         .iter()
         .map(|a| {
-            if a.bytes == 0 {
+            if a.blank {
                 format!("{} (empty)", a.artifact)
             } else {
                 a.artifact.to_string()
@@ -157,6 +159,9 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
 }
 
 fn phase_cell(e: &ListEntry) -> String {
+    if e.error.is_some() {
+        return "(unreadable)".to_string();
+    }
     let mut cell = match (e.tracked, e.state) {
         (true, Some(s)) => s.to_string(),
         (false, Some(s)) => format!("{s} (untracked)"),
@@ -165,6 +170,9 @@ fn phase_cell(e: &ListEntry) -> String {
     if e.approval_stale {
         cell.push_str(" (stale approval)");
     }
+    if e.approval_missing {
+        cell.push_str(" (no approval record)");
+    }
     if let Some(a) = &e.lease_holder {
         let _ = write!(cell, " [leased: {a}]");
     }
@@ -172,14 +180,26 @@ fn phase_cell(e: &ListEntry) -> String {
 }
 
 fn next_step(e: &ListEntry) -> String {
+    if let Some(err) = &e.error {
+        return format!("ERROR: {err}");
+    }
     match e.state.and_then(State::approval_target) {
         Some(approved) => format!("{approved} (needs --approve)"),
         None => join_states(&e.next, " or "),
     }
 }
 
-pub fn list(project: &Project, entries: &[ListEntry]) -> String {
-    if entries.is_empty() {
+/// An unaddressable folder's Phase and Next Step cells.
+fn unaddressable_cells(u: &Unaddressable) -> (String, String) {
+    (
+        "(invalid name)".to_string(),
+        format!("{}: {}", u.advice(), u.why),
+    )
+}
+
+pub fn list(project: &Project, listing: &Listing) -> String {
+    let entries = &listing.tasks;
+    if entries.is_empty() && listing.unaddressable.is_empty() {
         return format!(
             "No tasks in {}/. Create one with --create-task NAME.\n",
             project.tasks_dir().display()
@@ -191,6 +211,10 @@ pub fn list(project: &Project, entries: &[ListEntry]) -> String {
         for sub in &e.subtasks {
             rows.push((format!("  {}", sub.task), phase_cell(sub), next_step(sub)));
         }
+    }
+    for u in &listing.unaddressable {
+        let (phase, next) = unaddressable_cells(u);
+        rows.push((u.folder.clone(), phase, next));
     }
     // 004's column widths (25, 20), wider when a cell needs it.
     let w1 = (rows.iter().map(|r| r.0.len()).max().unwrap_or(0) + 2).max(25);
@@ -228,6 +252,50 @@ pub fn folder(r: &FolderReport) -> String {
         state.phase
     );
     s.push_str("Remove the out-of-order artifacts or revert to the correct phase.\n");
+    s
+}
+
+/// `--validate-folder` without `--task`: one block per task, then the verdict for all.
+pub fn folders(project: &Project, all: &ProjectFolders) -> String {
+    let total = all.reports.len() + all.errors.len() + all.unaddressable.len();
+    if total == 0 {
+        return format!(
+            "No tasks in {}/: nothing to validate.\nFolder validation: PASS — no out-of-order artifacts found\n",
+            project.tasks_dir().display()
+        );
+    }
+    let mut blocks: Vec<String> = all.reports.iter().map(folder).collect();
+    for e in &all.errors {
+        blocks.push(format!(
+            "Task: {}\nFolder validation: ERROR — {}\n",
+            e.task, e.error
+        ));
+    }
+    for u in &all.unaddressable {
+        blocks.push(format!(
+            "Task folder: {}\nFolder validation: FAIL — task folder created manually: {}. {}.\n",
+            u.folder,
+            u.why,
+            u.advice()
+        ));
+    }
+    let failed = all.reports.iter().filter(|r| !r.passed()).count() + all.unaddressable.len();
+    let mut s = blocks.join("\n");
+    s.push('\n');
+    if !all.errors.is_empty() {
+        let _ = writeln!(
+            s,
+            "Folder validation of {total} task folders: ERROR — {} could not be read, {failed} failed",
+            all.errors.len()
+        );
+    } else if failed == 0 {
+        let _ = writeln!(s, "Folder validation of {total} task folders: PASS");
+    } else {
+        let _ = writeln!(
+            s,
+            "Folder validation of {total} task folders: FAIL — {failed} failed"
+        );
+    }
     s
 }
 
@@ -331,8 +399,17 @@ pub fn audit(r: &AuditReport) -> String {
         .iter()
         .filter(|t| !t.tracked && t.error.is_none())
         .collect();
-    if untracked.is_empty() {
+    if untracked.is_empty() && r.unaddressable.is_empty() {
         s.push_str("[PASS] every task folder has a .state file\n");
+    }
+    for u in &r.unaddressable {
+        let _ = writeln!(
+            s,
+            "[FAIL] {}: manually created task folder — {}. {}",
+            u.folder,
+            u.why,
+            u.advice()
+        );
     }
     for t in untracked {
         let _ = writeln!(
@@ -345,7 +422,7 @@ pub fn audit(r: &AuditReport) -> String {
         let _ = writeln!(s, "ERROR: {e}");
     }
     s.push_str("\n=== Summary ===\n");
-    let _ = writeln!(s, "{} tasks audited", r.tasks.len());
+    let _ = writeln!(s, "{} tasks audited", r.tasks.len() + r.unaddressable.len());
     let _ = writeln!(s, "{} violations found", r.violations.len());
     for v in &r.violations {
         let _ = writeln!(s, "  - {v}");
@@ -399,11 +476,21 @@ pub fn claimed(task: &TaskName, l: &Lease, renewed: bool) -> String {
     )
 }
 
-pub fn upgraded(done: &[Upgraded]) -> String {
-    if done.is_empty() {
-        return "Nothing to upgrade: every task has a .state file.\n".into();
-    }
+pub fn upgraded(done: &[Upgraded], skipped: &[Unaddressable]) -> String {
     let mut s = String::new();
+    for u in skipped {
+        let _ = writeln!(
+            s,
+            "Skipped '{}': {}. {}; --upgrade leaves it alone.",
+            u.folder,
+            u.why,
+            u.advice()
+        );
+    }
+    if done.is_empty() {
+        s.push_str("Nothing to upgrade: every task has a .state file.\n");
+        return s;
+    }
     for u in done {
         let how = if u.inferred {
             "inferred from artifacts"

@@ -16,7 +16,8 @@ use tonic::{Status, Streaming};
 
 use automaton_workflow::AgentId;
 
-use crate::state::{Coordinator, Refused};
+use crate::lease_ops::Refused;
+use crate::state::Coordinator;
 use crate::watchers::Notice;
 
 pub(crate) struct KeepAlive {

@@ -8,14 +8,20 @@
 //! `automaton-store` reads and writes the files.
 
 pub mod auth;
+mod commit;
 pub mod config;
+mod events;
 mod fencing;
 mod keepalive;
 mod layers;
-mod leases;
+mod lease_ops;
 pub mod owner;
+mod recovery;
 mod service;
 mod state;
+mod table;
+mod task_changes;
+mod views;
 mod wal;
 mod watchers;
 
@@ -31,9 +37,11 @@ use tonic::Status;
 use tonic::metadata::MetadataValue;
 
 pub use config::{Config, Overrides, Role};
-pub use leases::Live;
+pub use events::Event;
+pub use lease_ops::{Granted, Presented};
 pub use owner::Ownership;
-pub use state::{Coordinator, Event, Granted, Options, Presented};
+pub use state::{Coordinator, Options};
+pub use table::Live;
 pub use wal::Failpoints;
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +154,7 @@ pub async fn serve(
         .build_v1alpha()
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
+    coord.spawn_reconciler();
     let sweeper = {
         let coord = coord.clone();
         let mut stop = stop_rx.clone();

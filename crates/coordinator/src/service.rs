@@ -15,8 +15,10 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::Error;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
-use crate::leases::Live;
-use crate::state::{Coordinator, Presented, format_millis};
+use crate::events::format_millis;
+use crate::lease_ops::Presented;
+use crate::state::Coordinator;
+use crate::table::Live;
 
 type Res<T> = Result<Response<T>, Status>;
 
@@ -150,6 +152,12 @@ impl pb::tasks_server::Tasks for Service {
     async fn get_task(&self, req: Request<pb::GetTaskRequest>) -> Res<pb::TaskDetail> {
         let who = caller(&req);
         let task = task_name(&req.get_ref().task)?;
+        // A lease the CLI took while no coordinator ran is shown once adopted.
+        if let Err(e @ (Error::Unavailable(_) | Error::Internal(_))) =
+            self.coord.touch_guarded(&task).await
+        {
+            return Err(e.into());
+        }
         let t = task.clone();
         let mut view = self
             .coord
@@ -286,6 +294,14 @@ impl pb::tasks_server::Tasks for Service {
     }
 
     async fn validate_folder(&self, req: Request<pb::ValidateFolderRequest>) -> Res<pb::Report> {
+        // No task: every task and sub-task, as `--validate-folder` without `--task`.
+        if req.get_ref().task.is_empty() {
+            let all = self.coord.read(|p| p.validate_all()).await?;
+            return Ok(Response::new(pb::Report {
+                exit_code: all.exit_code(),
+                report_json: json(&all)?,
+            }));
+        }
         let task = task_name(&req.get_ref().task)?;
         let report = self.coord.read(move |p| p.validate_folder(&task)).await?;
         Ok(Response::new(pb::Report {

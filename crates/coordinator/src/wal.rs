@@ -19,7 +19,7 @@ use std::time::Duration;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::oneshot;
 
-use crate::leases::Live;
+use crate::table::Live;
 
 /// One line of the log.
 #[derive(Debug, Clone, PartialEq, Eq)]

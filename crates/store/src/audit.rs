@@ -8,7 +8,7 @@ use automaton_workflow::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Project};
+use crate::{Error, Project, Unaddressable};
 
 /// One task's findings in categories 1, 2 and 4.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -57,6 +57,9 @@ pub struct AuditReport {
     /// One line per violation, as the summary lists them.
     pub violations: Vec<String>,
     pub errors: Vec<String>,
+    /// Folders under the tasks folder whose names no command can address (Category 4).
+    #[serde(default)]
+    pub unaddressable: Vec<Unaddressable>,
 }
 
 impl AuditReport {
@@ -95,7 +98,7 @@ impl Project {
                     continue;
                 }
             };
-            let facts = folder.facts();
+            let mut facts = folder.facts();
             let mut entry = AuditTask {
                 task: t.clone(),
                 state: folder.state,
@@ -114,7 +117,11 @@ impl Project {
                     for a in &entry.out_of_order {
                         violations.push(format!("{t}: out-of-order artifact ({a})"));
                     }
-                    match self.approval_record(&folder, state) {
+                    let record = self.approved_phases(&folder).and_then(|approved| {
+                        facts.approved = approved;
+                        self.approval_record(&folder, state)
+                    });
+                    match record {
                         Ok(record) => entry.consistency = check_consistency(state, &facts, record),
                         Err(e) => {
                             errors.push(format!("{t}: {e}"));
@@ -134,6 +141,15 @@ impl Project {
                 }
             }
             tasks.push(entry);
+        }
+        let unaddressable = self.unaddressable()?;
+        for u in &unaddressable {
+            violations.push(format!(
+                "{}: invalid task folder name ({}; {})",
+                u.folder,
+                u.why,
+                u.advice()
+            ));
         }
         let category3 = match git_modifications(self.root(), self.meta(), &mtimes) {
             Ok(c) => c,
@@ -158,6 +174,7 @@ impl Project {
             category3,
             violations,
             errors,
+            unaddressable,
         })
     }
 }

@@ -1,6 +1,6 @@
 //! The on-disk task store of automaton: the layout under `{project}/.automaton/`, atomic
 //! `.state` writes, the append-only approvals log, `.state.lock` leases with fencing tokens,
-//! `.state.implementer`, and the audit (git2 for unauthorised modifications).
+//! `.state.implementer` and `.state.holders`, the layered lookup of framework files, and the audit (git2 for unauthorised modifications).
 //!
 //! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
 //! writes the result durably under the project's fs4 lock. It must not know about gRPC or
@@ -8,8 +8,18 @@
 
 mod audit;
 mod fsx;
+mod lease_store;
 mod project;
 mod records;
+
+// The operations of `Project` (defined in project.rs): `impl Project` blocks, one concern a file.
+mod change;
+mod fencing;
+mod layered;
+mod lease_files;
+mod read;
+mod scope;
+mod view;
 
 use std::path::PathBuf;
 
@@ -19,11 +29,15 @@ use automaton_workflow::{
 };
 
 pub use audit::{AuditReport, AuditTask, Category3};
-pub use project::{
-    ApprovalView, ApproveOutcome, ArtifactInfo, FolderReport, ListEntry, Project, TaskView,
-    TransitionOutcome, Upgraded, new_lease_id,
-};
+pub use change::{ApproveOutcome, TransitionOutcome, Upgraded};
+pub use lease_files::new_lease_id;
+pub use lease_store::{LeaseStore, check_lease_rules};
+pub use project::Project;
+pub use read::{ArtifactInfo, Unaddressable};
 pub use records::{Approval, Lease, format_time, parse_time};
+pub use view::{
+    ApprovalView, FolderReport, ListEntry, Listing, ProjectFolders, TaskError, TaskView,
+};
 
 /// Broad classes of failure; the CLI maps them to exit codes, the coordinator to gRPC codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +108,12 @@ pub enum Error {
     Transition(#[from] TransitionError),
     #[error("{0}")]
     Approve(#[from] ApproveError),
-    #[error("{source} (in {})", path.display())]
+    #[error(
+        "Project folder not found: {}. Check --project (it defaults to the current directory), or create the folder first.",
+        root.display()
+    )]
+    ProjectNotFound { root: PathBuf },
+    #[error("Cannot read {}: {source}.", path.display())]
     Policy { source: PolicyError, path: PathBuf },
     #[error(
         "Claims need multi-agent mode: add 'Mode: multi-agent' to {}/.agent.md (or ~/.automaton/.agent.md), then retry.",
@@ -167,6 +186,14 @@ pub enum Error {
     )]
     SelfApproval { task: TaskName, agent: String },
     #[error(
+        "'{agent}' held task '{task}' in its {phase} phase and may not approve that phase's work. A person (an operator) or an agent that did not hold it must approve it."
+    )]
+    HeldPhase {
+        task: TaskName,
+        agent: String,
+        phase: Phase,
+    },
+    #[error(
         "Corrupt lease file {}: {detail}. Fix it, or remove it if no agent holds the task.",
         path.display()
     )]
@@ -182,6 +209,12 @@ pub enum Error {
     },
     #[error("Corrupt implementer file {} line {line}: {detail}. It must list one agent id per line.", path.display())]
     CorruptImplementers {
+        path: PathBuf,
+        line: usize,
+        detail: String,
+    },
+    #[error("Corrupt holders file {} line {line}: {detail}. Each line must be '{{phase}}|{{agent}}'.", path.display())]
+    CorruptHolders {
         path: PathBuf,
         line: usize,
         detail: String,
@@ -231,7 +264,9 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         use Error::*;
         match self {
-            TaskNotFound { .. } | ParentNotFound { .. } => ErrorKind::NotFound,
+            TaskNotFound { .. } | ParentNotFound { .. } | ProjectNotFound { .. } => {
+                ErrorKind::NotFound
+            }
             AlreadyExists { .. } => ErrorKind::AlreadyExists,
             Name(_) | TtlOutOfBounds { .. } => ErrorKind::Invalid,
             UnknownPhase { .. }
@@ -239,6 +274,7 @@ impl Error {
             | CorruptLease { .. }
             | CorruptApprovals { .. }
             | CorruptImplementers { .. }
+            | CorruptHolders { .. }
             | CorruptFencing { .. }
             | NotUtf8 { .. } => ErrorKind::Corrupt,
             Io { .. } => ErrorKind::Io,
@@ -253,7 +289,8 @@ impl Error {
             | StaleToken { .. }
             | NotClaimable { .. }
             | Separation { .. }
-            | SelfApproval { .. } => ErrorKind::Refused,
+            | SelfApproval { .. }
+            | HeldPhase { .. } => ErrorKind::Refused,
         }
     }
 }

@@ -202,6 +202,32 @@ pub fn parse_implementers(text: &str) -> Result<Vec<AgentId>, (usize, String)> {
         .collect()
 }
 
+/// `.state.holders`: every agent that held a lease on the task, per phase, one
+/// `{phase}|{agent}` line each, in the order they first held it.
+pub fn parse_holders(text: &str) -> Result<Vec<(Phase, AgentId)>, (usize, String)> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            let (phase, agent) = l
+                .trim()
+                .split_once('|')
+                .ok_or_else(|| (i + 1, "expected '{phase}|{agent}'".to_string()))?;
+            let phase = phase
+                .parse::<Phase>()
+                .map_err(|_| (i + 1, format!("'{phase}' is not a phase")))?;
+            let agent = agent
+                .parse::<AgentId>()
+                .map_err(|e| (i + 1, e.to_string()))?;
+            Ok((phase, agent))
+        })
+        .collect()
+}
+
+pub fn render_holders(holders: &[(Phase, AgentId)]) -> String {
+    holders.iter().map(|(p, a)| format!("{p}|{a}\n")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,6 +274,19 @@ mod tests {
                 .expect_err("phase")
                 .contains("unknown phase")
         );
+    }
+
+    #[test]
+    fn holders_round_trip_and_bad_lines_are_named() {
+        let h = vec![
+            (Phase::Implement, "a".parse().expect("valid")),
+            (Phase::CodeReview, "b".parse().expect("valid")),
+        ];
+        let text = render_holders(&h);
+        assert_eq!(text, "implement|a\ncode_review|b\n");
+        assert_eq!(parse_holders(&text), Ok(h));
+        assert_eq!(parse_holders("implement|a\nnope").map_err(|e| e.0), Err(2));
+        assert_eq!(parse_holders("reviewing|a").map_err(|e| e.0), Err(1));
     }
 
     #[test]

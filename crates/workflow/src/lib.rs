@@ -23,7 +23,7 @@ pub use phase::{Gate, Phase, State, UnknownPhase};
 pub use policy::{DEFAULT_LOCK_TIMEOUT, Policy, PolicyError, PolicyFile, parse_duration};
 pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
-    check_consistency, check_transition, infer_state, required_by,
+    check_consistency, check_transition, gates_passed, infer_state, required_by,
 };
 pub use verdict::{Verdict, parse_verdict};
 
@@ -74,6 +74,9 @@ mod tests {
                 Verdict::Fail
             }),
             approval_stale: false,
+            approval_missing: false,
+            approved: Phase::ALL.into_iter().filter(|p| p.is_gated()).collect(),
+            open_subtasks: vec![],
         }
     }
 
@@ -230,6 +233,7 @@ mod tests {
             ".state.approvals",
             ".state.lock",
             ".state.implementer",
+            ".state.holders",
             "VRAM_CONFIG.md",
             "PARENT_SPEC.md",
             "REVIEW.md",

@@ -31,11 +31,11 @@ impl Default for Policy {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
     #[error(
-        "Invalid lock timeout '{0}': write a number with a unit, e.g. '90s', '30m', '1h' or '30 minutes'"
+        "key 'Lock timeout' has the invalid value '{0}': write a number with a unit, e.g. 'Lock timeout: 30m' ('90s', '1h' and '30 minutes' work too)"
     )]
     LockTimeout(String),
     #[error(
-        "Invalid separated phase '{0}': list phase names separated by commas, e.g. 'code_review'"
+        "key 'Separated phases' names '{0}', which is not a phase: list phase names separated by commas, e.g. 'Separated phases: code_review' (or 'none')"
     )]
     SeparatedPhase(String),
 }

@@ -9,14 +9,22 @@ use crate::verdict::Verdict;
 /// What the store found in a task folder, handed to the rules.
 #[derive(Debug, Clone, Default)]
 pub struct Facts {
-    /// Artifacts that exist, empty or not.
+    /// Artifacts that exist with content. An empty or whitespace-only file is not evidence
+    /// (seed 002: "always check that artifacts are non-empty"): the store leaves it out.
     pub present: Vec<Artifact>,
-    /// Artifacts that exist and hold at least one byte.
+    /// Artifacts that exist and hold something other than whitespace.
     pub non_empty: Vec<Artifact>,
     /// `VERDICT.md`'s verdict, when it exists and states one.
     pub verdict: Option<Verdict>,
     /// In an `:approved` state: the approved artifact changed since its approval.
     pub approval_stale: bool,
+    /// In an `:approved` state: `.state.approvals` has no record of this phase's approval
+    /// (the state was written by hand, not by `--approve`).
+    pub approval_missing: bool,
+    /// The gated phases `.state.approvals` holds a record for (read by the audit).
+    pub approved: Vec<Phase>,
+    /// A parent's sub-tasks that are not in a terminal state, as `name (state)`.
+    pub open_subtasks: Vec<String>,
 }
 
 /// Why a `--transition` is refused. Each message is 004 §12's line, followed by what to do.
@@ -63,9 +71,27 @@ pub enum TransitionError {
         artifact: Artifact,
     },
     #[error(
-        "Cannot transition from '{current}' to '{target}'. VERDICT.md states no verdict: add a line 'Verdict: PASS', 'Verdict: FAIL' or 'Verdict: NEEDS_REVIEW'."
+        "Cannot transition from '{current}' to '{target}'. .state.approvals has no record of the {} approval: '{current}' was not reached through --approve. Run --approve (a person) to approve {artifact}, then retry.",
+        current.phase
+    )]
+    NoApproval {
+        current: State,
+        target: State,
+        artifact: Artifact,
+    },
+    #[error(
+        "Cannot transition from '{current}' to '{target}'. VERDICT.md states no verdict that can be read: add a line 'Verdict: PASS' to complete (or 'Verdict: FAIL' / 'Verdict: NEEDS_REVIEW'), or transition to 'human_intervention'."
     )]
     NoVerdict { current: State, target: State },
+    #[error(
+        "Cannot transition from '{current}' to '{target}'. Sub-tasks not in a terminal state: {}. A parent is complete only when every sub-task is complete or human_intervention.",
+        open.join(", ")
+    )]
+    OpenSubtasks {
+        current: State,
+        target: State,
+        open: Vec<String>,
+    },
     #[error(
         "Cannot transition from '{current}' to '{target}'. VERDICT.md says {verdict}: transition to '{expected}' instead."
     )]
@@ -132,6 +158,13 @@ pub fn check_transition(
                 artifact,
             });
         }
+        if current.is_approved() && facts.approval_missing {
+            return Err(TransitionError::NoApproval {
+                current,
+                target,
+                artifact,
+            });
+        }
         if current.is_approved() && facts.approval_stale {
             return Err(TransitionError::StaleApproval {
                 current,
@@ -142,6 +175,9 @@ pub fn check_transition(
     }
     if current.phase == Phase::Referee {
         let expected = match facts.verdict {
+            // A verdict nobody can read is no PASS: the safe way out, a person's decision,
+            // stays open; completing is refused with the line format that would be read.
+            None if target.phase == Phase::HumanIntervention => target,
             None => return Err(TransitionError::NoVerdict { current, target }),
             Some(Verdict::Pass) => State::open(Phase::Complete),
             Some(_) => State::open(Phase::HumanIntervention),
@@ -155,6 +191,13 @@ pub fn check_transition(
             });
         }
     }
+    if target.phase == Phase::Complete && !facts.open_subtasks.is_empty() {
+        return Err(TransitionError::OpenSubtasks {
+            current,
+            target,
+            open: facts.open_subtasks.clone(),
+        });
+    }
     Ok(())
 }
 
@@ -162,9 +205,15 @@ pub fn check_transition(
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApproveError {
     #[error(
-        "This phase does not require approval: '{0}' has no approval gate. Use --transition to move on."
+        "This phase does not require approval. '{state}' has no approval gate: use --transition {next} to move on.",
+        state = .0,
+        next = .0.legal_targets().first().map_or_else(String::new, State::to_string)
     )]
     NotGated(State),
+    #[error(
+        "This phase does not require approval. '{0}' is a terminal phase: the task is finished and nothing moves it on (create a follow-up task with --create-task)."
+    )]
+    Terminal(State),
     #[error(
         "Current phase is '{0}' (not awaiting approval). Current sub-state must be '{phase}:awaiting_approval' before approval can be granted.",
         phase = .0.phase
@@ -177,12 +226,18 @@ pub enum ApproveError {
 }
 
 /// Checks `--approve` in `current`; returns the `:approved` state to write. An `:approved`
-/// state whose artifact changed since (`stale`) may be approved again, and stays `:approved`.
+/// state whose artifact changed since (`stale`), or that has no record at all, may be
+/// approved again, and stays `:approved`.
 pub fn check_approve(current: State, facts: &Facts) -> Result<State, ApproveError> {
+    if current.is_terminal() {
+        return Err(ApproveError::Terminal(current));
+    }
     if !current.phase.is_gated() {
         return Err(ApproveError::NotGated(current));
     }
-    let ok = current.is_awaiting_approval() || (current.is_approved() && facts.approval_stale);
+    // An `:approved` state whose record is stale or missing is approved (again) in place.
+    let ok = current.is_awaiting_approval()
+        || (current.is_approved() && (facts.approval_stale || facts.approval_missing));
     if !ok {
         return Err(ApproveError::NotAwaiting(current));
     }
@@ -276,6 +331,34 @@ pub fn required_by(state: State, present: &[Artifact]) -> Vec<Artifact> {
     req
 }
 
+/// The approval gates a task in `state` must have passed on its way there, given the
+/// artifacts it holds: research for everything past it; decomposition, design and
+/// test_design when their artifact exists; code_review for everything past it that did not
+/// end as a decomposed parent. The gate of an `:approved` state itself is not included.
+pub fn gates_passed(state: State, present: &[Artifact]) -> Vec<Phase> {
+    use Phase::*;
+    let p = state.phase;
+    let has = |a: Artifact| present.contains(&a);
+    let mut out = Vec::new();
+    if p > Research {
+        out.push(Research);
+    }
+    if p.is_terminal() && has(Artifact::Decomposition) {
+        out.push(Decomposition);
+    }
+    if p > Design && has(Artifact::Design) {
+        out.push(Design);
+    }
+    if p > TestDesign && has(Artifact::TestPlan) {
+        out.push(TestDesign);
+    }
+    let via_referee = !p.is_terminal() || has(Artifact::Verdict) || !has(Artifact::Decomposition);
+    if p > CodeReview && via_referee {
+        out.push(CodeReview);
+    }
+    out
+}
+
 /// Category 2: does `.state` match the artifacts in the folder?
 pub fn check_consistency(
     state: State,
@@ -318,6 +401,17 @@ pub fn check_consistency(
             Some(ApprovalRecord::Fresh) | None => {}
         }
     }
+    // A gate left behind without a record was passed by editing `.state`, not by --approve.
+    for gate in gates_passed(state, &facts.present) {
+        if !facts.approved.contains(&gate) {
+            out.push(fail(
+                format!(
+                    ".state says \"{state}\" but .state.approvals has no {gate}:approved record (the gate was passed without --approve)"
+                ),
+                Some(State::awaiting(gate)),
+            ));
+        }
+    }
     if let Some(own) = state.phase.artifact()
         && state.gate == crate::phase::Gate::Open
         && !facts.non_empty.contains(&own)
@@ -342,6 +436,7 @@ mod tests {
         Facts {
             present: present.to_vec(),
             non_empty: present.to_vec(),
+            approved: Phase::ALL.into_iter().filter(|p| p.is_gated()).collect(),
             ..Facts::default()
         }
     }
@@ -406,6 +501,10 @@ mod tests {
             check_transition(referee, st("complete"), &f),
             Err(TransitionError::NoVerdict { .. })
         ));
+        assert!(
+            check_transition(referee, st("human_intervention"), &f).is_ok(),
+            "an unreadable verdict may always go to a person"
+        );
         f.verdict = Some(crate::Verdict::Pass);
         assert!(check_transition(referee, st("complete"), &f).is_ok());
         assert!(check_transition(referee, st("human_intervention"), &f).is_err());
@@ -448,6 +547,8 @@ mod tests {
                 assert_eq!(r, Ok(State::approved(s.phase)), "{s}");
             } else if s.phase.is_gated() {
                 assert_eq!(r, Err(ApproveError::NotAwaiting(s)), "{s}");
+            } else if s.is_terminal() {
+                assert_eq!(r, Err(ApproveError::Terminal(s)), "{s}");
             } else {
                 assert_eq!(r, Err(ApproveError::NotGated(s)), "{s}");
             }
@@ -466,6 +567,61 @@ mod tests {
                 .to_string()
                 .starts_with("This phase does not require approval")
         );
+    }
+
+    #[test]
+    fn approved_state_without_record_cannot_be_left_but_can_be_approved() {
+        let mut f = facts(&[Spec]);
+        f.approval_missing = true;
+        assert!(matches!(
+            check_transition(st("research:approved"), st("implement"), &f),
+            Err(TransitionError::NoApproval { .. })
+        ));
+        assert_eq!(
+            check_approve(st("research:approved"), &f),
+            Ok(st("research:approved"))
+        );
+    }
+
+    #[test]
+    fn parent_completes_only_with_every_subtask_terminal() {
+        let mut f = facts(&[Spec, Decomposition]);
+        f.open_subtasks = vec!["p/a (new)".into()];
+        let e = check_transition(st("decomposition:approved"), st("complete"), &f)
+            .expect_err("open sub-task");
+        assert!(e.to_string().contains("p/a (new)"), "{e}");
+        assert!(
+            check_transition(st("decomposition:approved"), st("human_intervention"), &f).is_ok()
+        );
+    }
+
+    #[test]
+    fn gates_passed_follow_the_path_the_artifacts_show() {
+        use Phase as P;
+        assert_eq!(gates_passed(st("research:approved"), &[Spec]), vec![]);
+        assert_eq!(gates_passed(st("implement"), &[Spec]), vec![P::Research]);
+        assert_eq!(
+            gates_passed(st("implement"), &[Spec, Design, TestPlan]),
+            vec![P::Research, P::Design, P::TestDesign]
+        );
+        assert_eq!(
+            gates_passed(st("bug_find"), &[Spec, Implementation, CodeReview]),
+            vec![P::Research, P::CodeReview]
+        );
+        assert_eq!(
+            gates_passed(st("complete"), &[Spec, Decomposition]),
+            vec![P::Research, P::Decomposition]
+        );
+        let none = Facts {
+            approved: vec![],
+            ..facts(&[Spec])
+        };
+        let gated = check_consistency(st("implement"), &none, None);
+        assert!(
+            gated[0].message.contains("no research:approved record"),
+            "{gated:?}"
+        );
+        assert_eq!(gated[0].suggestion, Some(st("research:awaiting_approval")));
     }
 
     #[test]

@@ -1,0 +1,98 @@
+//! The operators' live feed: events, their subscribers, and how the coordinator emits them
+//! (only when somebody watches: building an event costs allocations on the hot path).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::SystemTime;
+
+use automaton_store::format_time;
+use tokio::sync::broadcast;
+
+use crate::state::Coordinator;
+use crate::table::Live;
+
+/// One entry of the operators' live feed.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub seq: u64,
+    pub at: SystemTime,
+    pub kind: &'static str,
+    pub task: String,
+    pub agent: String,
+    pub token: u64,
+    pub detail: String,
+}
+
+/// A subscriber to the event feed; counted while it lives.
+pub struct Subscription {
+    pub rx: broadcast::Receiver<Event>,
+    count: Arc<AtomicUsize>,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Coordinator {
+    /// A feed of every event, for as long as the returned subscription lives.
+    pub fn subscribe_events(&self) -> Subscription {
+        self.watchers_of_events.fetch_add(1, Ordering::Relaxed);
+        Subscription {
+            rx: self.events.subscribe(),
+            count: self.watchers_of_events.clone(),
+        }
+    }
+
+    pub(crate) fn emit(
+        &self,
+        kind: &'static str,
+        task: &str,
+        agent: &str,
+        token: u64,
+        detail: String,
+    ) {
+        if !self.watched() {
+            return;
+        }
+        tracing::debug!(kind, task, agent, token, detail = %detail, "event");
+        let _ = self.events.send(Event {
+            seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            at: SystemTime::now(),
+            kind,
+            task: task.to_string(),
+            agent: agent.to_string(),
+            token,
+            detail,
+        });
+    }
+
+    pub(crate) fn emit_renewed(&self, l: &Live) {
+        if self.watched() {
+            self.emit(
+                "lease_renewed",
+                &l.task.to_string(),
+                l.agent.as_str(),
+                l.token,
+                String::new(),
+            );
+        }
+    }
+
+    /// Whether anyone watches the events (building an event costs allocations).
+    pub(crate) fn watched(&self) -> bool {
+        // Not `events.receiver_count()`: that takes the channel's lock, on every request.
+        self.watchers_of_events.load(Ordering::Relaxed) > 0
+    }
+}
+
+/// RFC 3339 with milliseconds, for events.
+pub fn format_millis(t: SystemTime) -> String {
+    let secs = format_time(t);
+    let ms = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_millis())
+        .unwrap_or(0);
+    format!("{}.{ms:03}Z", secs.trim_end_matches('Z'))
+}

@@ -1,0 +1,797 @@
+//! The lease operations: claim, renew, release, expire, and the check of a lease presented
+//! with a change. Every rule comes from `automaton_workflow::lease`; every grant and end is
+//! acknowledged only once the log has it on disk.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use automaton_workflow::{AgentId, TaskName};
+
+use crate::Error;
+use crate::commit::Committing;
+use crate::state::Coordinator;
+use crate::table::Live;
+use crate::watchers::Lost;
+
+/// What a grant, renewal or release hands back.
+#[derive(Debug, Clone)]
+pub struct Granted {
+    pub live: Live,
+    pub renewed: bool,
+}
+
+/// How a mutating call proves it holds the lease.
+#[derive(Debug, Clone, Default)]
+pub struct Presented {
+    pub agent: Option<AgentId>,
+    pub lease_id: Option<String>,
+    pub token: Option<u64>,
+}
+
+/// Why a renewal was refused: at once, or once the commit (the end of a lapsed lease, or a
+/// barrier behind it) is durable.
+pub(crate) enum Refused {
+    Now(Error),
+    OnceDurable(crate::wal::Commit, Error),
+}
+
+impl Coordinator {
+    /// Grants `task` to `agent` (or renews it for its holder). Acknowledged only once the
+    /// grant is in the log on disk.
+    pub async fn claim(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<Granted, Error> {
+        let result = self.claim_inner(task, agent, ttl).await;
+        if let Err(e) = &result
+            && self.watched()
+        {
+            self.emit(
+                "lease_refused",
+                &task.to_string(),
+                agent.as_str(),
+                0,
+                e.to_string(),
+            );
+        }
+        result
+    }
+
+    pub(crate) async fn claim_inner(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<Granted, Error> {
+        let ttl =
+            match ttl {
+                Some(t) => self.options.ttl.check(t).map_err(|r| {
+                    automaton_store::Error::from_refusal(task, r, SystemTime::now())
+                })?,
+                None => self.policy.lock_timeout,
+            };
+        let guard = self.guard(task).await;
+        let state = self.touch(task).await?;
+        self.project
+            .claimable_in(task, state, agent, &self.policy)?;
+        let now = Instant::now();
+        // Decide under the table lock; anything that awaits happens after it is released.
+        let renewal = {
+            let mut table = self.table();
+            match table.live(task, now) {
+                Some(l) if &l.agent != agent => {
+                    return Err(Error::Store(automaton_store::Error::Leased {
+                        task: task.clone(),
+                        holder: l.agent.clone(),
+                        expires: l.expires_at(now),
+                        token: l.token,
+                    }));
+                }
+                Some(l) => {
+                    let id = l.lease_id.clone();
+                    let Some(l) = table.by_id_mut(&id, now) else {
+                        return Err(Error::Internal(
+                            "the lease table changed under its lock".into(),
+                        ));
+                    };
+                    let longer = ttl > l.ttl;
+                    l.ttl = ttl;
+                    let rewrite = l.extend(now);
+                    Some((l.clone(), longer, rewrite))
+                }
+                None => None,
+            }
+        };
+        if let Some((l, longer, rewrite)) = renewal {
+            drop(guard);
+            // Nothing is acknowledged before it is durable: the grant this claim repeats may
+            // still be on its way to the log (its own claim cut off, say). A restart gives
+            // every lease max(logged TTL, grace), so a longer TTL is logged before it is
+            // promised; otherwise a barrier waits for what is queued.
+            let logged = if longer {
+                self.wal.grant(&l)
+            } else {
+                self.wal.barrier()
+            };
+            logged
+                .map_err(Error::Unavailable)?
+                .await
+                .map_err(Error::Unavailable)?;
+            if rewrite {
+                self.view_of(&l, true);
+            }
+            self.emit_renewed(&l);
+            return Ok(Granted {
+                live: l,
+                renewed: true,
+            });
+        }
+        let (live, displaced) = {
+            let mut table = self.table();
+            let token = table.take_token();
+            self.fencing.cover(token)?;
+            let claimed = SystemTime::now();
+            let mut live = Live {
+                task: task.clone(),
+                agent: agent.clone(),
+                lease_id: automaton_store::new_lease_id(task, agent, token, claimed),
+                token,
+                state,
+                ttl,
+                deadline: crate::table::later(now, ttl),
+                claimed,
+                view_expires: claimed,
+                ending: false,
+            };
+            live.view_expires = live.next_view_expires();
+            // A lease displaced here had lapsed; the grant's record is its end at replay.
+            let displaced = table.insert(live.clone()).filter(|d| !d.ending);
+            (live, displaced)
+        };
+        drop(guard);
+        let commit = match self.wal.grant(&live) {
+            Ok(commit) => commit,
+            Err(e) => {
+                self.unclaim(&live);
+                return Err(Error::Unavailable(e));
+            }
+        };
+        let (live, logged) = Committing::new(
+            self,
+            commit,
+            (live, displaced),
+            |c, (live, displaced), logged| match logged {
+                Ok(()) => {
+                    if let Some(d) = displaced {
+                        c.after_end(d, "expired");
+                    }
+                    c.after_grant(live)
+                }
+                Err(_) => c.unclaim(live),
+            },
+        )
+        .finish()
+        .await;
+        logged.map_err(Error::Unavailable)?;
+        let (live, _) = live;
+        // The holder is recorded once the grant is durable, before it is acknowledged: a
+        // grant taken back leaves no trace, and a crash in between is repaired at start
+        // (every surviving grant's agent is recorded then).
+        if let Err(e) = self.record_holder(&live) {
+            self.unclaim(&live);
+            return Err(e);
+        }
+        Ok(Granted {
+            live,
+            renewed: false,
+        })
+    }
+
+    /// Records the agent of a grant as a holder of its phase (`.state.holders`, and
+    /// `.state.implementer` for implement): no holder may approve the phase's gate, and an
+    /// implementer may not review. The store writes each (task, phase, agent) once.
+    pub(crate) fn record_holder(&self, live: &Live) -> Result<(), Error> {
+        self.project
+            .record_holder(&live.task, &live.agent, live.state)?;
+        Ok(())
+    }
+
+    pub(crate) fn after_grant(&self, live: &Live) {
+        self.view_of(live, true);
+        if self.watched() {
+            self.emit(
+                "lease_granted",
+                &live.task.to_string(),
+                live.agent.as_str(),
+                live.token,
+                format!("{}", live.state),
+            );
+        }
+    }
+
+    /// Takes back a grant that was never acknowledged. Its end goes to the log too: a log
+    /// rewrite may have put the grant into its snapshot meanwhile.
+    pub(crate) fn unclaim(&self, live: &Live) {
+        self.table().remove_lease(&live.task, &live.lease_id);
+        self.wal.append_end_nowait(&live.lease_id);
+    }
+
+    /// Extends a live lease to now + its TTL. No disk sync: the log records TTLs, not
+    /// expiries, and a restart gives every lease at least max(TTL, grace) again. `who`: the
+    /// agent a caller with an agent token speaks for (it may renew only its own leases).
+    pub async fn renew(
+        &self,
+        lease_id: &str,
+        token: Option<u64>,
+        who: Option<&AgentId>,
+    ) -> Result<Live, Error> {
+        match self.renew_with(lease_id, token, who, Live::clone) {
+            Ok(l) => Ok(l),
+            Err(Refused::Now(e)) => Err(e),
+            Err(Refused::OnceDurable(commit, e)) => {
+                commit.await.map_err(Error::Unavailable)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Renews and builds the answer from the lease in place (no copy): the KeepAlive stream
+    /// is the hottest path of the service. A lease found lapsed is refused only once its end
+    /// is durable (etcd's lessor waits for the revoke likewise): the caller awaits the commit
+    /// in [`Refused::OnceDurable`] before answering, so no restart can bring back a lease
+    /// somebody was told had ended.
+    pub(crate) fn renew_with<R>(
+        &self,
+        lease_id: &str,
+        token: Option<u64>,
+        who: Option<&AgentId>,
+        answer: impl FnOnce(&Live) -> R,
+    ) -> Result<R, Refused> {
+        let now = Instant::now();
+        let mut table = self.table();
+        let Some(l) = table.by_id_mut(lease_id, now) else {
+            let lapsed = table.lapsed(lease_id, now);
+            drop(table);
+            let not_found = Error::LeaseNotFound(automaton_workflow::excerpt(lease_id));
+            if !lapsed {
+                return Err(Refused::Now(not_found));
+            }
+            // Queue the ends of whatever has lapsed (the sweep may not have run yet), then
+            // wait for everything queued so far.
+            self.expire();
+            return match self.wal.barrier() {
+                Ok(commit) => Err(Refused::OnceDurable(commit, not_found)),
+                Err(e) => Err(Refused::Now(Error::Unavailable(e))),
+            };
+        };
+        if let Some(who) = who
+            && who != &l.agent
+        {
+            return Err(Refused::Now(Error::PermissionDenied(format!(
+                "lease '{}' is not held by '{who}': an agent renews only its own leases",
+                automaton_workflow::excerpt(lease_id)
+            ))));
+        }
+        if let Some(t) = token
+            && t != l.token
+        {
+            return Err(Refused::Now(Error::Store(
+                automaton_store::Error::StaleToken {
+                    task: l.task.clone(),
+                    given: t,
+                    current: Some(l.token),
+                },
+            )));
+        }
+        let rewrite = l.extend(now);
+        let out = answer(l);
+        if rewrite {
+            // Under the table's lock: no later end's removal can be sent before it.
+            self.view(&l.task, Some(l.view()));
+        }
+        drop(table);
+        Ok(out)
+    }
+
+    /// Ends a lease at its holder's request; acknowledged once the end is in the log. `who`:
+    /// the agent a caller speaks for (an agent token's name, or the request's agent).
+    pub async fn release(
+        &self,
+        lease_id: &str,
+        token: Option<u64>,
+        who: Option<&AgentId>,
+    ) -> Result<Live, Error> {
+        let now = Instant::now();
+        let found = {
+            let mut table = self.table();
+            match table.by_id(lease_id, now) {
+                None => Err(table.lapsed(lease_id, now)),
+                Some(l) => {
+                    let presented = automaton_workflow::lease::Presented {
+                        agent: who,
+                        lease_id: Some(lease_id),
+                        token,
+                    };
+                    automaton_workflow::lease::check_release(l.holder(), &presented).map_err(
+                        |r| automaton_store::Error::from_refusal(&l.task, r, l.expires_at(now)),
+                    )?;
+                    let task = l.task.clone();
+                    Ok(table.remove(&task))
+                }
+            }
+        };
+        let l = match found {
+            Ok(Some(l)) => l,
+            Ok(None) => {
+                return Err(Error::Internal(
+                    "the lease table changed under its lock".into(),
+                ));
+            }
+            Err(lapsed) => {
+                if lapsed {
+                    // Refused only once its end is durable (see `renew_with`).
+                    self.expire();
+                    self.wal
+                        .barrier()
+                        .map_err(Error::Unavailable)?
+                        .await
+                        .map_err(Error::Unavailable)?;
+                }
+                return Err(Error::LeaseNotFound(automaton_workflow::excerpt(lease_id)));
+            }
+        };
+        self.end(l, "released").await
+    }
+
+    /// Logs the end of a removed lease durably, then updates the view and tells the world. If
+    /// the log cannot take it, the lease goes back into the table (the coordinator is
+    /// stopping: nothing may look ended that a restart would bring back).
+    pub(crate) async fn end(&self, l: Live, reason: &'static str) -> Result<Live, Error> {
+        let commit = match self.wal.end(&l.lease_id) {
+            Ok(c) => c,
+            Err(e) => {
+                self.restore(&l);
+                return Err(Error::Unavailable(e));
+            }
+        };
+        let ((l, _), logged) =
+            Committing::new(self, commit, (l, reason), |c, (l, reason), logged| {
+                if logged.is_ok() {
+                    c.after_end(l, reason);
+                } else {
+                    c.restore(l);
+                }
+            })
+            .finish()
+            .await;
+        logged.map_err(Error::Unavailable)?;
+        Ok(l)
+    }
+
+    /// Puts back a lease whose end never reached the log, unless its task moved on.
+    pub(crate) fn restore(&self, l: &Live) {
+        let mut table = self.table();
+        if table.entry(&l.task).is_none() {
+            table.insert(l.clone());
+        }
+    }
+
+    pub(crate) fn after_end(&self, l: &Live, reason: &'static str) {
+        self.view_of(l, false);
+        // Without a KeepAlive stream, building the notice is wasted work.
+        if self.watchers.any() {
+            self.watchers.lost(&Lost {
+                lease_id: l.lease_id.clone(),
+                task: l.task.clone(),
+                token: l.token,
+                reason,
+            });
+        }
+        if self.watched() {
+            let kind = if reason == "expired" {
+                "lease_expired"
+            } else {
+                "lease_released"
+            };
+            self.emit(
+                kind,
+                &l.task.to_string(),
+                l.agent.as_str(),
+                l.token,
+                reason.to_string(),
+            );
+        }
+    }
+
+    /// Rewrites the lease log with only the live leases if it has grown enough (see
+    /// `Wal::wants_rewrite`); the rewrite happens on the log's thread.
+    pub fn compact_log(&self) -> bool {
+        if !self.wal.wants_rewrite() {
+            return false;
+        }
+        // Snapshot and queue under the table's lock: no change can fall between the two, so
+        // every record queued before the rewrite is reflected in the snapshot.
+        let table = self.table();
+        drop(self.wal.rewrite(&table.records()));
+        true
+    }
+
+    /// Ends every lease past its deadline: their ends go to the log, and only once that is
+    /// durable are they removed and announced (views, loss notices, events). Until then they
+    /// stay in the table, lapsed: never live, never renewed, superseded by a new grant.
+    pub fn expire(&self) -> usize {
+        let lapsed = self.table().mark_lapsed(Instant::now());
+        if lapsed.is_empty() {
+            return 0;
+        }
+        let n = lapsed.len();
+        let commit = match self.wal.ends(lapsed.iter().map(|l| l.lease_id.as_str())) {
+            Ok(c) => c,
+            // The writer has stopped: the coordinator is stopping, and a restart replays
+            // these leases (they get the grace, as if the crash came first).
+            Err(_) => return 0,
+        };
+        let Some(me) = self.me.upgrade() else {
+            return 0;
+        };
+        let finish = move |me: &Coordinator, logged: Result<(), String>| {
+            if logged.is_err() {
+                return;
+            }
+            for l in &lapsed {
+                me.table().remove_lease(&l.task, &l.lease_id);
+                me.after_end(l, "expired");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let logged = commit.await;
+                    finish(&me, logged);
+                });
+            }
+            // Off any runtime, this thread may wait.
+            Err(_) => finish(&me, commit.wait_blocking()),
+        }
+        n
+    }
+
+    /// Checks a mutating call against the task's live lease (the rules are
+    /// `automaton_workflow::lease::check_change`, shared with the CLI's local mode).
+    pub(crate) fn check_presented(
+        &self,
+        task: &TaskName,
+        p: &Presented,
+    ) -> Result<Option<Live>, Error> {
+        let now = Instant::now();
+        let table = self.table();
+        let live = table.live(task, now);
+        let presented = automaton_workflow::lease::Presented {
+            agent: p.agent.as_ref(),
+            lease_id: p.lease_id.as_deref(),
+            token: p.token,
+        };
+        automaton_workflow::lease::check_change(live.map(Live::holder), &presented).map_err(
+            |r| {
+                automaton_store::Error::from_refusal(
+                    task,
+                    r,
+                    live.map_or_else(SystemTime::now, |l| l.expires_at(now)),
+                )
+            },
+        )?;
+        Ok(live.cloned())
+    }
+}
+
+/// The coordinator's log-backed table as a lease store: the same rules as the files (see
+/// `automaton_store::check_lease_rules`), every answer durable before it is given.
+impl automaton_store::LeaseStore for Coordinator {
+    type Error = Error;
+
+    async fn claim(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+    ) -> Result<(automaton_store::Lease, bool), Error> {
+        let g = Coordinator::claim(self, task, agent, ttl).await?;
+        Ok((g.live.as_store_lease(Instant::now()), g.renewed))
+    }
+
+    async fn live(&self, task: &TaskName) -> Result<Option<automaton_store::Lease>, Error> {
+        if let Err(e @ (Error::Unavailable(_) | Error::Internal(_))) =
+            self.touch_guarded(task).await
+        {
+            return Err(e);
+        }
+        Ok(self.lease_of(task))
+    }
+
+    async fn release(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        token: u64,
+    ) -> Result<automaton_store::Lease, Error> {
+        let Some(l) = self.live_of(task) else {
+            return Err(automaton_store::Error::NoLease {
+                task: task.clone(),
+                agent: agent.clone(),
+            }
+            .into());
+        };
+        let ended = Coordinator::release(self, &l.lease_id, Some(token), Some(agent)).await?;
+        Ok(ended.view())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use automaton_store::Project;
+
+    use super::*;
+    use crate::events::{Event, Subscription};
+    use crate::state::Options;
+
+    fn name<T: std::str::FromStr>(s: &str) -> T
+    where
+        T::Err: std::fmt::Debug,
+    {
+        s.parse().expect("a valid name")
+    }
+
+    /// A coordinator over a fresh project with one task in `research`.
+    async fn coordinator(dir: &std::path::Path) -> Arc<Coordinator> {
+        let project = Project::open(dir, None);
+        let options = Options {
+            grace: Duration::from_secs(1),
+            log_compact_bytes: 1 << 20,
+            ttl: automaton_workflow::TtlBounds {
+                min: Duration::from_millis(10),
+                max: Duration::from_secs(3600),
+            },
+            ..Options::default()
+        };
+        let (coord, _) = Coordinator::open(project, options).expect("open");
+        let task: TaskName = name("t");
+        coord.create_task(&task).await.expect("create");
+        let p = Presented::default();
+        coord
+            .transition(&task, name("research"), &p)
+            .await
+            .expect("to research");
+        coord
+    }
+
+    /// Polls `coord`'s change `f` once, with the log held so it cannot commit yet, and drops
+    /// it: a request cut off by its deadline while its change commits.
+    fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(coord: &Coordinator, f: F) {
+        let held = coord.wal.hold_commits();
+        {
+            let mut f = std::pin::pin!(f);
+            let once = f
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+            assert!(once.is_pending(), "the call finished in one poll: {once:?}");
+        } // `f` dropped here, the log still held.
+        drop(held);
+    }
+
+    async fn next_event(events: &mut Subscription) -> Event {
+        tokio::time::timeout(Duration::from_secs(5), events.rx.recv())
+            .await
+            .expect("an event within 5 s")
+            .expect("the event feed is open")
+    }
+
+    #[tokio::test]
+    async fn the_coordinator_follows_the_same_lease_rules_as_the_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        automaton_store::check_lease_rules(&*coord, &name("t"))
+            .await
+            .expect("the coordinator follows the rules");
+    }
+
+    #[tokio::test]
+    async fn a_late_end_never_removes_the_view_of_the_lease_that_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let task: TaskName = name("t");
+        coord
+            .claim(&task, &name("a"), Some(Duration::from_millis(10)))
+            .await
+            .expect("claim a");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let b = {
+            // A's end and B's grant commit in one batch; their follow-ups then race.
+            let held = coord.wal.hold_commits();
+            coord.expire();
+            let agent_b: AgentId = name("b");
+            let claim = coord.claim(&task, &agent_b, None);
+            let mut claim = Box::pin(claim);
+            assert!(
+                claim
+                    .as_mut()
+                    .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+                    .is_pending()
+            );
+            drop(held);
+            claim.await.expect("claim b")
+        };
+        let lock = dir.path().join(".automaton/tasks/t/.state.lock");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let on_disk = std::fs::read_to_string(&lock).ok();
+            if let Some(text) = &on_disk
+                && automaton_store::Lease::parse(text).map(|l| l.token) == Ok(b.live.token)
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "B's view never settled on disk: {on_disk:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let text = std::fs::read_to_string(&lock).expect("B's view stays");
+        assert_eq!(
+            automaton_store::Lease::parse(&text).map(|l| l.token),
+            Ok(b.live.token)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_claim_dropped_while_the_log_commits_still_gets_its_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let mut events = coord.subscribe_events();
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        cut_off(&coord, coord.claim(&task, &agent, None));
+        let e = next_event(&mut events).await;
+        assert_eq!((e.kind, e.task.as_str()), ("lease_granted", "t"));
+        assert_eq!(coord.live_leases(), 1, "the grant stands");
+        // The same agent claiming again gets that lease back.
+        let again = coord.claim(&task, &agent, None).await.expect("re-claim");
+        assert!(again.renewed);
+    }
+
+    #[tokio::test]
+    async fn a_claim_dropped_while_its_log_write_fails_is_taken_back_and_the_log_stops() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let mut events = coord.subscribe_events();
+        let task: TaskName = name("t");
+        coord.wal.fail_next_commit();
+        cut_off(&coord, coord.claim(&task, &name("a"), None));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while coord.live_leases() != 0 {
+            assert!(
+                Instant::now() < deadline,
+                "a grant that never reached the log still holds the task"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            events.rx.try_recv().is_err(),
+            "nothing was granted, so nothing may be announced"
+        );
+        // Fail-stop: after a failed sync the log takes nothing more, and says why.
+        let why = tokio::time::timeout(Duration::from_secs(5), coord.log_failed())
+            .await
+            .expect("the failure is reported");
+        assert!(why.contains("fdatasync"), "{why}");
+        let refused = coord
+            .claim(&task, &name("b"), None)
+            .await
+            .expect_err("no grant after the log failed");
+        assert!(matches!(refused, Error::Unavailable(_)), "{refused:?}");
+    }
+
+    #[tokio::test]
+    async fn a_lapsed_lease_is_refused_and_announced_only_once_its_end_is_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let mut events = coord.subscribe_events();
+        let task: TaskName = name("t");
+        let g = coord
+            .claim(&task, &name("a"), Some(Duration::from_millis(10)))
+            .await
+            .expect("claim");
+        let _ = next_event(&mut events).await; // granted
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let held = coord.wal.hold_commits();
+        let renewal = coord.renew(&g.live.lease_id, None, None);
+        let mut renewal = std::pin::pin!(renewal);
+        let once = renewal
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        assert!(
+            once.is_pending(),
+            "a lapsed lease must not be refused before its end is on disk: {once:?}"
+        );
+        assert!(
+            events.rx.try_recv().is_err(),
+            "nor announced: a restart now would bring it back"
+        );
+        drop(held);
+        let e = renewal.await.expect_err("lapsed");
+        assert!(matches!(e, Error::LeaseNotFound(_)), "{e:?}");
+        let e = next_event(&mut events).await;
+        assert_eq!((e.kind, e.task.as_str()), ("lease_expired", "t"));
+        let log = crate::wal::read(&dir.path().join(".automaton/leases.wal")).expect("log");
+        assert!(
+            log.contains(&crate::wal::Record::End {
+                lease_id: g.live.lease_id.clone()
+            }),
+            "the end is in the log: {log:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_repeat_claim_is_acknowledged_only_once_the_grant_is_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        // The first claim is cut off while its grant commits; the repeat must wait for it.
+        let held = coord.wal.hold_commits();
+        {
+            let first = coord.claim(&task, &agent, None);
+            let mut first = std::pin::pin!(first);
+            assert!(
+                first
+                    .as_mut()
+                    .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+                    .is_pending()
+            );
+        }
+        let again = coord.claim(&task, &agent, None);
+        let mut again = std::pin::pin!(again);
+        let once = again
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        assert!(
+            once.is_pending(),
+            "a repeat claim acknowledged before the grant is durable: {once:?}"
+        );
+        drop(held);
+        assert!(again.await.expect("repeat claim").renewed);
+    }
+
+    #[tokio::test]
+    async fn a_ttl_outside_the_bounds_is_invalid_and_names_them() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        for ms in [u64::MAX, 1 << 53, 1] {
+            let e = coord
+                .claim(&name("t"), &name("a"), Some(Duration::from_millis(ms)))
+                .await
+                .expect_err("out of bounds");
+            let status = tonic::Status::from(e);
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+            assert!(status.message().contains("10ms"), "{}", status.message());
+        }
+        assert_eq!(coord.live_leases(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_release_dropped_while_the_log_commits_still_gets_its_event() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        let granted = coord.claim(&task, &agent, None).await.expect("claim");
+        let mut events = coord.subscribe_events();
+        cut_off(
+            &coord,
+            coord.release(&granted.live.lease_id, Some(granted.live.token), None),
+        );
+        let e = next_event(&mut events).await;
+        assert_eq!((e.kind, e.task.as_str()), ("lease_released", "t"));
+        assert_eq!(coord.live_leases(), 0);
+    }
+}

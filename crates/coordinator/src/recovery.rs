@@ -1,0 +1,347 @@
+//! Recovery: a start rebuilds the lease table from the log alone (`replay`, `recover`); each
+//! task's files are reconciled with it when the task is first touched (`touch`), and by a
+//! background pass at the lowest CPU priority.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use automaton_store::{Lease, Project};
+use automaton_workflow::{AgentId, State, TaskName, TtlBounds};
+
+use crate::Error;
+use crate::fencing::TOKEN_BLOCK;
+use crate::state::Coordinator;
+use crate::table::{Live, Table, later, wall_later};
+use crate::wal::Record;
+
+/// What a start found: the table, what it noticed, and the token mark.
+pub(crate) struct Recovered {
+    pub table: Table,
+    pub notes: Vec<String>,
+    /// Every token up to this one may have been issued by a coordinator: a `.state.lock`
+    /// with a higher token was taken by the CLI while none ran (see [`adoptable`]).
+    pub log_mark: u64,
+    /// The fencing mark on disk: every token up to it is reserved.
+    pub fencing_mark: u64,
+}
+
+/// Replays the log: the grants that no later record ended, at most one per task, and the
+/// highest token any coordinator may have issued. A grant ends every earlier grant of its
+/// task (a claim that displaced a lapsed lease wrote no end of its own); a grant older than
+/// one already seen for its task is superseded already.
+pub(crate) fn replay(log: &[Record]) -> (HashMap<TaskName, Record>, u64) {
+    let mut by_task: HashMap<TaskName, Record> = HashMap::new();
+    let mut by_id: HashMap<String, TaskName> = HashMap::new();
+    let mut mark = 0;
+    for r in log {
+        match r {
+            Record::Grant {
+                lease_id,
+                task,
+                token,
+                ..
+            } => {
+                mark = mark.max(*token);
+                let superseded = match by_task.get(task) {
+                    Some(Record::Grant { token: held, .. }) => held > token,
+                    _ => false,
+                };
+                if superseded {
+                    continue;
+                }
+                if let Some(Record::Grant { lease_id: old, .. }) =
+                    by_task.insert(task.clone(), r.clone())
+                {
+                    by_id.remove(&old);
+                }
+                by_id.insert(lease_id.clone(), task.clone());
+            }
+            Record::End { lease_id } => {
+                if let Some(task) = by_id.remove(lease_id) {
+                    by_task.remove(&task);
+                }
+            }
+            Record::Mark { token } => mark = mark.max(*token),
+        }
+    }
+    (by_task, mark)
+}
+
+/// Rebuilds the table from the log alone — the log is the truth, and a start reads no task
+/// folder but those of the leases it keeps (100,000 folders cost seconds on a cold cache):
+/// - a lease whose task has since moved to another state is dropped (a lease is for a phase);
+/// - every surviving lease gets at least `grace` from now, so its holder can reconnect;
+/// - the agent of every surviving lease is recorded as a holder of its phase (the grant was
+///   durable before its holder was written);
+/// - the fencing mark moves past every token seen, and a fresh block is reserved.
+///
+/// The files are reconciled task by task when a task is first touched (see
+/// `Coordinator::touch`): a `.state.lock` the CLI wrote while no coordinator ran is adopted
+/// then, before the task can be granted; any other is a stale view and is removed.
+pub(crate) fn recover(
+    project: &Project,
+    log: &[Record],
+    grace: Duration,
+) -> Result<Recovered, automaton_store::Error> {
+    let mut notes = Vec::new();
+    let (grants, log_mark) = replay(log);
+    let now_wall = SystemTime::now();
+    let mut table = Table::default();
+    let now = Instant::now();
+    for (task, r) in grants {
+        let Record::Grant {
+            agent,
+            lease_id,
+            token,
+            ttl,
+            state,
+            ..
+        } = r
+        else {
+            continue;
+        };
+        match project.read_state(&task) {
+            Ok(Some(current)) if current == state => {}
+            Ok(current) => {
+                notes.push(format!(
+                    "{task}: dropped the lease of {agent} (token {token}): it was for '{state}', the task is now '{}'",
+                    current.map_or("untracked".to_string(), |s| s.to_string())
+                ));
+                continue;
+            }
+            Err(e) => {
+                notes.push(format!("{task}: dropped the lease of {agent}: {e}"));
+                continue;
+            }
+        }
+        project.record_holder(&task, &agent, state)?;
+        table.insert(Live::recovered(
+            task, agent, lease_id, token, ttl, state, grace, now, now_wall,
+        ));
+    }
+    // The CLI moves the fencing mark past every token it issues: no folder need be read.
+    let mark = project.fencing_mark()?.max(log_mark);
+    table.next_token = mark.saturating_add(1);
+    let fencing_mark = mark.saturating_add(TOKEN_BLOCK);
+    project.set_fencing_mark(fencing_mark)?;
+    Ok(Recovered {
+        table,
+        notes,
+        log_mark,
+        fencing_mark,
+    })
+}
+
+/// Whether a `.state.lock` found on a task's first touch is a lease the CLI took while no
+/// coordinator ran (adopt it while live and for the task's current state), rather than a
+/// view some coordinator wrote (whose fate the log knows).
+pub(crate) fn adoptable(file: &Lease, log_mark: u64, state: State, now: SystemTime) -> bool {
+    file.token > log_mark && file.expires > now && file.phase == state
+}
+
+impl Live {
+    /// A lease rebuilt at start (from the log or an adopted file): it lives at least
+    /// max(TTL, grace) from now. A TTL read from disk is bounded like one from a request.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn recovered(
+        task: TaskName,
+        agent: AgentId,
+        lease_id: String,
+        token: u64,
+        ttl: Duration,
+        state: State,
+        grace: Duration,
+        now: Instant,
+        now_wall: SystemTime,
+    ) -> Live {
+        let ttl = ttl.min(TtlBounds::CEILING);
+        let live = ttl.max(grace);
+        Live {
+            task,
+            agent,
+            lease_id,
+            token,
+            state,
+            ttl,
+            deadline: later(now, live),
+            claimed: now_wall,
+            view_expires: wall_later(now_wall, live.saturating_add(ttl)),
+            ending: false,
+        }
+    }
+}
+
+impl Coordinator {
+    /// A task's state: from memory, or read once from `.state` when the task is first
+    /// touched, which is also when its `.state.lock` is reconciled with the log: a lease the
+    /// CLI took while no coordinator ran is adopted (logged durably first), any other file
+    /// is a stale or broken view and is removed. Call under the task's guard.
+    pub(crate) async fn touch(&self, task: &TaskName) -> Result<State, Error> {
+        if let Some(s) = self.states().get(task) {
+            return Ok(*s);
+        }
+        let project = self.project.clone();
+        let t = task.clone();
+        let (state, file) = tokio::task::spawn_blocking(move || {
+            let state = project.tracked_state(&t)?;
+            Ok::<_, automaton_store::Error>((state, project.read_lease(&t)))
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("reading task {task} failed: {e}")))??;
+        let now_wall = SystemTime::now();
+        let ours = |id: &str| self.table().entry(task).is_some_and(|l| l.lease_id == id);
+        match file {
+            Ok(Some(l)) if ours(&l.lease_id) => {}
+            Ok(Some(l)) if adoptable(&l, self.log_mark, state, now_wall) => {
+                let live = Live::recovered(
+                    task.clone(),
+                    l.agent.clone(),
+                    l.lease_id.clone(),
+                    l.token,
+                    l.expires
+                        .duration_since(l.claimed)
+                        .unwrap_or(self.options.grace),
+                    state,
+                    self.options.grace,
+                    Instant::now(),
+                    now_wall,
+                );
+                // In the log before it counts: the next start must know it (and its end).
+                self.wal
+                    .grant(&live)
+                    .map_err(Error::Unavailable)?
+                    .await
+                    .map_err(Error::Unavailable)?;
+                tracing::warn!(task = %task, agent = %l.agent, token = l.token, "adopted a lease taken without the coordinator");
+                let mut table = self.table();
+                table.bump_past(l.token);
+                if table.entry(task).is_none() {
+                    table.insert(live);
+                }
+            }
+            Ok(Some(_)) | Err(_) => {
+                if let Err(e) = &file {
+                    tracing::warn!(task = %task, error = %e, "unreadable .state.lock removed");
+                }
+                self.project.write_lease_view(task, None)?;
+            }
+            Ok(None) => {}
+        }
+        self.states().insert(task.clone(), state);
+        Ok(state)
+    }
+
+    /// [`Coordinator::touch`] before a change of the task (under its guard): a task the store
+    /// will refuse anyway (unknown, untracked) is left to the store to explain.
+    pub(crate) async fn touch_for_change(&self, task: &TaskName) -> Result<(), Error> {
+        match self.touch(task).await {
+            Err(e @ (Error::Unavailable(_) | Error::Internal(_))) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Coordinator::touch`] under the task's guard, for paths that do not hold it (reads).
+    pub(crate) async fn touch_guarded(&self, task: &TaskName) -> Result<(), Error> {
+        if self.states().contains_key(task) {
+            return Ok(());
+        }
+        let _guard = self.guard(task).await;
+        self.touch(task).await.map(drop)
+    }
+
+    /// Touches every task in the background, at the lowest CPU priority: stale views are
+    /// removed and leases the CLI took are adopted within seconds of a start, without
+    /// holding the start up (a request that touches a task first does it itself).
+    pub fn spawn_reconciler(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let me = Arc::downgrade(self);
+        let project = self.project.clone();
+        let _ = std::thread::Builder::new()
+            .name("reconcile".into())
+            .spawn(move || {
+                #[cfg(unix)]
+                let _ = rustix::process::setpriority_process(None, 19);
+                let started = Instant::now();
+                let tasks = match project.all_task_names() {
+                    Ok(t) => t,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot list the tasks to reconcile");
+                        return;
+                    }
+                };
+                let n = tasks.len();
+                for task in tasks {
+                    let Some(coord) = me.upgrade() else { return };
+                    if let Err(e) = runtime.block_on(coord.touch_guarded(&task)) {
+                        tracing::debug!(task = %task, error = %e, "not reconciled");
+                    }
+                }
+                tracing::info!(
+                    tasks = n,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "every task folder reconciled with the lease log"
+                );
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(task: &str, id: &str, token: u64) -> Record {
+        Record::Grant {
+            task: task.parse().expect("task"),
+            agent: "a".parse().expect("agent"),
+            lease_id: id.into(),
+            token,
+            ttl: Duration::from_secs(30),
+            state: "research".parse().expect("state"),
+        }
+    }
+
+    fn end(id: &str) -> Record {
+        Record::End {
+            lease_id: id.into(),
+        }
+    }
+
+    fn survivors(log: &[Record]) -> Vec<String> {
+        let mut ids: Vec<String> = replay(log)
+            .0
+            .into_values()
+            .filter_map(|r| match r {
+                Record::Grant { lease_id, .. } => Some(lease_id),
+                _ => None,
+            })
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn a_later_grant_ends_every_earlier_grant_of_its_task() {
+        // A lapsed, B took over (no end written for A), B released: nothing is live.
+        let log = [grant("t", "A", 1), grant("t", "B", 2), end("B")];
+        assert!(survivors(&log).is_empty(), "A must not come back");
+        // A grant replayed after a rewrite that already holds a newer one stays superseded.
+        let log = [grant("t", "B", 2), grant("t", "A", 1)];
+        assert_eq!(survivors(&log), ["B"]);
+        // A repeat of the same grant (a longer TTL) is one lease.
+        let log = [grant("t", "A", 1), grant("t", "A", 1), grant("u", "C", 3)];
+        assert_eq!(survivors(&log), ["A", "C"]);
+        let log = [grant("t", "A", 1), grant("t", "A", 1), end("A")];
+        assert!(survivors(&log).is_empty());
+    }
+
+    #[test]
+    fn the_mark_covers_every_token_the_log_has_seen() {
+        let log = [Record::Mark { token: 40 }, grant("t", "A", 7), end("A")];
+        assert_eq!(replay(&log).1, 40);
+        let log = [grant("t", "A", 70), end("A")];
+        assert_eq!(replay(&log).1, 70);
+    }
+}

@@ -1,0 +1,228 @@
+//! The live lease table: one entry per task at most, looked up by task and by lease id.
+//!
+//! Expiry is decided by the coordinator's monotonic clock (`Instant`), never by the wall
+//! clock of whoever reads a `.state.lock`. The TTL is a minimum: a lease lives at least its
+//! TTL after its last renewal, and at least the grace period after a restart.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use automaton_store::Lease;
+use automaton_workflow::{AgentId, State, TaskName, TtlBounds};
+
+use crate::wal::Record;
+
+/// A live lease as the coordinator holds it.
+#[derive(Debug, Clone)]
+pub struct Live {
+    pub task: TaskName,
+    pub agent: AgentId,
+    pub lease_id: String,
+    pub token: u64,
+    pub state: State,
+    pub ttl: Duration,
+    pub deadline: Instant,
+    pub claimed: SystemTime,
+    /// The `expires:` last written to `.state.lock`: kept at or beyond the real expiry so a
+    /// file reader never sees a live lease as expired.
+    pub view_expires: SystemTime,
+    /// Lapsed, its end queued for the log: it stays in the table (never live again) until
+    /// that end is durable, so nobody is told it ended before a restart would agree.
+    pub ending: bool,
+}
+
+impl Live {
+    /// The wall-clock time this lease ends unless renewed (for people and files).
+    pub fn expires_at(&self, now: Instant) -> SystemTime {
+        SystemTime::now() + self.deadline.saturating_duration_since(now)
+    }
+
+    /// The lease as the lease rules see it.
+    pub fn holder(&self) -> automaton_workflow::lease::Holder<'_> {
+        automaton_workflow::lease::Holder {
+            agent: &self.agent,
+            lease_id: &self.lease_id,
+            token: self.token,
+        }
+    }
+
+    pub(crate) fn as_record(&self) -> Record {
+        Record::Grant {
+            task: self.task.clone(),
+            agent: self.agent.clone(),
+            lease_id: self.lease_id.clone(),
+            token: self.token,
+            ttl: self.ttl,
+            state: self.state,
+        }
+    }
+
+    /// The `.state.lock` content for this lease.
+    pub fn view(&self) -> Lease {
+        Lease {
+            agent: self.agent.clone(),
+            phase: self.state,
+            claimed: self.claimed,
+            expires: self.view_expires,
+            lease_id: self.lease_id.clone(),
+            token: self.token,
+        }
+    }
+
+    /// Extends the lease to `now + ttl`; returns whether its `.state.lock` view must be
+    /// rewritten (only when the real expiry would pass the view's, see `next_view_expires`).
+    pub fn extend(&mut self, now: Instant) -> bool {
+        self.deadline = later(now, self.ttl);
+        let rewrite = self.view_expires < self.expires_at(now);
+        if rewrite {
+            self.view_expires = self.next_view_expires();
+        }
+        rewrite
+    }
+
+    /// The lease as the store shows it, with its real expiry (for task views and the CLI).
+    pub fn as_store_lease(&self, now: Instant) -> Lease {
+        Lease {
+            expires: self.expires_at(now),
+            ..self.view()
+        }
+    }
+
+    /// The view's expiry for a lease renewed now: two TTLs ahead, so that renewals every
+    /// TTL/3 (the usual client rhythm) rewrite the file once per TTL, not every time.
+    pub fn next_view_expires(&self) -> SystemTime {
+        wall_later(SystemTime::now(), self.ttl.saturating_mul(2))
+    }
+}
+
+/// `now + d`, saturating far in the future rather than panicking (TTLs are bounded at the
+/// edge; this keeps anything read from disk from reaching an overflow).
+pub(crate) fn later(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d.min(TtlBounds::CEILING * 2))
+        .unwrap_or(now)
+}
+
+/// The wall-clock `t + d`, saturating likewise.
+pub(crate) fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
+    t.checked_add(d.min(TtlBounds::CEILING * 2)).unwrap_or(t)
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Table {
+    by_task: HashMap<TaskName, Live>,
+    by_id: HashMap<String, TaskName>,
+    pub(crate) next_token: u64,
+}
+
+impl Table {
+    /// The live lease on `task`, if any.
+    pub fn live(&self, task: &TaskName, now: Instant) -> Option<&Live> {
+        self.by_task.get(task).filter(|l| l.deadline > now)
+    }
+
+    /// `task`'s entry, live or lapsed.
+    pub fn entry(&self, task: &TaskName) -> Option<&Live> {
+        self.by_task.get(task)
+    }
+
+    /// The live lease with this id, if any.
+    pub fn by_id(&self, lease_id: &str, now: Instant) -> Option<&Live> {
+        self.by_id
+            .get(lease_id)
+            .and_then(|t| self.live(t, now))
+            .filter(|l| l.lease_id == lease_id)
+    }
+
+    pub fn by_id_mut(&mut self, lease_id: &str, now: Instant) -> Option<&mut Live> {
+        let task = self.by_id.get(lease_id)?;
+        self.by_task
+            .get_mut(task)
+            .filter(|l| l.deadline > now && l.lease_id == lease_id)
+    }
+
+    /// Inserts `live`, returning the lease it displaces on its task (a lapsed one: a live
+    /// lease is never displaced). Replay treats the new grant as that lease's end.
+    pub fn insert(&mut self, live: Live) -> Option<Live> {
+        let old = self.by_task.remove(&live.task);
+        if let Some(old) = &old {
+            self.by_id.remove(&old.lease_id);
+        }
+        self.by_id.insert(live.lease_id.clone(), live.task.clone());
+        self.by_task.insert(live.task.clone(), live);
+        old
+    }
+
+    pub fn remove(&mut self, task: &TaskName) -> Option<Live> {
+        let old = self.by_task.remove(task)?;
+        self.by_id.remove(&old.lease_id);
+        Some(old)
+    }
+
+    /// Removes `task`'s entry if it is still the lease `lease_id`.
+    pub fn remove_lease(&mut self, task: &TaskName, lease_id: &str) -> Option<Live> {
+        if self.by_task.get(task)?.lease_id != lease_id {
+            return None;
+        }
+        self.remove(task)
+    }
+
+    /// Marks every lease past its deadline as ending and returns them; they stay in the table
+    /// until their end is durable (then [`Table::remove_lease`]).
+    pub fn mark_lapsed(&mut self, now: Instant) -> Vec<Live> {
+        self.by_task
+            .values_mut()
+            .filter(|l| l.deadline <= now && !l.ending)
+            .map(|l| {
+                l.ending = true;
+                l.clone()
+            })
+            .collect()
+    }
+
+    /// Whether `lease_id` names a lease in the table that is past its deadline.
+    pub fn lapsed(&self, lease_id: &str, now: Instant) -> bool {
+        self.by_id
+            .get(lease_id)
+            .and_then(|t| self.by_task.get(t))
+            .is_some_and(|l| l.lease_id == lease_id && l.deadline <= now)
+    }
+
+    /// Makes sure the next token is above `token` (an adopted lease's).
+    pub fn bump_past(&mut self, token: u64) {
+        self.next_token = self.next_token.max(token.saturating_add(1));
+    }
+
+    /// The next fencing token (the caller makes sure it is covered on disk, see `fencing.rs`).
+    pub fn take_token(&mut self) -> u64 {
+        let t = self.next_token;
+        self.next_token += 1;
+        t
+    }
+
+    /// The table as log records, for a rewrite: the token mark, then every lease whose end
+    /// is not already queued.
+    pub fn records(&self) -> Vec<Record> {
+        std::iter::once(Record::Mark {
+            token: self.next_token.saturating_sub(1),
+        })
+        .chain(
+            self.by_task
+                .values()
+                .filter(|l| !l.ending)
+                .map(Live::as_record),
+        )
+        .collect()
+    }
+
+    /// The tasks that hold a live lease.
+    pub fn live_tasks(&self, now: Instant) -> impl Iterator<Item = &TaskName> {
+        self.by_task
+            .values()
+            .filter(move |l| l.deadline > now)
+            .map(|l| &l.task)
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_task.len()
+    }
+}

@@ -1,0 +1,126 @@
+//! Changes of a task through the store — transition, approve, create — each under the task's
+//! guard and carried out whole once started (see `Coordinator::to_completion`).
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use automaton_store::ApproveOutcome;
+use automaton_workflow::{State, TaskName};
+
+use crate::Error;
+use crate::lease_ops::Presented;
+use crate::state::Coordinator;
+use crate::table::Live;
+
+impl Coordinator {
+    /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
+    pub async fn transition(
+        self: &Arc<Self>,
+        task: &TaskName,
+        target: State,
+        p: &Presented,
+    ) -> Result<(State, Option<Live>), Error> {
+        let (t, p) = (task.clone(), p.clone());
+        self.to_completion(task, move |c| async move {
+            c.transition_guarded(&t, target, &p).await
+        })
+        .await
+    }
+
+    /// [`Coordinator::transition`] under the task's guard.
+    pub(crate) async fn transition_guarded(
+        &self,
+        task: &TaskName,
+        target: State,
+        p: &Presented,
+    ) -> Result<(State, Option<Live>), Error> {
+        self.touch_for_change(task).await?;
+        let live = self.check_presented(task, p)?;
+        let project = self.project.clone();
+        let t = task.clone();
+        let from = tokio::task::spawn_blocking(move || project.transition_owned(&t, target))
+            .await
+            .map_err(|e| Error::Internal(format!("transition task failed: {e}")))??;
+        self.states().insert(task.clone(), target);
+        let ended = match live {
+            Some(l) => {
+                let removed = self.table().remove(task);
+                match removed {
+                    Some(r) => Some(self.end(r, "transitioned").await?),
+                    None => Some(l),
+                }
+            }
+            None => None,
+        };
+        self.emit(
+            "transitioned",
+            &task.to_string(),
+            p.agent.as_ref().map_or("", |a| a.as_str()),
+            0,
+            format!("{from} → {target}"),
+        );
+        Ok((from, ended))
+    }
+
+    /// Approves for `approver`; the live lease holder is never its own approver.
+    pub async fn approve(
+        self: &Arc<Self>,
+        task: &TaskName,
+        approver: &str,
+    ) -> Result<ApproveOutcome, Error> {
+        let (t, a) = (task.clone(), approver.to_string());
+        self.to_completion(
+            task,
+            move |c| async move { c.approve_guarded(&t, &a).await },
+        )
+        .await
+    }
+
+    /// [`Coordinator::approve`] under the task's guard.
+    pub(crate) async fn approve_guarded(
+        &self,
+        task: &TaskName,
+        approver: &str,
+    ) -> Result<ApproveOutcome, Error> {
+        self.touch_for_change(task).await?;
+        let holder = self.lease_of(task).map(|l| l.agent);
+        let project = self.project.clone();
+        let (t, a) = (task.clone(), approver.to_string());
+        let out = tokio::task::spawn_blocking(move || {
+            project.approve_as(&t, &a, holder.as_ref(), SystemTime::now())
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("approve task failed: {e}")))??;
+        self.states().insert(task.clone(), out.to);
+        self.emit(
+            "approved",
+            &task.to_string(),
+            approver,
+            0,
+            format!("{} → {}", out.from, out.to),
+        );
+        Ok(out)
+    }
+
+    pub async fn create_task(self: &Arc<Self>, task: &TaskName) -> Result<(), Error> {
+        let t = task.clone();
+        self.to_completion(
+            task,
+            move |c| async move { c.create_task_guarded(&t).await },
+        )
+        .await
+    }
+
+    /// [`Coordinator::create_task`] under the task's guard.
+    pub(crate) async fn create_task_guarded(&self, task: &TaskName) -> Result<(), Error> {
+        let project = self.project.clone();
+        let t = task.clone();
+        tokio::task::spawn_blocking(move || project.create_task(&t))
+            .await
+            .map_err(|e| Error::Internal(format!("create task failed: {e}")))??;
+        self.states()
+            .insert(task.clone(), State::open(automaton_workflow::Phase::New));
+        self.emit("task_created", &task.to_string(), "", 0, "new".into());
+        Ok(())
+    }
+}

@@ -1,0 +1,336 @@
+//! The task writes: `--create-task`, `--transition` (local, and the coordinator's
+//! `transition_owned`), `--approve` (the approvals log first, then `.state`) and `--upgrade`.
+//! Each checks the rules of `automaton-workflow` and writes under the project lock; the
+//! lease files are `lease_files.rs`'s.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use automaton_workflow::{
+    AgentId, Phase, State, TaskName, check_approve, check_transition, infer_state,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::fsx::{self, ProjectLock, io_err, remove_durably};
+use crate::project::{APPROVALS, LOCK, STATE};
+use crate::read::Folder;
+use crate::records::{Approval, Lease};
+use crate::{Error, Project};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TransitionOutcome {
+    pub task: TaskName,
+    pub from: State,
+    pub to: State,
+    /// The lease that ended with the phase it was granted for.
+    pub released: Option<Lease>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ApproveOutcome {
+    pub task: TaskName,
+    pub from: State,
+    pub to: State,
+    pub approval: Approval,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Upgraded {
+    pub task: TaskName,
+    pub state: State,
+    /// `true` when artifacts suggested the state, `false` for an empty folder (written `new`).
+    pub inferred: bool,
+}
+
+impl Project {
+    /// `status --create-task`: the folder appears whole (with `.state` = `new` and an empty
+    /// `.state.approvals`) or not at all.
+    pub fn create_task(&self, task: &TaskName) -> Result<PathBuf, Error> {
+        let _lock = match task.parent() {
+            Some(p) => self.lock(&p).map_err(|e| match e {
+                Error::TaskNotFound { task, tasks } => Error::ParentNotFound {
+                    parent: task,
+                    tasks,
+                },
+                e => e,
+            })?,
+            None => {
+                fs::create_dir_all(&self.meta).map_err(io_err("create", &self.meta))?;
+                ProjectLock::acquire(&self.meta, &self.tmp_dir())?
+            }
+        };
+        if let Some(p) = task.parent() {
+            let pdir = self.task_dir(&p);
+            if !pdir.is_dir() {
+                return Err(Error::ParentNotFound {
+                    parent: p,
+                    tasks: self.tasks_display(),
+                });
+            }
+        }
+        let dir = self.task_dir(task);
+        if dir.exists() {
+            return Err(Error::AlreadyExists {
+                task: task.clone(),
+                tasks: self.tasks_display(),
+            });
+        }
+        let parent_dir = dir
+            .parent()
+            .expect("a task folder has a parent")
+            .to_path_buf();
+        fs::create_dir_all(&parent_dir).map_err(io_err("create", &parent_dir))?;
+        let staging = self
+            .tmp_dir()
+            .join(fsx::temp_name(&format!("create-{}", task.leaf())));
+        let built = (|| {
+            fs::create_dir_all(&staging).map_err(io_err("create", &staging))?;
+            for (name, content) in [(STATE, &b"new\n"[..]), (APPROVALS, &b""[..])] {
+                let path = staging.join(name);
+                let f = fs::File::create(&path).map_err(io_err("create", &path))?;
+                std::io::Write::write_all(&mut &f, content).map_err(io_err("write", &path))?;
+                f.sync_all().map_err(io_err("sync", &path))?;
+            }
+            fsx::sync_dir(&staging)?;
+            fs::rename(&staging, &dir).map_err(io_err("rename into place", &dir))
+        })();
+        if built.is_err() {
+            let _ = fs::remove_dir_all(&staging);
+        }
+        built?;
+        fsx::sync_dir(&parent_dir)?;
+        Ok(dir)
+    }
+
+    /// Checks the lease rules for a change made by `agent` (with `token`, if presented)
+    /// against the lease in `.state.lock`.
+    fn check_holder(
+        &self,
+        task: &TaskName,
+        lease: Option<&Lease>,
+        agent: Option<&AgentId>,
+        token: Option<u64>,
+        now: SystemTime,
+    ) -> Result<(), Error> {
+        let live = lease.filter(|l| l.is_live(now));
+        let presented = automaton_workflow::lease::Presented {
+            agent,
+            lease_id: None,
+            token,
+        };
+        automaton_workflow::lease::check_change(live.map(Lease::holder), &presented)
+            .map_err(|r| Error::from_refusal(task, r, live.map_or(now, |l| l.expires)))
+    }
+
+    /// Checks `from → target` against the lifecycle and writes `.state`.
+    fn apply_transition(
+        &self,
+        task: &TaskName,
+        folder: &Folder,
+        from: State,
+        target: State,
+    ) -> Result<(), Error> {
+        check_transition(from, target, &self.facts_for(task, folder, from)?)?;
+        self.write(&folder.dir.join(STATE), format!("{target}\n").as_bytes())
+    }
+
+    /// `status --transition` without a coordinator. A live lease in `.state.lock` must be
+    /// held by `agent` (and match `token` when given); the lease ends with the phase it was
+    /// granted for.
+    pub fn transition(
+        &self,
+        task: &TaskName,
+        target: State,
+        agent: Option<&AgentId>,
+        token: Option<u64>,
+        now: SystemTime,
+    ) -> Result<TransitionOutcome, Error> {
+        // The policy governs how a task may change: a broken .agent.md stops every change.
+        self.policy()?;
+        let _lock = self.lock(task)?;
+        let (folder, from) = self.tracked(task)?;
+        let lease = self.lease(&folder.dir)?;
+        self.check_holder(task, lease.as_ref(), agent, token, now)?;
+        self.apply_transition(task, &folder, from, target)?;
+        if lease.is_some() {
+            remove_durably(&folder.dir.join(LOCK))?;
+        }
+        Ok(TransitionOutcome {
+            task: task.clone(),
+            from,
+            to: target,
+            released: lease.filter(|l| l.is_live(now)),
+        })
+    }
+
+    /// A transition by the coordinator, which has already checked its own lease table:
+    /// `.state.lock` is neither read nor touched. Returns the state it left.
+    pub fn transition_owned(&self, task: &TaskName, target: State) -> Result<State, Error> {
+        let _lock = self.lock(task)?;
+        let (folder, from) = self.tracked(task)?;
+        self.apply_transition(task, &folder, from, target)?;
+        Ok(from)
+    }
+
+    /// `status --approve` without a coordinator: the lease holder is read from `.state.lock`.
+    pub fn approve(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        now: SystemTime,
+    ) -> Result<ApproveOutcome, Error> {
+        self.approve_inner(task, approver, now, |dir| {
+            Ok(self.lease(dir)?.filter(|l| l.is_live(now)).map(|l| l.agent))
+        })
+    }
+
+    /// `--approve` by the coordinator, which knows the live lease holder itself.
+    pub fn approve_as(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        holder: Option<&AgentId>,
+        now: SystemTime,
+    ) -> Result<ApproveOutcome, Error> {
+        self.approve_inner(task, approver, now, |_| Ok(holder.cloned()))
+    }
+
+    /// Records who approved which content, then moves to `:approved`.
+    fn approve_inner(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        now: SystemTime,
+        holder: impl FnOnce(&Path) -> Result<Option<AgentId>, Error>,
+    ) -> Result<ApproveOutcome, Error> {
+        let approver_id: AgentId = approver.parse()?;
+        let _lock = self.lock(task)?;
+        let (folder, from) = self.tracked(task)?;
+        // Read (and so validate) the log before anything else: a corrupt log is refused,
+        // never appended to.
+        let log = self.approvals(&folder.dir)?;
+        let policy = self.policy()?;
+        if policy.separated.contains(&from.phase)
+            && self.implementers(&folder.dir)?.contains(&approver_id)
+        {
+            return Err(Error::Separation {
+                task: task.clone(),
+                agent: approver.to_string(),
+                phase: from.phase,
+                action: "approve",
+            });
+        }
+        if holder(&folder.dir)?.as_ref() == Some(&approver_id) {
+            return Err(Error::SelfApproval {
+                task: task.clone(),
+                agent: approver.to_string(),
+            });
+        }
+        // Whoever held a lease on this phase did its work: they may not sign it off.
+        if self
+            .holders(&folder.dir)?
+            .iter()
+            .any(|(p, a)| *p == from.phase && a == &approver_id)
+        {
+            return Err(Error::HeldPhase {
+                task: task.clone(),
+                agent: approver.to_string(),
+                phase: from.phase,
+            });
+        }
+        let to = check_approve(from, &self.facts_for(task, &folder, from)?)?;
+        let artifact = from.phase.artifact().expect("gated phases have artifacts");
+        let approval = Approval {
+            phase: from.phase,
+            at: now,
+            approver: approver.to_string(),
+            sha256: self.artifact_sha(&folder.dir, artifact)?,
+        };
+        // The log first: a crash between the two writes leaves an approval on record and the
+        // task still awaiting, and approving again is harmless. The reverse order could leave
+        // an `:approved` state that nobody approved.
+        let mut text: String = log.iter().map(Approval::render).collect();
+        text.push_str(&approval.render());
+        self.write(&folder.dir.join(APPROVALS), text.as_bytes())?;
+        self.write(&folder.dir.join(STATE), format!("{to}\n").as_bytes())?;
+        Ok(ApproveOutcome {
+            task: task.clone(),
+            from,
+            to,
+            approval,
+        })
+    }
+
+    /// `status --upgrade`: writes `.state` (and an empty `.state.approvals`) for task folders
+    /// that predate `.state`, from the artifact heuristic; an empty folder becomes `new`.
+    pub fn upgrade(&self, only: Option<&TaskName>) -> Result<Vec<Upgraded>, Error> {
+        let (_lock, tasks) = match only {
+            Some(t) => (self.lock(t)?, vec![t.clone()]),
+            // Without a tasks folder there is nothing to upgrade, and nothing to lock.
+            None if !self.meta.is_dir() => return Ok(Vec::new()),
+            None => (
+                ProjectLock::acquire(&self.meta, &self.tmp_dir())?,
+                self.all_task_names()?,
+            ),
+        };
+        let mut out = Vec::new();
+        for t in tasks {
+            let folder = self.folder(&t)?;
+            if folder.state.is_some() {
+                continue;
+            }
+            let guess = infer_state(&folder.facts().present);
+            let state = guess.unwrap_or(State::open(Phase::New));
+            let approvals = folder.dir.join(APPROVALS);
+            if !approvals.exists() {
+                self.write(&approvals, b"")?;
+            }
+            self.write(&folder.dir.join(STATE), format!("{state}\n").as_bytes())?;
+            out.push(Upgraded {
+                task: t,
+                state,
+                inferred: guess.is_some(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs;
+
+    use crate::Error;
+    use crate::project::tests::{name, project};
+
+    #[test]
+    fn create_task_writes_new_and_empty_approvals() {
+        let (_d, p) = project();
+        let dir = p.create_task(&name("add-user-auth")).expect("create");
+        assert_eq!(
+            fs::read_to_string(dir.join(".state")).expect("state"),
+            "new\n"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join(".state.approvals")).expect("log"),
+            ""
+        );
+        assert!(matches!(
+            p.create_task(&name("add-user-auth")),
+            Err(Error::AlreadyExists { .. })
+        ));
+        assert!(matches!(
+            p.create_task(&name("nope/sub")),
+            Err(Error::ParentNotFound { .. })
+        ));
+        p.create_task(&name("add-user-auth/sub-a"))
+            .expect("subtask");
+        assert_eq!(p.all_task_names().expect("list").len(), 2);
+        assert_eq!(
+            fs::read_dir(p.tmp_dir()).expect("tmp").count(),
+            0,
+            "no staging left behind"
+        );
+    }
+}
