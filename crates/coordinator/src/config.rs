@@ -125,13 +125,23 @@ mod duration {
 }
 
 /// `500ms`, `30s`, `5m`, `1h` (a bare number is seconds here: these are service timeouts).
+/// At most [`automaton_workflow::MAX_DURATION`]: they are added to the clocks.
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
     if let Some(ms) = s.strip_suffix("ms") {
-        return ms.trim().parse().ok().map(Duration::from_millis);
+        return ms
+            .trim()
+            .parse()
+            .ok()
+            .map(Duration::from_millis)
+            .filter(|d| *d <= automaton_workflow::MAX_DURATION);
     }
     if s.bytes().all(|b| b.is_ascii_digit()) {
-        return s.parse().ok().map(Duration::from_secs);
+        return s
+            .parse()
+            .ok()
+            .map(Duration::from_secs)
+            .filter(|d| *d <= automaton_workflow::MAX_DURATION);
     }
     automaton_workflow::parse_duration(s)
 }

@@ -40,11 +40,11 @@ impl Fencing {
     pub(crate) fn cover(self: &Arc<Self>, token: u64) -> Result<(), automaton_store::Error> {
         let durable = self.durable.load(Ordering::Acquire);
         if token > durable {
-            return self.reserve(token + TOKEN_BLOCK - 1);
+            return self.reserve(token.saturating_add(TOKEN_BLOCK - 1));
         }
         if durable - token < TOKEN_BLOCK / 2 && !self.reserving.swap(true, Ordering::AcqRel) {
             let me = self.clone();
-            let target = durable + TOKEN_BLOCK;
+            let target = durable.saturating_add(TOKEN_BLOCK);
             let spawned = std::thread::Builder::new()
                 .name("fencing".into())
                 .spawn(move || {

@@ -12,6 +12,9 @@ mod commit;
 pub mod config;
 mod events;
 mod fencing;
+#[cfg(test)]
+#[path = "../../workflow/src/fuzz.rs"]
+mod fuzz;
 mod keepalive;
 mod layers;
 mod lease_ops;
@@ -23,6 +26,8 @@ mod table;
 mod task_changes;
 mod views;
 mod wal;
+#[cfg(test)]
+mod wal_fuzz;
 mod watchers;
 
 use std::future::Future;

@@ -195,7 +195,7 @@ impl Table {
     /// The next fencing token (the caller makes sure it is covered on disk, see `fencing.rs`).
     pub fn take_token(&mut self) -> u64 {
         let t = self.next_token;
-        self.next_token += 1;
+        self.next_token = self.next_token.saturating_add(1);
         t
     }
 

@@ -66,7 +66,7 @@ impl Record {
                 task: task.parse().ok()?,
                 agent: agent.parse().ok()?,
                 lease_id: lease_id.to_string(),
-                token: token.parse().ok()?,
+                token: parse_token(token)?,
                 ttl: Duration::from_millis(ttl.parse().ok()?),
                 state: state.parse().ok()?,
             }),
@@ -74,11 +74,19 @@ impl Record {
                 lease_id: lease_id.to_string(),
             }),
             ["M", token] => Some(Record::Mark {
-                token: token.parse().ok()?,
+                token: parse_token(token)?,
             }),
             _ => None,
         }
     }
+}
+
+/// A token from the log: at most `automaton_store::MAX_TOKEN`, like one from a lock file, so
+/// the next token can always be counted (a record beyond it is not a lease record).
+fn parse_token(text: &str) -> Option<u64> {
+    text.parse()
+        .ok()
+        .filter(|t| *t <= automaton_store::MAX_TOKEN)
 }
 
 fn render_grant(
@@ -127,9 +135,10 @@ pub(crate) fn read(path: &Path) -> Result<Vec<Record>, String> {
         .map(|(i, l)| {
             Record::parse(l).ok_or_else(|| {
                 format!(
-                    "{} line {} is not a lease record: '{l}'",
+                    "{} line {} is not a lease record: '{}'",
                     path.display(),
-                    i + 1
+                    i + 1,
+                    automaton_workflow::excerpt(l)
                 )
             })
         })

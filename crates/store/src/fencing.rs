@@ -16,7 +16,9 @@ impl Project {
             Some(t) => t
                 .trim()
                 .parse::<u64>()
-                .map_err(|_| Error::CorruptFencing { path }),
+                .ok()
+                .filter(|m| *m <= crate::MAX_TOKEN)
+                .ok_or(Error::CorruptFencing { path }),
         }
     }
 

@@ -8,6 +8,11 @@
 
 mod audit;
 mod fsx;
+#[cfg(test)]
+#[path = "../../workflow/src/fuzz.rs"]
+mod fuzz;
+#[cfg(test)]
+mod fuzz_tests;
 mod lease_store;
 mod project;
 mod records;
@@ -34,7 +39,7 @@ pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
 pub use project::Project;
 pub use read::{ArtifactInfo, Unaddressable};
-pub use records::{Approval, Lease, format_time, parse_time};
+pub use records::{Approval, Lease, MAX_TOKEN, format_time, parse_time};
 pub use view::{
     ApprovalView, FolderReport, ListEntry, Listing, ProjectFolders, TaskError, TaskView,
 };

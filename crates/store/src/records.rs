@@ -1,18 +1,25 @@
 //! The line formats of `.state.lock`, `.state.approvals` and `.state.implementer`.
 
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use automaton_workflow::{AgentId, Phase, State};
 use serde::{Deserialize, Serialize};
 
-/// `2026-06-14T14:30:00Z`: seconds precision, UTC, as the seeds write it.
+/// `2026-06-14T14:30:00Z`: seconds precision, UTC, as the seeds write it. A time the format
+/// cannot hold (before 1970, after 9999) is written as the nearest one it can.
 pub fn format_time(t: SystemTime) -> String {
-    humantime::format_rfc3339_seconds(t).to_string()
+    // humantime panics on both: a computed expiry must not take a process down.
+    let last = UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+    humantime::format_rfc3339_seconds(t.clamp(UNIX_EPOCH, last)).to_string()
 }
 
 pub fn parse_time(s: &str) -> Option<SystemTime> {
     humantime::parse_rfc3339_weak(s.trim().trim_end_matches('Z')).ok()
 }
+
+/// The highest fencing token a file may hold (`.state.lock`, the fencing mark): half the range,
+/// so the additions that follow a read one (the next token, a reserved block) cannot overflow.
+pub const MAX_TOKEN: u64 = i64::MAX as u64;
 
 /// A task lease as mirrored in `.state.lock` (seed 001's four lines plus `lease:` and `token:`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,7 +99,13 @@ impl Lease {
                     expires = Some(parse_time(v).ok_or_else(|| format!("bad expires time '{v}'"))?)
                 }
                 "lease" => lease_id = v.to_string(),
-                "token" => token = v.parse().map_err(|_| format!("bad token '{v}'"))?,
+                "token" => {
+                    token = v
+                        .parse()
+                        .ok()
+                        .filter(|t| *t <= MAX_TOKEN)
+                        .ok_or_else(|| format!("bad token '{v}' (at most {MAX_TOKEN})"))?
+                }
                 other => return Err(format!("unknown key '{other}'")),
             }
         }
@@ -259,6 +272,29 @@ mod tests {
         let l = Lease::parse("agent: a\nphase: research\nclaimed: 2026-06-14T14:30:00Z\nexpires: 2026-06-14T15:00:00Z\n")
             .expect("legacy lock");
         assert_eq!(l.token, 0);
+    }
+
+    #[test]
+    fn times_the_format_cannot_hold_are_written_at_its_bounds() {
+        let far = UNIX_EPOCH + Duration::from_secs(i64::MAX as u64 / 2);
+        assert_eq!(format_time(far), "9999-12-31T23:59:59Z");
+        let before = UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(format_time(before), "1970-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn a_token_without_room_after_it_is_corrupt() {
+        let lock = |token: &str| {
+            Lease::parse(&format!(
+                "agent: a\nphase: research\nclaimed: 2026-06-14T14:30:00Z\nexpires: 2026-06-14T15:00:00Z\ntoken: {token}\n"
+            ))
+        };
+        assert_eq!(lock("9223372036854775807").map(|l| l.token), Ok(MAX_TOKEN));
+        assert!(
+            lock("18446744073709551615")
+                .expect_err("no room for the next token")
+                .contains("bad token")
+        );
     }
 
     #[test]

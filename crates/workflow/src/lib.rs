@@ -7,6 +7,10 @@
 //! clock or the network; `automaton-store` reads the files and hands the facts in.
 
 mod artifact;
+#[cfg(test)]
+mod fuzz;
+#[cfg(test)]
+mod fuzz_tests;
 mod guidance;
 pub mod lease;
 mod names;
@@ -20,7 +24,9 @@ pub use guidance::{Guidance, guidance};
 pub use lease::TtlBounds;
 pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName, excerpt};
 pub use phase::{Gate, Phase, State, UnknownPhase};
-pub use policy::{DEFAULT_LOCK_TIMEOUT, Policy, PolicyError, PolicyFile, parse_duration};
+pub use policy::{
+    DEFAULT_LOCK_TIMEOUT, MAX_DURATION, Policy, PolicyError, PolicyFile, parse_duration,
+};
 pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
     check_consistency, check_transition, gates_passed, infer_state, required_by,

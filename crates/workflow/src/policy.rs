@@ -114,7 +114,13 @@ fn key_value(line: &str) -> Option<(String, String)> {
     (!key.is_empty() && key.len() < 40).then_some((key, value))
 }
 
-/// `90s`, `30m`, `1h`, `2d`, `30 minutes`, `1 hour`; a bare number means minutes.
+/// The longest duration [`parse_duration`] accepts: 100 years. Callers add durations to the
+/// clocks (`now + ttl`, a lease's view two TTLs ahead); longer ones overflow them, or pass the
+/// year 9999 that times are written in.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+/// `90s`, `30m`, `1h`, `2d`, `30 minutes`, `1 hour`; a bare number means minutes. At most
+/// [`MAX_DURATION`].
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
@@ -127,7 +133,7 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
         "d" | "day" | "days" => n.checked_mul(86_400)?,
         _ => return None,
     };
-    (secs > 0).then(|| Duration::from_secs(secs))
+    (secs > 0 && secs <= MAX_DURATION.as_secs()).then(|| Duration::from_secs(secs))
 }
 
 #[cfg(test)]
@@ -187,7 +193,17 @@ mod tests {
         assert_eq!(d("30 minutes"), Some(1800));
         assert_eq!(d("2 hours"), Some(7200));
         assert_eq!(d("30"), Some(1800), "bare number means minutes");
-        for bad in ["", "m", "0", "-5m", "5 fortnights", "1.5h"] {
+        assert_eq!(d("36500d"), Some(MAX_DURATION.as_secs()));
+        for bad in [
+            "",
+            "m",
+            "0",
+            "-5m",
+            "5 fortnights",
+            "1.5h",
+            "36501d",
+            "213503982334601d",
+        ] {
             assert_eq!(d(bad), None, "{bad:?}");
         }
         assert!(PolicyFile::parse("Lock timeout: soon").is_err());
