@@ -5,6 +5,7 @@
 mod cli;
 mod faults;
 mod harness;
+mod history;
 mod issue14;
 mod leases;
 mod limits;

@@ -1,0 +1,1167 @@
+//! A randomized fault-and-history test in the style of Jepsen and etcd's robustness tests:
+//! 32 clients drive random claims (short, expiring TTLs and long ones), renewals (unary and
+//! KeepAlive), releases, transitions under the lease, approvals, reads and deliberately stale
+//! writes against the real coordinator binary over gRPC on 56+ tasks, while the coordinator is
+//! `kill -9`ed and restarted at random instants. Every call is recorded with its send and
+//! answer times, its arguments and its outcome (ok, a definite refusal, or ambiguous); a
+//! checker (`history/checker.rs`, a pure function with unit tests of its own) then verifies
+//! the whole history against five rules:
+//!
+//! 1. no two leases of one task are certainly live at the same instant;
+//! 2. tokens of successive acknowledged grants of a task strictly increase, across restarts;
+//! 3. a lease acknowledged as ended (released, expired, transitioned, superseded) is never
+//!    reported live again;
+//! 4. a lease certainly live at a kill is live after the restart (probed by a renewal right
+//!    after each restart), and generally: a certainly-live lease is never refused or lost;
+//! 5. a write under a lease known to have ended is refused.
+//!
+//! "Certainly live" is a safe bound: from the answer to a grant or renewal until its send
+//! time plus the TTL (cut where a renewal that may have come later set a shorter deadline, and
+//! at the send of a release or transition under it); a lease certainly live at a kill stays so
+//! until the restarted process's spawn time + max(TTL, grace), since it loads the log after
+//! that (its `listening on` time comes later still and would overstate the promise).
+//!
+//! One u64 seed drives every random choice (the interleaving with the server still varies
+//! from run to run); it is printed at the start and in every failure message.
+//!
+//! ```text
+//! cargo test --test coordinator history -- --nocapture                            # ~40 s
+//! AUTOMATON_HISTORY_SEED=N cargo test --test coordinator history -- --nocapture   # replay N
+//! AUTOMATON_HISTORY_MINUTES=10 cargo test --release --test coordinator history -- --nocapture
+//! AUTOMATON_HISTORY_DUMP=FILE …   # also writes every call, restart and violation to FILE
+//! ```
+
+mod checker;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use automaton_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use self::checker::{Answer, Call, History, LeaseInfo, Op, Outcome, Restart, Us};
+use crate::harness::{Api, Coord, Env};
+
+const CLIENTS: usize = 32;
+const TASKS: usize = 56;
+const AGENTS: u64 = 12;
+/// Restarts in the short run, at least.
+const MIN_RESTARTS: usize = 22;
+/// How long the short run drives load (it goes on until `MIN_RESTARTS` were made).
+const SHORT_RUN: Duration = Duration::from_secs(30);
+const GRACE_MS: u64 = 500;
+/// The coordinator refuses TTLs under `--lease-ttl-min` (default 1 s); the short ones here
+/// (50–400 ms) are the point.
+const TTL_MIN_ARGS: &[&str] = &["--lease-ttl-min", "10ms"];
+/// Leases probed by a renewal right after each restart (rule 4).
+const PROBES_PER_RESTART: usize = 6;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// splitmix64: small, seedable, no dependency.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+
+    fn pick<'a, T>(&mut self, v: &'a [T]) -> Option<&'a T> {
+        (!v.is_empty()).then(|| &v[self.below(v.len() as u64) as usize])
+    }
+
+    fn fork(&mut self) -> Rng {
+        Rng(self.next())
+    }
+}
+
+/// A lease a client believes live, for the post-restart probes: certainly live until `until`.
+struct Tracked {
+    lease: LeaseInfo,
+    until: Us,
+    /// The send time of the latest acknowledged renewal: each sets the deadline afresh.
+    renewed: Us,
+}
+
+/// What the clients and the restarter share: the history being recorded, and what they know.
+struct Shared {
+    t0: Instant,
+    env: Arc<Env>,
+    url: String,
+    calls: Mutex<Vec<Call>>,
+    restarts: Mutex<Vec<Restart>>,
+    /// The tasks clients work on; a task that reaches `implement` is replaced by a new one.
+    pool: Mutex<Vec<String>>,
+    all_tasks: Mutex<Vec<String>>,
+    /// Each task's state as last seen (absent when an ambiguous change left it unknown).
+    states: Mutex<HashMap<String, String>>,
+    /// Recent acknowledged grants per task: a higher token supersedes the others.
+    grants: Mutex<HashMap<String, Vec<LeaseInfo>>>,
+    /// Leases known to have ended, for stale writes.
+    ended: Mutex<Vec<LeaseInfo>>,
+    tracked: Mutex<HashMap<String, Tracked>>,
+    next_task: AtomicUsize,
+    setup_calls: AtomicUsize,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn now(&self) -> Us {
+        self.t0.elapsed().as_micros() as Us
+    }
+
+    fn record(&self, client: usize, op: Op, start: Us, outcome: Outcome, stale: bool) {
+        let end = self.now();
+        lock(&self.calls).push(Call {
+            client,
+            op,
+            start,
+            end,
+            outcome,
+            stale,
+        });
+    }
+
+    /// A grant or renewal acknowledged: live until send + TTL at least. A renewal sets the
+    /// deadline afresh (a Claim by the holder may shorten the TTL, a renewal after a restart
+    /// ends the grace period), so the latest one counts.
+    fn live(&self, l: &LeaseInfo, sent: Us) {
+        let until = sent + l.ttl_ms * 1000;
+        let mut t = lock(&self.tracked);
+        let e = t.entry(l.lease_id.clone()).or_insert_with(|| Tracked {
+            lease: l.clone(),
+            until,
+            renewed: sent,
+        });
+        if sent >= e.renewed {
+            e.lease.ttl_ms = l.ttl_ms;
+            e.until = until;
+            e.renewed = sent;
+        }
+    }
+
+    /// An end was asked for (its outcome may be unknown): no longer certainly live.
+    fn ending(&self, l: &LeaseInfo) {
+        lock(&self.tracked).remove(&l.lease_id);
+    }
+
+    /// A lease is known to have ended: a candidate for stale writes.
+    fn ended(&self, l: &LeaseInfo, rng: &mut Rng) {
+        self.ending(l);
+        let mut e = lock(&self.ended);
+        if e.iter().any(|x| x.lease_id == l.lease_id) {
+            return;
+        }
+        if e.len() < 256 {
+            e.push(l.clone());
+        } else {
+            let i = rng.below(e.len() as u64) as usize;
+            e[i] = l.clone();
+        }
+    }
+
+    /// A new grant acknowledged: every lease of the task with a lower token has ended.
+    fn granted(&self, l: &LeaseInfo, rng: &mut Rng) {
+        let superseded: Vec<LeaseInfo> = {
+            let mut g = lock(&self.grants);
+            let v = g.entry(l.task.clone()).or_default();
+            let (old, keep): (Vec<_>, Vec<_>) = v
+                .drain(..)
+                .partition(|x| x.token < l.token && x.lease_id != l.lease_id);
+            *v = keep;
+            if !v.iter().any(|x| x.lease_id == l.lease_id) {
+                v.push(l.clone());
+            }
+            old
+        };
+        for s in &superseded {
+            self.ended(s, rng);
+        }
+    }
+
+    fn set_state(&self, task: &str, state: Option<&str>) {
+        let mut s = lock(&self.states);
+        match state {
+            Some(v) if !v.is_empty() => {
+                s.insert(task.to_string(), v.to_string());
+            }
+            _ => {
+                s.remove(task);
+            }
+        }
+    }
+}
+
+/// A definite refusal (nothing changed) or an ambiguous failure (it may have happened).
+fn failed(s: &Status) -> Outcome {
+    match s.code() {
+        Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::PermissionDenied
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unauthenticated
+        | Code::Aborted => Outcome::Refused(s.code(), s.message().to_string()),
+        _ => Outcome::Ambiguous(format!("{:?}: {}", s.code(), s.message())),
+    }
+}
+
+/// A lease as an answer named it; what the answer left out (KeepAlive's answers carry only
+/// the id, token and TTL) is taken from `known`.
+fn info(l: &pb::Lease, known: &LeaseInfo) -> LeaseInfo {
+    let or = |a: &str, b: &str| if a.is_empty() { b } else { a }.to_string();
+    LeaseInfo {
+        task: or(&l.task, &known.task),
+        agent: or(&l.agent, &known.agent),
+        lease_id: l.lease_id.clone(),
+        token: l.token,
+        ttl_ms: if l.ttl_ms == 0 {
+            known.ttl_ms
+        } else {
+            l.ttl_ms
+        },
+        state: or(&l.state, &known.state),
+    }
+}
+
+/// Where a lease holder moves its task next, and the artifact that move needs.
+fn next_under_lease(state: &str) -> Option<(&'static str, Option<&'static str>)> {
+    match state {
+        "research" => Some(("research:awaiting_approval", None)),
+        "research:approved" => Some(("design", None)),
+        "design" => Some(("design:awaiting_approval", Some("DESIGN.md"))),
+        "design:approved" => Some(("implement", None)),
+        _ => None,
+    }
+}
+
+/// Where a task leaves the pool: nothing here moves it on from there.
+const RETIRED: &str = "implement";
+
+fn lazy_channel(url: &str) -> Channel {
+    Channel::from_shared(url.to_string())
+        .expect("url")
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(5))
+        .connect_lazy()
+}
+
+/// A KeepAlive stream and every lease named on it.
+struct KeepAlive {
+    tx: mpsc::Sender<pb::KeepAliveRequest>,
+    rx: tonic::Streaming<pb::KeepAliveResponse>,
+    named: HashMap<String, LeaseInfo>,
+}
+
+struct Client {
+    id: usize,
+    sh: Arc<Shared>,
+    rng: Rng,
+    api: Api,
+    held: Vec<LeaseInfo>,
+    ka: Option<KeepAlive>,
+}
+
+impl Client {
+    async fn run(mut self) {
+        while !self.sh.stop.load(Ordering::Relaxed) {
+            let roll = self.rng.below(100);
+            let ambiguous = match roll {
+                0..30 => self.claim().await,
+                30..42 => self.renew().await,
+                42..55 => self.keepalive().await,
+                55..65 => self.release().await,
+                65..74 => self.transition().await,
+                74..84 => self.get().await,
+                84..89 => self.approve().await,
+                _ => self.stale().await,
+            };
+            let pause = if ambiguous {
+                self.rng.range(20, 60)
+            } else {
+                self.rng.range(1, 10)
+            };
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+        }
+    }
+
+    fn record(&self, op: Op, start: Us, outcome: &Outcome, stale: bool) {
+        self.sh.record(self.id, op, start, outcome.clone(), stale);
+    }
+
+    fn pick_task(&mut self) -> Option<String> {
+        let pool = lock(&self.sh.pool);
+        self.rng.pick(&pool).cloned()
+    }
+
+    fn take_held(&mut self) -> Option<LeaseInfo> {
+        if self.held.is_empty() {
+            return None;
+        }
+        let i = self.rng.below(self.held.len() as u64) as usize;
+        Some(self.held.swap_remove(i))
+    }
+
+    fn forget(&mut self, l: &LeaseInfo) {
+        self.held.retain(|h| h.lease_id != l.lease_id);
+        self.sh.ended(l, &mut self.rng);
+    }
+
+    /// Returns whether the call was ambiguous (then the client backs off a little).
+    async fn claim(&mut self) -> bool {
+        let Some(task) = self.pick_task() else {
+            return false;
+        };
+        let agent = format!("agent-{}", self.rng.below(AGENTS));
+        let ttl_ms = match self.rng.below(100) {
+            0..50 => self.rng.range(50, 400),
+            50..85 => self.rng.range(1_000, 3_000),
+            _ => self.rng.range(5_000, 15_000),
+        };
+        let op = Op::Claim {
+            task: task.clone(),
+            agent: agent.clone(),
+            ttl_ms,
+        };
+        let start = self.sh.now();
+        let r = self.api.claim(&task, &agent, ttl_ms).await;
+        let known = LeaseInfo {
+            task,
+            agent,
+            lease_id: String::new(),
+            token: 0,
+            ttl_ms,
+            state: String::new(),
+        };
+        let outcome = match &r {
+            Ok(l) => Outcome::Ok(Answer::Lease {
+                lease: info(l, &known),
+                renewed: l.renewed,
+            }),
+            Err(s) => failed(s),
+        };
+        self.record(op, start, &outcome, false);
+        match outcome {
+            Outcome::Ok(Answer::Lease { lease, .. }) => {
+                self.sh.live(&lease, start);
+                self.sh.granted(&lease, &mut self.rng);
+                self.held.retain(|h| h.lease_id != lease.lease_id);
+                self.held.push(lease);
+                false
+            }
+            Outcome::Ambiguous(_) => true,
+            _ => false,
+        }
+    }
+
+    async fn renew(&mut self) -> bool {
+        let Some(l) = self.take_held() else {
+            return self.claim().await;
+        };
+        let start = self.sh.now();
+        let r = self.api.renew(&l.lease_id, l.token).await;
+        let outcome = match &r {
+            Ok(a) => Outcome::Ok(Answer::Lease {
+                lease: info(a, &l),
+                renewed: true,
+            }),
+            Err(s) => failed(s),
+        };
+        self.record(
+            Op::Renew {
+                lease: l.clone(),
+                probe: false,
+            },
+            start,
+            &outcome,
+            false,
+        );
+        match outcome {
+            Outcome::Ok(Answer::Lease { lease, .. }) => {
+                self.sh.live(&lease, start);
+                self.held.push(l);
+                false
+            }
+            Outcome::Ok(_) => unreachable!("a renewal answers a lease"),
+            Outcome::Refused(..) | Outcome::Lost(_) => {
+                self.forget(&l);
+                false
+            }
+            Outcome::Ambiguous(_) => {
+                self.held.push(l);
+                true
+            }
+        }
+    }
+
+    async fn keepalive(&mut self) -> bool {
+        if self.held.is_empty() {
+            return self.claim().await;
+        }
+        if self.ka.is_none() {
+            let (tx, rx) = mpsc::channel(16);
+            let opened = tokio::time::timeout(
+                Duration::from_secs(2),
+                self.api.leases.keep_alive(ReceiverStream::new(rx)),
+            )
+            .await;
+            match opened {
+                Ok(Ok(r)) => {
+                    self.ka = Some(KeepAlive {
+                        tx,
+                        rx: r.into_inner(),
+                        named: HashMap::new(),
+                    })
+                }
+                _ => return true,
+            }
+        }
+        let n = self.rng.range(1, 3) as usize;
+        let mut pending: HashMap<String, LeaseInfo> = HashMap::new();
+        for _ in 0..n {
+            if let Some(l) = self.rng.pick(&self.held).cloned() {
+                pending.insert(l.lease_id.clone(), l);
+            }
+        }
+        let ka = self.ka.as_mut().expect("opened above");
+        for (id, l) in &pending {
+            ka.named.insert(id.clone(), l.clone());
+        }
+        let start = self.sh.now();
+        let sent = ka
+            .tx
+            .send(pb::KeepAliveRequest {
+                lease_ids: pending.keys().cloned().collect(),
+            })
+            .await;
+        if sent.is_err() {
+            // The stream ended (a kill): the request was never sent, so nothing to record.
+            self.ka = None;
+            return true;
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        let mut broken: Option<String> = None;
+        while broken.is_none() && !pending.is_empty() {
+            let ka = self.ka.as_mut().expect("open while not broken");
+            let m = match tokio::time::timeout_at(deadline, ka.rx.message()).await {
+                Ok(Ok(Some(m))) => m,
+                Ok(Ok(None)) => {
+                    broken = Some("the stream ended".into());
+                    break;
+                }
+                Ok(Err(s)) => {
+                    broken = Some(format!("{:?}: {}", s.code(), s.message()));
+                    break;
+                }
+                Err(_) => {
+                    broken = Some("no answer within 2 s".into());
+                    break;
+                }
+            };
+            let asked = pending.remove(&m.lease_id);
+            let notice = asked.is_none();
+            let Some(l) = asked.or_else(|| ka.named.get(&m.lease_id).cloned()) else {
+                continue;
+            };
+            let (outcome, at) = match (&m.lost, &m.lease) {
+                (Some(lost), _) => (Outcome::Lost(lost.reason.clone()), start),
+                (None, Some(a)) => (
+                    Outcome::Ok(Answer::Lease {
+                        lease: info(a, &l),
+                        renewed: true,
+                    }),
+                    start,
+                ),
+                (None, None) => (Outcome::Ambiguous("an empty answer".into()), start),
+            };
+            let at = if notice { self.sh.now() } else { at };
+            self.record(
+                Op::KeepAlive {
+                    lease: l.clone(),
+                    notice,
+                },
+                at,
+                &outcome,
+                false,
+            );
+            match outcome {
+                Outcome::Lost(_) => self.forget(&l),
+                Outcome::Ok(Answer::Lease { lease, .. }) => self.sh.live(&lease, start),
+                _ => {}
+            }
+        }
+        if let Some(why) = &broken {
+            for l in pending.into_values() {
+                self.record(
+                    Op::KeepAlive {
+                        lease: l,
+                        notice: false,
+                    },
+                    start,
+                    &Outcome::Ambiguous(why.clone()),
+                    false,
+                );
+            }
+            self.ka = None;
+        }
+        broken.is_some()
+    }
+
+    async fn release(&mut self) -> bool {
+        let Some(l) = self.take_held() else {
+            return self.claim().await;
+        };
+        self.release_under(l, false).await
+    }
+
+    async fn release_under(&mut self, l: LeaseInfo, stale: bool) -> bool {
+        self.sh.ending(&l);
+        let start = self.sh.now();
+        let r = self.api.release(&l.lease_id, l.token).await;
+        let outcome = match &r {
+            Ok(a) => Outcome::Ok(Answer::Ended {
+                to: String::new(),
+                released: a.released.as_ref().map(|x| info(x, &l)),
+            }),
+            Err(s) => failed(s),
+        };
+        self.record(Op::Release { lease: l.clone() }, start, &outcome, stale);
+        match outcome {
+            Outcome::Ok(_) | Outcome::Refused(..) | Outcome::Lost(_) => {
+                self.forget(&l);
+                false
+            }
+            Outcome::Ambiguous(_) => true,
+        }
+    }
+
+    async fn transition(&mut self) -> bool {
+        let Some(i) =
+            (0..self.held.len()).find(|&i| next_under_lease(&self.held[i].state).is_some())
+        else {
+            return self.get().await;
+        };
+        let l = self.held.swap_remove(i);
+        self.transition_under(l, false).await
+    }
+
+    async fn transition_under(&mut self, l: LeaseInfo, stale: bool) -> bool {
+        let (target, artifact) =
+            next_under_lease(&l.state).unwrap_or(("research:awaiting_approval", None));
+        if let (Some(name), false) = (artifact, stale) {
+            // The lease was granted for this phase: its artifact belongs here.
+            self.sh
+                .env
+                .artifact(&l.task, name, "# Design\nhow to build it\n");
+        }
+        self.sh.ending(&l);
+        let start = self.sh.now();
+        let r = self
+            .api
+            .transition_as(&l.task, target, &l.agent, &l.lease_id, l.token)
+            .await;
+        let outcome = match &r {
+            Ok(a) => Outcome::Ok(Answer::Ended {
+                to: a.to.clone(),
+                released: a.released.as_ref().map(|x| info(x, &l)),
+            }),
+            Err(s) => failed(s),
+        };
+        self.record(
+            Op::Transition {
+                lease: l.clone(),
+                target: target.to_string(),
+            },
+            start,
+            &outcome,
+            stale,
+        );
+        match outcome {
+            Outcome::Ok(Answer::Ended { to, .. }) => {
+                self.forget(&l);
+                self.sh.set_state(&l.task, Some(&to));
+                if to == RETIRED {
+                    self.retire(&l.task).await;
+                }
+                false
+            }
+            Outcome::Ambiguous(_) => {
+                self.sh.set_state(&l.task, None);
+                true
+            }
+            _ => {
+                // Refused: the lease may be gone (a GetTask will tell), or the move illegal.
+                if !stale {
+                    self.held.push(l);
+                }
+                false
+            }
+        }
+    }
+
+    async fn get(&mut self) -> bool {
+        let task = if self.rng.below(5) == 0 {
+            let all = lock(&self.sh.all_tasks);
+            self.rng.pick(&all).cloned()
+        } else {
+            self.pick_task()
+        };
+        let Some(task) = task else {
+            return false;
+        };
+        let start = self.sh.now();
+        let r = self.api.get(&task).await;
+        let known = LeaseInfo {
+            task: task.clone(),
+            agent: String::new(),
+            lease_id: String::new(),
+            token: 0,
+            ttl_ms: 0,
+            state: String::new(),
+        };
+        let outcome = match &r {
+            Ok(d) => Outcome::Ok(Answer::Task {
+                state: d
+                    .summary
+                    .as_ref()
+                    .map(|s| s.state.clone())
+                    .unwrap_or_default(),
+                lease: d.lease.as_ref().map(|l| info(l, &known)),
+            }),
+            Err(s) => failed(s),
+        };
+        self.record(Op::Get { task: task.clone() }, start, &outcome, false);
+        match outcome {
+            Outcome::Ok(Answer::Task { state, .. }) => {
+                self.sh.set_state(&task, Some(&state));
+                if state == RETIRED && lock(&self.sh.pool).contains(&task) {
+                    self.retire(&task).await;
+                }
+                false
+            }
+            Outcome::Ambiguous(_) => true,
+            _ => false,
+        }
+    }
+
+    async fn approve(&mut self) -> bool {
+        let waiting: Vec<String> = {
+            let pool = lock(&self.sh.pool);
+            let states = lock(&self.sh.states);
+            pool.iter()
+                .filter(|t| {
+                    states
+                        .get(*t)
+                        .is_some_and(|s| s.ends_with(":awaiting_approval"))
+                })
+                .cloned()
+                .collect()
+        };
+        let Some(task) = self.rng.pick(&waiting).cloned() else {
+            return self.get().await;
+        };
+        let start = self.sh.now();
+        let r = self.api.approve(&task, "").await;
+        let outcome = match &r {
+            Ok(_) => Outcome::Ok(Answer::Done),
+            Err(s) => failed(s),
+        };
+        self.record(Op::Approve { task: task.clone() }, start, &outcome, false);
+        match (&outcome, r) {
+            (_, Ok(a)) => {
+                self.sh.set_state(&task, Some(&a.to));
+                false
+            }
+            (Outcome::Ambiguous(_), _) => {
+                self.sh.set_state(&task, None);
+                true
+            }
+            _ => {
+                self.sh.set_state(&task, None);
+                false
+            }
+        }
+    }
+
+    /// A write under a lease known to have ended: it must be refused (rule 5).
+    async fn stale(&mut self) -> bool {
+        let l = {
+            let e = lock(&self.sh.ended);
+            self.rng.pick(&e).cloned()
+        };
+        let Some(l) = l else {
+            return self.get().await;
+        };
+        match self.rng.below(3) {
+            0 => {
+                let start = self.sh.now();
+                let r = self.api.renew(&l.lease_id, l.token).await;
+                let outcome = match &r {
+                    Ok(a) => Outcome::Ok(Answer::Lease {
+                        lease: info(a, &l),
+                        renewed: true,
+                    }),
+                    Err(s) => failed(s),
+                };
+                self.record(
+                    Op::Renew {
+                        lease: l,
+                        probe: false,
+                    },
+                    start,
+                    &outcome,
+                    true,
+                );
+                matches!(outcome, Outcome::Ambiguous(_))
+            }
+            1 => self.release_under(l, true).await,
+            _ => self.transition_under(l, true).await,
+        }
+    }
+
+    /// The task reached the end of what this test drives: a fresh one takes its place.
+    async fn retire(&mut self, task: &str) {
+        {
+            let mut pool = lock(&self.sh.pool);
+            if !pool.iter().any(|t| t == task) {
+                return;
+            }
+            pool.retain(|t| t != task);
+        }
+        let n = self.sh.next_task.fetch_add(1, Ordering::Relaxed);
+        let name = format!("h{n:04}");
+        prepare_task(&self.sh, &mut self.api, &name).await;
+    }
+}
+
+/// Creates `name`, moves it to `research` with its SPEC.md, and adds it to the pool; retries
+/// through restarts (an operator's setup, not part of the checked history).
+async fn prepare_task(sh: &Shared, api: &mut Api, name: &str) {
+    for _ in 0..50 {
+        if sh.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        sh.setup_calls.fetch_add(1, Ordering::Relaxed);
+        let state = match api.get(name).await {
+            Ok(d) => d.summary.map(|s| s.state).unwrap_or_default(),
+            Err(s) if s.code() == Code::NotFound => {
+                let _ = api.create(name).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        match state.as_str() {
+            "new" => {
+                let _ = api.transition(name, "research").await;
+            }
+            "research" => {
+                sh.env.artifact(name, "SPEC.md", "# Spec\nwhat to build\n");
+                sh.set_state(name, Some("research"));
+                lock(&sh.all_tasks).push(name.to_string());
+                lock(&sh.pool).push(name.to_string());
+                return;
+            }
+            other => panic!("new task {name} is in state {other:?}"),
+        }
+    }
+    panic!("could not prepare task {name} in 50 tries");
+}
+
+/// Kills the coordinator (SIGKILL), restarts it on the same port, records both instants, and
+/// probes a sample of the leases certainly live at the kill with a renewal each.
+async fn restart(
+    sh: &Arc<Shared>,
+    mut coord: Coord,
+    args: Vec<String>,
+    rng: &mut Rng,
+    crashes: &mut Vec<String>,
+) -> Coord {
+    let n = lock(&sh.restarts).len() + 1;
+    if let Ok(Some(st)) = coord.child.try_wait() {
+        let err = coord.stderr();
+        let tail: Vec<&str> = err.lines().rev().take(10).collect();
+        crashes.push(format!(
+            "the coordinator exited by itself ({st}) before restart {n}; stderr tail:\n  {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+        ));
+    }
+    let env = sh.env.clone();
+    let t0 = sh.t0;
+    let (coord, kill, spawn) = tokio::task::spawn_blocking(move || {
+        let mut coord = coord;
+        coord.kill9();
+        // Only now is it certainly dead: until then it may still answer (this thread may
+        // start late on a busy machine).
+        let kill = t0.elapsed().as_micros() as Us;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let spawn = t0.elapsed().as_micros() as Us;
+        (Coord::start(&env, &args), kill, spawn)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("restart {n} failed: {e}"));
+    let listening = coord.started.duration_since(sh.t0).as_micros() as Us;
+    lock(&sh.restarts).push(Restart {
+        kill,
+        spawn,
+        listening,
+    });
+    // What survived the kill lives until spawn + max(TTL, grace) at least.
+    let live: Vec<LeaseInfo> = {
+        let mut t = lock(&sh.tracked);
+        t.retain(|_, x| x.until > kill);
+        for x in t.values_mut() {
+            x.until = x.until.max(spawn + x.lease.ttl_ms.max(GRACE_MS) * 1000);
+        }
+        t.values().map(|x| x.lease.clone()).collect()
+    };
+    let mut sample = live;
+    sample.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
+    let mut api = Api::new(lazy_channel(&coord.url), None);
+    for _ in 0..PROBES_PER_RESTART.min(sample.len()) {
+        let l = sample.swap_remove(rng.below(sample.len() as u64) as usize);
+        let start = sh.now();
+        let outcome = match api.renew(&l.lease_id, l.token).await {
+            Ok(a) => {
+                let lease = info(&a, &l);
+                sh.live(&lease, start);
+                Outcome::Ok(Answer::Lease {
+                    lease,
+                    renewed: true,
+                })
+            }
+            Err(s) => failed(&s),
+        };
+        sh.record(
+            CLIENTS,
+            Op::Renew {
+                lease: l,
+                probe: true,
+            },
+            start,
+            outcome,
+            false,
+        );
+    }
+    coord
+}
+
+/// Operations by kind and outcome, restarts, grants, checks and violations.
+fn figures(h: &History, checked: &checker::Checked, crashes: &[String], sh: &Shared) -> String {
+    let mut by: BTreeMap<(String, String), usize> = BTreeMap::new();
+    let mut granted = 0;
+    for c in &h.calls {
+        let kind = format!("{}{}", c.op.kind(), if c.stale { " (stale)" } else { "" });
+        *by.entry((kind, c.outcome.label())).or_default() += 1;
+        if let (Op::Claim { .. }, Outcome::Ok(Answer::Lease { renewed: false, .. })) =
+            (&c.op, &c.outcome)
+        {
+            granted += 1;
+        }
+    }
+    let mut s = format!("{} calls recorded:\n", h.calls.len());
+    for ((kind, outcome), n) in &by {
+        s.push_str(&format!("  {kind:<30} {outcome:<40} {n:>7}\n"));
+    }
+    let downtime: Vec<u64> = h
+        .restarts
+        .iter()
+        .map(|r| (r.listening - r.kill) / 1000)
+        .collect();
+    s.push_str(&format!(
+        "restarts: {} (kill to listening: {} ms mean, {} ms max); crashes: {}\n",
+        h.restarts.len(),
+        downtime.iter().sum::<u64>() / downtime.len().max(1) as u64,
+        downtime.iter().max().copied().unwrap_or(0),
+        crashes.len()
+    ));
+    s.push_str(&format!(
+        "leases granted: {granted}; tasks: {} ({} setup calls)\n",
+        lock(&sh.all_tasks).len(),
+        sh.setup_calls.load(Ordering::Relaxed)
+    ));
+    for rule in 1..=5u8 {
+        s.push_str(&format!(
+            "rule {rule}: {} checks, {} violations\n",
+            checked.checks[rule as usize],
+            checked.of_rule(rule).len()
+        ));
+    }
+    s
+}
+
+/// Issue: "a randomized fault-and-history test": every lease promise holds through random
+/// `kill -9`s, checked over the whole recorded history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_at_random_instants_breaks_no_lease_promise() {
+    let seed = std::env::var("AUTOMATON_HISTORY_SEED")
+        .ok()
+        .map(|s| {
+            s.trim()
+                .parse::<u64>()
+                .unwrap_or_else(|_| panic!("AUTOMATON_HISTORY_SEED={s:?} is not a u64"))
+        })
+        .unwrap_or_else(|| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970");
+            t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
+        });
+    let run_for = std::env::var("AUTOMATON_HISTORY_MINUTES")
+        .ok()
+        .map(|m| {
+            let m: f64 = m
+                .trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("AUTOMATON_HISTORY_MINUTES={m:?} is not a number"));
+            Duration::from_secs_f64(m * 60.0)
+        })
+        .unwrap_or(SHORT_RUN);
+    eprintln!(
+        "history test: seed {seed} (replay: AUTOMATON_HISTORY_SEED={seed}), {run_for:?} of load, {CLIENTS} clients, {TASKS} tasks"
+    );
+    let mut rng = Rng(seed);
+
+    let env = Env::new();
+    let grace = format!("{GRACE_MS}ms");
+    let mut args: Vec<String> = ["--grace-period", grace.as_str()]
+        .iter()
+        .chain(TTL_MIN_ARGS)
+        .map(|s| s.to_string())
+        .collect();
+    let first: Vec<&str> = args.iter().map(String::as_str).collect();
+    let coord = tokio::task::block_in_place(|| Coord::start(&env, &first));
+    // Every restart listens on the same port, so the clients' channels reconnect by themselves.
+    args.extend(["--listen".to_string(), coord.addr.to_string()]);
+    let sh = Arc::new(Shared {
+        t0: Instant::now(),
+        env: env.clone(),
+        url: coord.url.clone(),
+        calls: Mutex::new(Vec::new()),
+        restarts: Mutex::new(Vec::new()),
+        pool: Mutex::new(Vec::new()),
+        all_tasks: Mutex::new(Vec::new()),
+        states: Mutex::new(HashMap::new()),
+        grants: Mutex::new(HashMap::new()),
+        ended: Mutex::new(Vec::new()),
+        tracked: Mutex::new(HashMap::new()),
+        next_task: AtomicUsize::new(TASKS),
+        setup_calls: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+    });
+    let mut admin = coord.api().await;
+    for i in 0..TASKS {
+        prepare_task(&sh, &mut admin, &format!("h{i:04}")).await;
+    }
+
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|id| {
+            let c = Client {
+                id,
+                sh: sh.clone(),
+                rng: rng.fork(),
+                api: Api::new(lazy_channel(&sh.url), None),
+                held: Vec::new(),
+                ka: None,
+            };
+            tokio::spawn(c.run())
+        })
+        .collect();
+
+    let mut crashes = Vec::new();
+    let mut coord = coord;
+    let load_until = Instant::now() + run_for;
+    while Instant::now() < load_until || lock(&sh.restarts).len() < MIN_RESTARTS {
+        tokio::time::sleep(Duration::from_millis(rng.range(300, 1_800))).await;
+        coord = restart(&sh, coord, args.clone(), &mut rng, &mut crashes).await;
+    }
+    sh.stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        tokio::time::timeout(Duration::from_secs(30), c)
+            .await
+            .expect("a client stops within 30 s of being told to")
+            .expect("client task");
+    }
+    // A last kill with everything quiet, then every task read once: what was released stays
+    // released, what was live is live.
+    coord = restart(&sh, coord, args.clone(), &mut rng, &mut crashes).await;
+    let mut client = Client {
+        id: CLIENTS + 1,
+        sh: sh.clone(),
+        rng: rng.fork(),
+        api: coord.api().await,
+        held: Vec::new(),
+        ka: None,
+    };
+    let all = lock(&sh.all_tasks).clone();
+    for task in all {
+        let start = sh.now();
+        let r = client.api.get(&task).await;
+        let known = LeaseInfo {
+            task: task.clone(),
+            agent: String::new(),
+            lease_id: String::new(),
+            token: 0,
+            ttl_ms: 0,
+            state: String::new(),
+        };
+        let outcome = match &r {
+            Ok(d) => Outcome::Ok(Answer::Task {
+                state: d
+                    .summary
+                    .as_ref()
+                    .map(|s| s.state.clone())
+                    .unwrap_or_default(),
+                lease: d.lease.as_ref().map(|l| info(l, &known)),
+            }),
+            Err(s) => failed(s),
+        };
+        client.record(Op::Get { task }, start, &outcome, false);
+    }
+    if let Ok(Some(st)) = coord.child.try_wait() {
+        crashes.push(format!(
+            "the coordinator exited by itself ({st}) at the end"
+        ));
+    }
+    drop(coord);
+
+    let history = History {
+        calls: std::mem::take(&mut *lock(&sh.calls)),
+        restarts: lock(&sh.restarts).clone(),
+        grace_ms: GRACE_MS,
+    };
+    let checked = checker::check(&history);
+    if let Ok(path) = std::env::var("AUTOMATON_HISTORY_DUMP") {
+        let mut text = format!("seed {seed}\n{:#?}\n", history.restarts);
+        for c in &history.calls {
+            text.push_str(&format!("{c:?}\n"));
+        }
+        for v in &checked.violations {
+            text.push_str(&format!("VIOLATION {v}\n"));
+        }
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("write {path}: {e}"));
+    }
+    eprintln!(
+        "seed {seed}\n{}",
+        figures(&history, &checked, &crashes, &sh)
+    );
+    assert!(
+        history.restarts.len() >= MIN_RESTARTS,
+        "seed {seed}: only {} restarts",
+        history.restarts.len()
+    );
+    if !checked.violations.is_empty() || !crashes.is_empty() {
+        let mut msg = format!(
+            "seed {seed}: {} violations, {} crashes (replay: AUTOMATON_HISTORY_SEED={seed} cargo test --test coordinator history -- --nocapture)\n",
+            checked.violations.len(),
+            crashes.len()
+        );
+        for c in &crashes {
+            msg.push_str(&format!("  crash: {c}\n"));
+        }
+        for v in checked.violations.iter().take(40) {
+            msg.push_str(&format!("  {v}\n"));
+        }
+        if checked.violations.len() > 40 {
+            msg.push_str(&format!("  … and {} more\n", checked.violations.len() - 40));
+        }
+        panic!("{msg}");
+    }
+}
+
+/// What the history test found on main after the lease fixes (rule 3, a KeepAlive `unknown`
+/// later reported live by GetTask): a Release takes the lease out of the table before its end
+/// is durable, and a renewal in that window is answered NOT_FOUND (KeepAlive: lost `unknown`)
+/// at once. A kill -9 before the release commits brings the lease back after the restart —
+/// while `Renew`'s contract says "once that is answered, no restart brings it back". Hits the
+/// window in a few seconds on the 2-core machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails on main as of 2273071: NOT_FOUND is answered before a release's end is durable"]
+async fn renew_answered_not_found_while_a_release_commits_stays_ended_after_kill_9() {
+    let env = Env::new();
+    let mut coord =
+        tokio::task::block_in_place(|| Coord::start(&env, &["--grace-period", "500ms"]));
+    let listen = coord.addr.to_string();
+    let args = ["--grace-period", "500ms", "--listen", listen.as_str()];
+    let mut admin = coord.api().await;
+    let (mut kills, mut revived) = (0, Vec::new());
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut round = 0;
+    while Instant::now() < until && revived.is_empty() {
+        round += 1;
+        let task = format!("r{round:04}");
+        admin.claimable_task(&task).await;
+        let l = admin
+            .claim(&task, "agent-a", 30_000)
+            .await
+            .unwrap_or_else(|s| panic!("claim {task}: {s:?}"));
+        let (mut releaser, mut renewer) = (coord.api().await, coord.api().await);
+        let (id, token) = (l.lease_id.clone(), l.token);
+        let release = tokio::spawn(async move { releaser.release(&id, token).await });
+        // Renew until the release takes the lease out of the table.
+        let mut in_window = false;
+        for _ in 0..200 {
+            match renewer.renew(&l.lease_id, l.token).await {
+                Ok(_) => continue,
+                Err(s) if s.code() == Code::NotFound => {
+                    in_window = !release.is_finished();
+                    break;
+                }
+                Err(s) => panic!("renew {}: {s:?}", l.lease_id),
+            }
+        }
+        if !in_window {
+            let _ = release.await;
+            continue;
+        }
+        // NOT_FOUND answered, the release not yet: kill now.
+        kills += 1;
+        coord = tokio::task::block_in_place(|| {
+            coord.kill9();
+            Coord::start(&env, &args)
+        });
+        let _ = release.await;
+        admin = coord.api().await;
+        let shown = admin
+            .get(&task)
+            .await
+            .unwrap_or_else(|s| panic!("GetTask {task}: {s:?}"))
+            .lease;
+        if let Some(s) = shown.filter(|s| s.lease_id == l.lease_id) {
+            revived.push(format!(
+                "{task}: {} (token {}) answered NOT_FOUND before the kill, live after it with {} ms left",
+                s.lease_id, s.token, s.remaining_ms
+            ));
+        }
+    }
+    eprintln!("{round} rounds, {kills} kills between a NOT_FOUND and the release's answer");
+    assert!(
+        revived.is_empty(),
+        "a lease answered NOT_FOUND is live again after kill -9: {revived:#?}"
+    );
+}
