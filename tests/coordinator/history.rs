@@ -1101,7 +1101,6 @@ async fn kill_9_at_random_instants_breaks_no_lease_promise() {
 /// while `Renew`'s contract says "once that is answered, no restart brings it back". Hits the
 /// window in a few seconds on the 2-core machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails on main as of 2273071: NOT_FOUND is answered before a release's end is durable"]
 async fn renew_answered_not_found_while_a_release_commits_stays_ended_after_kill_9() {
     let env = Env::new();
     let mut coord =
