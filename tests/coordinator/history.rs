@@ -1099,7 +1099,7 @@ async fn kill_9_at_random_instants_breaks_no_lease_promise() {
 /// is durable, and a renewal in that window is answered NOT_FOUND (KeepAlive: lost `unknown`)
 /// at once. A kill -9 before the release commits brings the lease back after the restart —
 /// while `Renew`'s contract says "once that is answered, no restart brings it back". Hits the
-/// window in a few seconds on the 2-core machine.
+/// window in a few seconds on the 2-core machine; passing, it tries for 20 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renew_answered_not_found_while_a_release_commits_stays_ended_after_kill_9() {
     let env = Env::new();
@@ -1109,7 +1109,7 @@ async fn renew_answered_not_found_while_a_release_commits_stays_ended_after_kill
     let args = ["--grace-period", "500ms", "--listen", listen.as_str()];
     let mut admin = coord.api().await;
     let (mut kills, mut revived) = (0, Vec::new());
-    let until = Instant::now() + Duration::from_secs(60);
+    let until = Instant::now() + Duration::from_secs(20);
     let mut round = 0;
     while Instant::now() < until && revived.is_empty() {
         round += 1;
