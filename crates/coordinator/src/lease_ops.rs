@@ -98,22 +98,24 @@ impl Coordinator {
                     let longer = ttl > l.ttl;
                     l.ttl = ttl;
                     let rewrite = l.extend(now);
-                    Some((l.clone(), longer, rewrite))
+                    // Nothing is acknowledged before it is durable: the grant this claim
+                    // repeats may still be on its way to the log (its own claim cut off,
+                    // say). A restart gives every lease max(logged TTL, grace), so a longer
+                    // TTL is logged before it is promised — queued under the table's lock, so
+                    // no end of this lease can be queued before it and be undone at replay;
+                    // otherwise a barrier waits for what is queued.
+                    let logged = if longer {
+                        self.wal.grant(l)
+                    } else {
+                        self.wal.barrier()
+                    };
+                    Some((l.clone(), logged, rewrite))
                 }
                 None => None,
             }
         };
-        if let Some((l, longer, rewrite)) = renewal {
+        if let Some((l, logged, rewrite)) = renewal {
             drop(guard);
-            // Nothing is acknowledged before it is durable: the grant this claim repeats may
-            // still be on its way to the log (its own claim cut off, say). A restart gives
-            // every lease max(logged TTL, grace), so a longer TTL is logged before it is
-            // promised; otherwise a barrier waits for what is queued.
-            let logged = if longer {
-                self.wal.grant(&l)
-            } else {
-                self.wal.barrier()
-            };
             logged
                 .map_err(Error::Unavailable)?
                 .await
@@ -127,7 +129,7 @@ impl Coordinator {
                 renewed: true,
             });
         }
-        let (live, displaced) = {
+        let (live, displaced, commit) = {
             let mut table = self.table();
             let token = table.take_token();
             self.fencing.cover(token)?;
@@ -147,10 +149,13 @@ impl Coordinator {
             live.view_expires = live.next_view_expires();
             // A lease displaced here had lapsed; the grant's record is its end at replay.
             let displaced = table.insert(live.clone()).filter(|d| !d.ending);
-            (live, displaced)
+            // Queued under the table's lock, like every record: whatever is queued after
+            // this grant became visible (a barrier, an end of it) is queued after it too.
+            let commit = self.wal.grant(&live);
+            (live, displaced, commit)
         };
         drop(guard);
-        let commit = match self.wal.grant(&live) {
+        let commit = match commit {
             Ok(commit) => commit,
             Err(e) => {
                 self.unclaim(&live);

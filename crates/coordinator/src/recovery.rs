@@ -207,18 +207,24 @@ impl Coordinator {
                     Instant::now(),
                     now_wall,
                 );
-                // In the log before it counts: the next start must know it (and its end).
-                self.wal
-                    .grant(&live)
-                    .map_err(Error::Unavailable)?
-                    .await
-                    .map_err(Error::Unavailable)?;
-                tracing::warn!(task = %task, agent = %l.agent, token = l.token, "adopted a lease taken without the coordinator");
-                let mut table = self.table();
-                table.bump_past(l.token);
-                if table.entry(task).is_none() {
-                    table.insert(live);
+                // In the table and queued for the log in one step (as every grant), and in
+                // the log before this task goes on: the next start must know it and its end.
+                // The task's guard is held, so nothing else can change it meanwhile.
+                let commit = {
+                    let mut table = self.table();
+                    table.bump_past(l.token);
+                    table.insert(live.clone());
+                    self.wal.grant(&live)
+                };
+                let logged = match commit {
+                    Ok(c) => c.await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = logged {
+                    self.table().remove_lease(task, &live.lease_id);
+                    return Err(Error::Unavailable(e));
                 }
+                tracing::warn!(task = %task, agent = %l.agent, token = l.token, "adopted a lease taken without the coordinator");
             }
             Ok(Some(_)) | Err(_) => {
                 if let Err(e) = &file {

@@ -74,6 +74,17 @@ fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
     }
 }
 
+/// The agent a change (transition, release) is made as: an agent token's own; for an
+/// operator, the agent named, if any (an operator may act without naming one).
+fn agent_of_change(who: &Caller, requested: &str) -> Result<Option<AgentId>, Status> {
+    match who.role {
+        Role::Agent => acting_agent(who, requested).map(Some),
+        Role::Operator => (!requested.is_empty())
+            .then(|| agent_id(requested))
+            .transpose(),
+    }
+}
+
 /// The agent an agent token is bound to; `None` for operators, who may act for any agent.
 fn bound_agent(who: &Caller) -> Result<Option<AgentId>, Status> {
     match who.role {
@@ -167,20 +178,20 @@ impl pb::tasks_server::Tasks for Service {
         // both the view and the typed lease.
         let live = self.coord.live_of(&task);
         let secrets = live.as_ref().is_some_and(|l| may_see_secrets(&who, l));
+        let hide = |id: &mut String, token: &mut u64| {
+            if !secrets {
+                id.clear();
+                *token = 0;
+            }
+        };
         view.lease = live.as_ref().map(|l| {
             let mut shown = l.as_store_lease(std::time::Instant::now());
-            if !secrets {
-                shown.lease_id.clear();
-                shown.token = 0;
-            }
+            hide(&mut shown.lease_id, &mut shown.token);
             shown
         });
         let lease = live.as_ref().map(|l| {
             let mut shown = lease_pb(l, false);
-            if !secrets {
-                shown.lease_id.clear();
-                shown.token = 0;
-            }
+            hide(&mut shown.lease_id, &mut shown.token);
             shown
         });
         Ok(Response::new(pb::TaskDetail {
@@ -242,12 +253,7 @@ impl pb::tasks_server::Tasks for Service {
                     .join(", ")
             ))
         })?;
-        let agent = match who.role {
-            Role::Agent => Some(acting_agent(&who, &r.agent)?),
-            Role::Operator => (!r.agent.is_empty())
-                .then(|| agent_id(&r.agent))
-                .transpose()?,
-        };
+        let agent = agent_of_change(&who, &r.agent)?;
         let presented = Presented {
             agent,
             lease_id: (!r.lease_id.is_empty())
@@ -353,12 +359,7 @@ impl pb::leases_server::Leases for Service {
     async fn release(&self, req: Request<pb::ReleaseRequest>) -> Res<pb::ReleaseResponse> {
         let who = caller(&req);
         let r = req.into_inner();
-        let agent = match who.role {
-            Role::Agent => Some(acting_agent(&who, &r.agent)?),
-            Role::Operator => (!r.agent.is_empty())
-                .then(|| agent_id(&r.agent))
-                .transpose()?,
-        };
+        let agent = agent_of_change(&who, &r.agent)?;
         let l = self
             .coord
             .release(
