@@ -505,6 +505,11 @@ async fn a_grant_taken_back_leaves_no_implementer_behind() {
         .await
         .expect_err("the grant's commit fails");
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    // Fail-stop: once the process is gone nothing more can be written.
+    assert!(
+        crate::harness::wait_bounded(&mut coord.child, Duration::from_secs(10)).is_some(),
+        "the coordinator stops after its log failed"
+    );
     assert_eq!(
         env.task_file("impl", ".state.implementer"),
         None,
@@ -515,8 +520,6 @@ async fn a_grant_taken_back_leaves_no_implementer_behind() {
         None,
         "a grant taken back recorded its holder"
     );
-    let _ = coord.child.kill();
-    let _ = coord.child.wait();
     let coord = Coord::start(&env, &[]);
     let mut api = coord.api().await;
     assert!(api.lease_of("impl").await.is_none());
@@ -525,10 +528,10 @@ async fn a_grant_taken_back_leaves_no_implementer_behind() {
         .await
         .expect("claims again");
     assert_eq!(l.state, "implement");
-    let implementers = env
-        .task_file("impl", ".state.implementer")
-        .expect("recorded now");
-    assert_eq!(String::from_utf8_lossy(&implementers), "agent-a\n");
+    assert_eq!(
+        api.get("impl").await.expect("get").implementers,
+        ["agent-a"]
+    );
 }
 
 /// Issue: "Replay never revives a lease that had ended": a `.state.lock` view left behind by
@@ -629,4 +632,55 @@ async fn a_lease_the_cli_took_while_no_coordinator_ran_is_found_before_the_task_
         api.lease_of("other").await.expect("kept").token,
         before.token
     );
+}
+
+/// Every agent that held a phase is refused as its approver (issue 14 item 5), also when the
+/// coordinator knew it only from its log: the agent held the lease and let it go without
+/// moving the task on, the log was rewritten (dropping that grant), and the coordinator was
+/// killed before any file said so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_past_holder_known_only_to_the_log_is_refused_as_approver_after_kill_9() {
+    let env = Env::with_config("log_compact_bytes = 4096\n");
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    api.claimable_task("gate").await;
+    api.claimable_task("churn").await;
+    let r = api.claim("gate", "agent-r", 60_000).await.expect("claim");
+    api.release(&r.lease_id, r.token).await.expect("release");
+    // Churn until the log is rewritten without agent-r's grant.
+    let wal = env.root().join(".automaton/leases.wal");
+    let started = Instant::now();
+    loop {
+        let l = api.claim("churn", "agent-c", 60_000).await.expect("claim");
+        api.release(&l.lease_id, l.token).await.expect("release");
+        if !String::from_utf8_lossy(&std::fs::read(&wal).expect("log")).contains(&r.lease_id) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never rewritten"
+        );
+    }
+    assert_eq!(
+        env.task_file("gate", ".state.holders"),
+        None,
+        "the test needs the holder known to the log alone"
+    );
+    coord.restart_after_kill(&[]);
+    let mut api = coord.api().await;
+    env.artifact("gate", "SPEC.md", "# Spec\n");
+    api.transition("gate", "research:awaiting_approval")
+        .await
+        .expect("to awaiting");
+    let before = env.snapshot();
+    expect_err(
+        api.approve("gate", "agent-r").await,
+        Code::FailedPrecondition,
+        "agent-r",
+        Some("refused"),
+    );
+    assert!(before == env.snapshot(), "a refused approval changed files");
+    api.approve("gate", "alice")
+        .await
+        .expect("someone else approves");
 }

@@ -758,12 +758,9 @@ async fn concurrent_implement_claims_record_each_implementer_in_its_own_task() {
     stop.store(true, Ordering::SeqCst);
     changer.await.expect("changer");
     let mut wrong = Vec::new();
+    let mut api = coord.api().await;
     for (task, agent, _) in &granted {
-        let text = env
-            .task_file(task, ".state.implementer")
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default();
-        let got: Vec<&str> = text.lines().collect();
+        let got = api.get(task).await.expect("get").implementers;
         if got != [agent.as_str()] {
             wrong.push(format!(
                 "{task}: .state.implementer = {got:?}, want [{agent}]"

@@ -129,9 +129,8 @@ async fn kill_9_under_claim_release_load_loses_nothing_acknowledged() {
     api.claim("implemented", "agent-impl", 60_000)
         .await
         .expect("claim implement");
-    let implementer = env
-        .task_file("implemented", ".state.implementer")
-        .expect("implementer");
+    let implementer = api.get("implemented").await.expect("get").implementers;
+    assert_eq!(implementer, ["agent-impl"]);
 
     let mut max_token_before = 0u64;
     for cycle in 0..2 {
@@ -205,9 +204,9 @@ async fn kill_9_under_claim_release_load_loses_nothing_acknowledged() {
             Some(&approved_state[..])
         );
         assert_eq!(
-            env.task_file("implemented", ".state.implementer")
-                .as_deref(),
-            Some(&implementer[..])
+            api.get("implemented").await.expect("get").implementers,
+            implementer,
+            "the implementer is known after kill -9"
         );
 
         // Every acknowledged claim that was never let go is still there: same agent, same token.

@@ -31,17 +31,21 @@ async fn reviewer_is_not_implementer_and_agent_token_cannot_approve() {
         .await
         .expect("A claims implement");
     assert_eq!(a.state, "implement");
-    let implementer = String::from_utf8(
-        env.task_file("sod", ".state.implementer")
-            .expect("recorded"),
-    )
-    .expect("utf8");
-    assert_eq!(implementer.lines().collect::<Vec<_>>(), ["agent-a"]);
+    // The implementer is known at once (from the lease log) ...
+    assert_eq!(
+        agent.get("sod").await.expect("get").implementers,
+        vec!["agent-a".to_string()]
+    );
     env.artifact("sod", "IMPLEMENTATION.md", "# Implementation\ndone\n");
     let t = agent
         .transition_under("sod", "code_review", &a)
         .await
         .expect("A moves to code_review under its lease");
+    // ... and in seed 001's file once the task moves on.
+    assert_eq!(
+        env.task_file("sod", ".state.implementer").as_deref(),
+        Some(&b"agent-a\n"[..])
+    );
     assert_eq!(t.released.expect("lease ended").token, a.token);
     assert!(agent.lease_of("sod").await.is_none());
     assert_eq!(

@@ -75,6 +75,18 @@ impl Coordinator {
         let state = self.touch(task).await?;
         self.project
             .claimable_in(task, state, agent, &self.policy)?;
+        // The implementer may not be in `.state.implementer` yet (`holders.rs`).
+        if self.policy.separated.contains(&state.phase)
+            && self.holders.pending_implementer(task, agent)
+        {
+            return Err(automaton_store::Error::Separation {
+                task: task.clone(),
+                agent: agent.to_string(),
+                phase: state.phase,
+                action: "claim",
+            }
+            .into());
+        }
         let now = Instant::now();
         // Decide under the table lock; anything that awaits happens after it is released.
         let renewal = {
@@ -149,6 +161,7 @@ impl Coordinator {
             live.view_expires = live.next_view_expires();
             // A lease displaced here had lapsed; the grant's record is its end at replay.
             let displaced = table.insert(live.clone()).filter(|d| !d.ending);
+            self.holders.granted(task, agent, state);
             // Queued under the table's lock, like every record: whatever is queued after
             // this grant became visible (a barrier, an end of it) is queued after it too.
             let commit = self.wal.grant(&live);
@@ -168,6 +181,7 @@ impl Coordinator {
             (live, displaced),
             |c, (live, displaced), logged| match logged {
                 Ok(()) => {
+                    c.holders.committed(&live.task, &live.agent, live.state);
                     if let Some(d) = displaced {
                         c.after_end(d, "expired");
                     }
@@ -180,26 +194,10 @@ impl Coordinator {
         .await;
         logged.map_err(Error::Unavailable)?;
         let (live, _) = live;
-        // The holder is recorded once the grant is durable, before it is acknowledged: a
-        // grant taken back leaves no trace, and a crash in between is repaired at start
-        // (every surviving grant's agent is recorded then).
-        if let Err(e) = self.record_holder(&live) {
-            self.unclaim(&live);
-            return Err(e);
-        }
         Ok(Granted {
             live,
             renewed: false,
         })
-    }
-
-    /// Records the agent of a grant as a holder of its phase (`.state.holders`, and
-    /// `.state.implementer` for implement): no holder may approve the phase's gate, and an
-    /// implementer may not review. The store writes each (task, phase, agent) once.
-    pub(crate) fn record_holder(&self, live: &Live) -> Result<(), Error> {
-        self.project
-            .record_holder(&live.task, &live.agent, live.state)?;
-        Ok(())
     }
 
     pub(crate) fn after_grant(&self, live: &Live) {
@@ -219,6 +217,7 @@ impl Coordinator {
     /// rewrite may have put the grant into its snapshot meanwhile.
     pub(crate) fn unclaim(&self, live: &Live) {
         self.table().remove_lease(&live.task, &live.lease_id);
+        self.holders.taken_back(&live.task, &live.agent, live.state);
         self.wal.append_end_nowait(&live.lease_id);
     }
 
@@ -430,7 +429,10 @@ impl Coordinator {
         // Snapshot and queue under the table's lock: no change can fall between the two, so
         // every record queued before the rewrite is reflected in the snapshot.
         let table = self.table();
-        drop(self.wal.rewrite(&table.records()));
+        let mut records = table.records();
+        // Holders of grants the rewrite drops, not yet in their task's files.
+        records.extend(self.holders.records());
+        drop(self.wal.rewrite(&records));
         true
     }
 

@@ -15,6 +15,7 @@ mod fencing;
 #[cfg(test)]
 #[path = "../../workflow/src/fuzz.rs"]
 mod fuzz;
+mod holders;
 mod keepalive;
 mod layers;
 mod lease_ops;
@@ -237,6 +238,22 @@ pub async fn serve(
         .map_err(|e| Error::Internal(format!("server failed: {e}")));
     sweeper.abort();
     result?;
+    // A clean stop leaves the task files complete: every holder written (after a crash the
+    // next start has them from the log).
+    if log_failure
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_none()
+    {
+        let c = coord.clone();
+        match tokio::task::spawn_blocking(move || c.flush_holders()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot record every lease holder at shutdown")
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot record every lease holder at shutdown"),
+        }
+    }
     match log_failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
         Some(why) => Err(Error::Unavailable(why)),
         None => Ok(()),

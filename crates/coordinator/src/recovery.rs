@@ -24,6 +24,9 @@ pub(crate) struct Recovered {
     pub log_mark: u64,
     /// The fencing mark on disk: every token up to it is reserved.
     pub fencing_mark: u64,
+    /// Every holder the log names (grants and `H` records), for `holders.rs` to make sure
+    /// the task files say so.
+    pub holders: Vec<(TaskName, AgentId, State)>,
 }
 
 /// Replays the log: the grants that no later record ended, at most one per task, and the
@@ -63,17 +66,34 @@ pub(crate) fn replay(log: &[Record]) -> (HashMap<TaskName, Record>, u64) {
                 }
             }
             Record::Mark { token } => mark = mark.max(*token),
+            Record::Holder { .. } => {}
         }
     }
     (by_task, mark)
+}
+
+/// Every (task, agent, state) the log says held a lease: its grants, ended or not, and its
+/// `H` records.
+pub(crate) fn holders_in(log: &[Record]) -> Vec<(TaskName, AgentId, State)> {
+    let mut seen = std::collections::HashSet::new();
+    log.iter()
+        .filter_map(|r| match r {
+            Record::Grant {
+                task, agent, state, ..
+            }
+            | Record::Holder { task, agent, state } => Some((task.clone(), agent.clone(), *state)),
+            _ => None,
+        })
+        .filter(|k| seen.insert(k.clone()))
+        .collect()
 }
 
 /// Rebuilds the table from the log alone — the log is the truth, and a start reads no task
 /// folder but those of the leases it keeps (100,000 folders cost seconds on a cold cache):
 /// - a lease whose task has since moved to another state is dropped (a lease is for a phase);
 /// - every surviving lease gets at least `grace` from now, so its holder can reconnect;
-/// - the agent of every surviving lease is recorded as a holder of its phase (the grant was
-///   durable before its holder was written);
+/// - every holder the log names is handed to `holders.rs`, which writes the task files in
+///   the background (an approval writes its task's first);
 /// - the fencing mark moves past every token seen, and a fresh block is reserved.
 ///
 /// The files are reconciled task by task when a task is first touched (see
@@ -115,7 +135,6 @@ pub(crate) fn recover(
                 continue;
             }
         }
-        project.record_holder(&task, &agent, state)?;
         table.insert(Live::recovered(
             task, agent, lease_id, token, ttl, state, grace, now, now_wall,
         ));
@@ -130,6 +149,7 @@ pub(crate) fn recover(
         notes,
         log_mark,
         fencing_mark,
+        holders: holders_in(log),
     })
 }
 
@@ -214,6 +234,7 @@ impl Coordinator {
                     let mut table = self.table();
                     table.bump_past(l.token);
                     table.insert(live.clone());
+                    self.holders.granted(task, &live.agent, state);
                     self.wal.grant(&live)
                 };
                 let logged = match commit {
@@ -222,8 +243,10 @@ impl Coordinator {
                 };
                 if let Err(e) = logged {
                     self.table().remove_lease(task, &live.lease_id);
+                    self.holders.taken_back(task, &live.agent, state);
                     return Err(Error::Unavailable(e));
                 }
+                self.holders.committed(task, &live.agent, state);
                 tracing::warn!(task = %task, agent = %l.agent, token = l.token, "adopted a lease taken without the coordinator");
             }
             Ok(Some(_)) | Err(_) => {
@@ -341,6 +364,30 @@ mod tests {
         assert_eq!(survivors(&log), ["A", "C"]);
         let log = [grant("t", "A", 1), grant("t", "A", 1), end("A")];
         assert!(survivors(&log).is_empty());
+    }
+
+    #[test]
+    fn every_holder_the_log_names_is_recovered_once() {
+        let holder = Record::Holder {
+            task: "u".parse().expect("task"),
+            agent: "b".parse().expect("agent"),
+            state: "implement".parse().expect("state"),
+        };
+        let log = [
+            grant("t", "A", 1),
+            end("A"),
+            grant("t", "A2", 2),
+            holder.clone(),
+        ];
+        let got = holders_in(&log);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(
+            got.iter()
+                .any(|(t, a, _)| t.to_string() == "t" && a.as_str() == "a")
+        );
+        assert!(got.iter().any(|(t, a, s)| t.to_string() == "u"
+            && a.as_str() == "b"
+            && s.phase == automaton_workflow::Phase::Implement));
     }
 
     #[test]

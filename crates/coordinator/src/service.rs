@@ -176,6 +176,7 @@ impl pb::tasks_server::Tasks for Service {
             .await?;
         // The coordinator's table is the truth; the file view may lag it. One lookup serves
         // both the view and the typed lease.
+        self.coord.implementers(&task, &mut view.implementers);
         let live = self.coord.live_of(&task);
         let secrets = live.as_ref().is_some_and(|l| may_see_secrets(&who, l));
         let hide = |id: &mut String, token: &mut u64| {

@@ -59,6 +59,8 @@ pub struct Coordinator {
     pub(crate) table: Mutex<Table>,
     pub(crate) fencing: Arc<Fencing>,
     pub(crate) wal: Wal,
+    /// Lease holders on their way to the task files (`holders.rs`).
+    pub(crate) holders: crate::holders::Holders,
     /// Serialise changes of one task with claims of it, so a claim never grants a lease on a
     /// state that a transition is replacing (held across the transition's disk writes).
     /// Sharded by task name: claims of different tasks do not wait for each other.
@@ -107,12 +109,17 @@ impl Coordinator {
             notes: recovered,
             log_mark,
             fencing_mark,
+            holders,
         } = crate::recovery::recover(&project, &log, grace)?;
+        let holders = crate::holders::Holders::new(holders);
         notes.extend(recovered);
         let fencing = Fencing::new(project.clone(), fencing_mark);
+        // The fresh log: the leases kept, and the holders not yet in their task's files.
+        let mut records = table.records();
+        records.extend(holders.records());
         let wal = Wal::create(
             &wal_path,
-            &table.records(),
+            &records,
             options.log_compact_bytes,
             options.failpoints,
         )
@@ -139,6 +146,7 @@ impl Coordinator {
                 table: Mutex::new(table),
                 fencing,
                 wal,
+                holders,
                 guards: (0..GUARD_SHARDS)
                     .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                     .collect(),
@@ -198,6 +206,26 @@ impl Coordinator {
         // A panic while holding the table cannot leave it half-updated in a way that matters
         // more than stopping the service would: keep serving.
         self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every agent that held implement on `task`: its `.state.implementer`, and those the log
+    /// knows that the file does not yet (see `holders.rs`).
+    pub(crate) fn implementers(
+        &self,
+        task: &TaskName,
+        in_file: &mut Vec<automaton_workflow::AgentId>,
+    ) {
+        for a in self.holders.pending_implementers(task) {
+            if !in_file.contains(&a) {
+                in_file.push(a);
+            }
+        }
+    }
+
+    /// Writes every lease holder the log knows and the task files do not yet (see
+    /// `holders.rs`): at shutdown, so the files alone are complete for the CLI's local mode.
+    pub fn flush_holders(&self) -> Result<(), Error> {
+        self.holders.flush_all(&self.project)
     }
 
     /// Resolves with the reason once the lease log has failed (the coordinator must stop).

@@ -37,10 +37,16 @@ impl Coordinator {
         self.touch_for_change(task).await?;
         let live = self.check_presented(task, p)?;
         let project = self.project.clone();
+        let holders = self.holders.clone();
         let t = task.clone();
-        let from = tokio::task::spawn_blocking(move || project.transition_owned(&t, target))
-            .await
-            .map_err(|e| Error::Internal(format!("transition task failed: {e}")))??;
+        let from = tokio::task::spawn_blocking(move || {
+            // The phase's holders in the task's files before the task moves on: by the time
+            // anyone can approve or review it, the files say who held it.
+            holders.flush(&project, &t)?;
+            project.transition_owned(&t, target).map_err(Error::from)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("transition task failed: {e}")))??;
         self.states().insert(task.clone(), target);
         let ended = match live {
             Some(l) => {
@@ -85,9 +91,14 @@ impl Coordinator {
         self.touch_for_change(task).await?;
         let holder = self.lease_of(task).map(|l| l.agent);
         let project = self.project.clone();
+        let holders = self.holders.clone();
         let (t, a) = (task.clone(), approver.to_string());
         let out = tokio::task::spawn_blocking(move || {
-            project.approve_as(&t, &a, holder.as_ref(), SystemTime::now())
+            // Every holder of the task in its files first: none may approve its own phase.
+            holders.flush(&project, &t)?;
+            project
+                .approve_as(&t, &a, holder.as_ref(), SystemTime::now())
+                .map_err(Error::from)
         })
         .await
         .map_err(|e| Error::Internal(format!("approve task failed: {e}")))??;

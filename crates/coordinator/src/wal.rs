@@ -39,6 +39,13 @@ pub(crate) enum Record {
     /// of every rewrite, so a start can tell its own `.state.lock` views (never adopted: the
     /// log knows their fate) from leases the CLI took while no coordinator ran.
     Mark { token: u64 },
+    /// An agent held a phase of a task whose files do not say so yet (see `holders.rs`):
+    /// written by a rewrite, for the grants it drops.
+    Holder {
+        task: TaskName,
+        agent: AgentId,
+        state: State,
+    },
 }
 
 impl Record {
@@ -55,6 +62,9 @@ impl Record {
             Record::End { lease_id } => render_end(lease_id, out),
             Record::Mark { token } => {
                 let _ = writeln!(out, "M\t{token}");
+            }
+            Record::Holder { task, agent, state } => {
+                let _ = writeln!(out, "H\t{task}\t{agent}\t{state}");
             }
         }
     }
@@ -75,6 +85,11 @@ impl Record {
             }),
             ["M", token] => Some(Record::Mark {
                 token: parse_token(token)?,
+            }),
+            ["H", task, agent, state] => Some(Record::Holder {
+                task: task.parse().ok()?,
+                agent: agent.parse().ok()?,
+                state: state.parse().ok()?,
             }),
             _ => None,
         }
