@@ -281,7 +281,8 @@ impl Coordinator {
 
     /// Touches every task in the background, at the lowest CPU priority: stale views are
     /// removed and leases the CLI took are adopted within seconds of a start, without
-    /// holding the start up (a request that touches a task first does it itself).
+    /// holding the start up (a request that touches a task first does it itself); then the
+    /// lease holders the log names are written to their task files.
     pub fn spawn_reconciler(self: &Arc<Self>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
@@ -313,6 +314,14 @@ impl Coordinator {
                     elapsed_ms = started.elapsed().as_millis() as u64,
                     "every task folder reconciled with the lease log"
                 );
+                // The holders the log brought back go to their files now, at this thread's
+                // low priority, so they do not ride along in every rewrite of the log (each
+                // start after a crash would otherwise carry more of them).
+                if let Some(coord) = me.upgrade()
+                    && let Err(e) = coord.flush_holders()
+                {
+                    tracing::warn!(error = %e, "cannot record the recovered lease holders");
+                }
             });
     }
 }
