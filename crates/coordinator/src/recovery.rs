@@ -281,7 +281,7 @@ impl Coordinator {
 
     /// Touches every task in the background, at the lowest CPU priority: stale views are
     /// removed and leases the CLI took are adopted within seconds of a start, without
-    /// holding the start up (a request that touches a task first does it itself); then the
+    /// holding the start up (a request that touches a task first does it itself). First, the
     /// lease holders the log names are written to their task files.
     pub fn spawn_reconciler(self: &Arc<Self>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -294,6 +294,14 @@ impl Coordinator {
             .spawn(move || {
                 #[cfg(unix)]
                 let _ = rustix::process::setpriority_process(None, 19);
+                // First, the holders the log brought back go to their files, at this
+                // thread's low priority, so they do not ride along in every rewrite of the
+                // log (each start after a crash would otherwise carry more of them).
+                if let Some(coord) = me.upgrade()
+                    && let Err(e) = coord.flush_holders()
+                {
+                    tracing::warn!(error = %e, "cannot record the recovered lease holders");
+                }
                 let started = Instant::now();
                 let tasks = match project.all_task_names() {
                     Ok(t) => t,
@@ -314,14 +322,6 @@ impl Coordinator {
                     elapsed_ms = started.elapsed().as_millis() as u64,
                     "every task folder reconciled with the lease log"
                 );
-                // The holders the log brought back go to their files now, at this thread's
-                // low priority, so they do not ride along in every rewrite of the log (each
-                // start after a crash would otherwise carry more of them).
-                if let Some(coord) = me.upgrade()
-                    && let Err(e) = coord.flush_holders()
-                {
-                    tracing::warn!(error = %e, "cannot record the recovered lease holders");
-                }
             });
     }
 }
