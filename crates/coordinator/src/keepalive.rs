@@ -112,6 +112,23 @@ impl KeepAlive {
         }
     }
 
+    /// What the stream yields now from its queued answers: the next one, a wait, or the
+    /// error that ends it; `None` when nothing is queued.
+    #[allow(clippy::type_complexity)]
+    fn answered(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Option<Poll<Option<Result<pb::KeepAliveResponse, Status>>>> {
+        match self.next_answer(cx) {
+            Poll::Pending => return Some(Poll::Pending),
+            Poll::Ready(Some(r)) => return Some(Poll::Ready(Some(Ok(r)))),
+            Poll::Ready(None) => {}
+        }
+        let status = self.fail.take()?;
+        self.done = true;
+        Some(Poll::Ready(Some(Err(status))))
+    }
+
     /// The next answer, once whatever it waits for is durable.
     fn next_answer(&mut self, cx: &mut Context<'_>) -> Poll<Option<pb::KeepAliveResponse>> {
         if let Some(commit) = &mut self.durable {
@@ -144,14 +161,8 @@ impl Stream for KeepAlive {
         if this.done {
             return Poll::Ready(None);
         }
-        match this.next_answer(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Some(r)) => return Poll::Ready(Some(Ok(r))),
-            Poll::Ready(None) => {}
-        }
-        if let Some(status) = this.fail.take() {
-            this.done = true;
-            return Poll::Ready(Some(Err(status)));
+        if let Some(ready) = this.answered(cx) {
+            return ready;
         }
         loop {
             match this.notices.poll_recv(cx) {
@@ -190,14 +201,8 @@ impl Stream for KeepAlive {
                         let r = this.renew(id);
                         this.pending.push_back(r);
                     }
-                    match this.next_answer(cx) {
-                        Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Some(r)) => return Poll::Ready(Some(Ok(r))),
-                        Poll::Ready(None) => {}
-                    }
-                    if let Some(status) = this.fail.take() {
-                        this.done = true;
-                        return Poll::Ready(Some(Err(status)));
+                    if let Some(ready) = this.answered(cx) {
+                        return ready;
                     }
                     // An empty request: read the next one.
                 }
