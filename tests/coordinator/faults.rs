@@ -227,17 +227,9 @@ async fn an_agent_token_acts_only_as_its_agent_and_sees_only_its_own_lease_secre
         "leased to agent-a",
         Some("refused"),
     );
-    let mut stream = b
-        .leases
-        .keep_alive(b.req(tokio_stream::iter(vec![pb::KeepAliveRequest {
-            lease_ids: vec![la.lease_id.clone()],
-        }])))
+    let answer = b
+        .keep_alive_once(vec![la.lease_id.clone()])
         .await
-        .expect("stream")
-        .into_inner();
-    let answer = tokio::time::timeout(Duration::from_secs(5), stream.message())
-        .await
-        .expect("answered")
         .expect("ok")
         .expect("one answer");
     assert!(
@@ -301,18 +293,10 @@ async fn oversized_requests_are_refused_in_one_short_line() {
         );
     }
     let ids: Vec<String> = (0..1025).map(|i| format!("l{i}")).collect();
-    let mut stream = api
-        .leases
-        .keep_alive(api.req(tokio_stream::iter(vec![pb::KeepAliveRequest {
-            lease_ids: ids,
-        }])))
+    let status = api
+        .keep_alive_once(ids)
         .await
-        .expect("stream")
-        .into_inner();
-    let end = tokio::time::timeout(Duration::from_secs(5), stream.message())
-        .await
-        .expect("answered");
-    let status = end.expect_err("too many ids end the stream");
+        .expect_err("too many ids end the stream");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("at most 1024"), "{status:?}");
 }
@@ -444,31 +428,8 @@ async fn a_rewrite_that_fails_after_its_rename_stops_the_coordinator_and_loses_n
 /// client, Postman and older grpcurl speak only v1alpha)".
 #[tokio::test(flavor = "multi_thread")]
 async fn reflection_is_served_as_v1alpha_too() {
-    use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
-    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
-
     let coord = Coord::start(&Env::with_config(TOKENS_TOML), &[]);
-    let mut refl = ServerReflectionClient::new(coord.channel().await);
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut stream = refl
-        .server_reflection_info(tokio_stream::iter(vec![req]))
-        .await
-        .expect("v1alpha reflection")
-        .into_inner();
-    let msg = tokio::time::timeout(Duration::from_secs(5), stream.message())
-        .await
-        .expect("answers")
-        .expect("ok")
-        .expect("one response");
-    let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
-        panic!("not a ListServicesResponse: {msg:?}");
-    };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    let names = crate::harness::reflected_services!(v1alpha, coord.channel().await);
     for want in [
         "automaton.v1.Tasks",
         "automaton.v1.Leases",
@@ -672,6 +633,17 @@ async fn a_past_holder_known_only_to_the_log_is_refused_as_approver_after_kill_9
     api.transition("gate", "research:awaiting_approval")
         .await
         .expect("to awaiting");
+    // The start's background pass writes the holders the log brought back (churn's too):
+    // let it finish before comparing files.
+    crate::harness::poll(
+        "the recovered holders written",
+        Duration::from_secs(10),
+        || {
+            let written = env.task_file("churn", ".state.holders").is_some();
+            async move { written.then_some(()) }
+        },
+    )
+    .await;
     let before = env.snapshot();
     expect_err(
         api.approve("gate", "agent-r").await,

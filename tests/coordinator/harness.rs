@@ -630,6 +630,18 @@ impl Api {
         self.leases.renew(r).await.map(|r| r.into_inner())
     }
 
+    /// One KeepAlive request naming `ids` on a fresh stream: its first answer, or the
+    /// status that ended the stream (5 s at most).
+    pub async fn keep_alive_once(&mut self, ids: Vec<String>) -> R<Option<pb::KeepAliveResponse>> {
+        let req = self.req(tokio_stream::iter(vec![pb::KeepAliveRequest {
+            lease_ids: ids,
+        }]));
+        let mut stream = self.leases.keep_alive(req).await?.into_inner();
+        tokio::time::timeout(Duration::from_secs(5), stream.message())
+            .await
+            .expect("a KeepAlive answer within 5 s")
+    }
+
     pub async fn release(&mut self, lease_id: &str, token: u64) -> R<pb::ReleaseResponse> {
         let r = self.req(pb::ReleaseRequest {
             lease_id: lease_id.into(),
@@ -667,6 +679,40 @@ impl Api {
         }
     }
 }
+
+/// The services server reflection lists on channel `$ch`, asked in version `$v` (`v1` or
+/// `v1alpha`: the same messages in two packages).
+macro_rules! reflected_services {
+    ($v:ident, $ch:expr) => {{
+        use tonic_reflection::pb::$v::ServerReflectionRequest;
+        use tonic_reflection::pb::$v::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::$v::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::$v::server_reflection_response::MessageResponse;
+        let mut refl = ServerReflectionClient::new($ch);
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut stream = refl
+            .server_reflection_info(tokio_stream::iter(vec![req]))
+            .await
+            .expect("reflection")
+            .into_inner();
+        let msg = tokio::time::timeout(std::time::Duration::from_secs(5), stream.message())
+            .await
+            .expect("reflection answers")
+            .expect("ok")
+            .expect("one response");
+        let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
+            panic!("not a ListServicesResponse: {msg:?}");
+        };
+        list.service
+            .into_iter()
+            .map(|s| s.name)
+            .collect::<Vec<String>>()
+    }};
+}
+pub(crate) use reflected_services;
 
 /// Asserts that `r` failed with `code`, a message containing `contains`, and (when given)
 /// the `automaton-error-kind` metadata `kind`. Returns the status.

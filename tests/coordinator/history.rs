@@ -228,6 +228,29 @@ fn failed(s: &Status) -> Outcome {
     }
 }
 
+/// What a `GetTask` of `task` answered, as the history records it.
+fn get_outcome(task: &str, r: &Result<pb::TaskDetail, Status>) -> Outcome {
+    let known = LeaseInfo {
+        task: task.to_string(),
+        agent: String::new(),
+        lease_id: String::new(),
+        token: 0,
+        ttl_ms: 0,
+        state: String::new(),
+    };
+    match r {
+        Ok(d) => Outcome::Ok(Answer::Task {
+            state: d
+                .summary
+                .as_ref()
+                .map(|s| s.state.clone())
+                .unwrap_or_default(),
+            lease: d.lease.as_ref().map(|l| info(l, &known)),
+        }),
+        Err(s) => failed(s),
+    }
+}
+
 /// A lease as an answer named it; what the answer left out (KeepAlive's answers carry only
 /// the id, token and TTL) is taken from `known`.
 fn info(l: &pb::Lease, known: &LeaseInfo) -> LeaseInfo {
@@ -633,25 +656,7 @@ impl Client {
         };
         let start = self.sh.now();
         let r = self.api.get(&task).await;
-        let known = LeaseInfo {
-            task: task.clone(),
-            agent: String::new(),
-            lease_id: String::new(),
-            token: 0,
-            ttl_ms: 0,
-            state: String::new(),
-        };
-        let outcome = match &r {
-            Ok(d) => Outcome::Ok(Answer::Task {
-                state: d
-                    .summary
-                    .as_ref()
-                    .map(|s| s.state.clone())
-                    .unwrap_or_default(),
-                lease: d.lease.as_ref().map(|l| info(l, &known)),
-            }),
-            Err(s) => failed(s),
-        };
+        let outcome = get_outcome(&task, &r);
         self.record(Op::Get { task: task.clone() }, start, &outcome, false);
         match outcome {
             Outcome::Ok(Answer::Task { state, .. }) => {
@@ -1022,25 +1027,7 @@ async fn kill_9_at_random_instants_breaks_no_lease_promise() {
     for task in all {
         let start = sh.now();
         let r = client.api.get(&task).await;
-        let known = LeaseInfo {
-            task: task.clone(),
-            agent: String::new(),
-            lease_id: String::new(),
-            token: 0,
-            ttl_ms: 0,
-            state: String::new(),
-        };
-        let outcome = match &r {
-            Ok(d) => Outcome::Ok(Answer::Task {
-                state: d
-                    .summary
-                    .as_ref()
-                    .map(|s| s.state.clone())
-                    .unwrap_or_default(),
-                lease: d.lease.as_ref().map(|l| info(l, &known)),
-            }),
-            Err(s) => failed(s),
-        };
+        let outcome = get_outcome(&task, &r);
         client.record(Op::Get { task }, start, &outcome, false);
     }
     if let Ok(Some(st)) = coord.child.try_wait() {

@@ -134,10 +134,6 @@ async fn health_serving_and_reflection_lists_every_service() {
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
 
     // With tokens configured: health and reflection stay open to probes and tools.
     let coord = Coord::start(&Env::with_config(TOKENS_TOML), &[]);
@@ -173,25 +169,7 @@ async fn health_serving_and_reflection_lists_every_service() {
         None,
     );
 
-    let mut refl = ServerReflectionClient::new(ch);
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut stream = refl
-        .server_reflection_info(tokio_stream::iter(vec![req]))
-        .await
-        .expect("reflection")
-        .into_inner();
-    let msg = tokio::time::timeout(Duration::from_secs(5), stream.message())
-        .await
-        .expect("reflection answers")
-        .expect("ok")
-        .expect("one response");
-    let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
-        panic!("not a ListServicesResponse: {msg:?}");
-    };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    let names = crate::harness::reflected_services!(v1, ch);
     for want in [
         "automaton.v1.Tasks",
         "automaton.v1.Leases",

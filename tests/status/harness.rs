@@ -196,6 +196,21 @@ pub fn artifact_of(phase: &str) -> Option<&'static str> {
     })
 }
 
+/// From `new` to `referee` through every mandatory phase (seed 001's code_review included).
+pub const TO_REFEREE: &[&str] = &[
+    "research",
+    "research:awaiting_approval",
+    "research:approved",
+    "implement",
+    "code_review",
+    "code_review:awaiting_approval",
+    "code_review:approved",
+    "bug_find",
+    "adversarial_bug_find",
+    "doc_review",
+    "referee",
+];
+
 /// The path from `new` to `implement` through research and its approval.
 pub const TO_IMPLEMENT: &[&str] = &[
     "research",

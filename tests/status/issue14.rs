@@ -394,22 +394,7 @@ fn issue14_item6_parent_cannot_complete_before_its_subtasks() {
 fn issue14_item7_unreadable_verdict_allows_human_intervention_only() {
     let env = Env::new();
     for (task, body) in [("a", "Result: PASS\n"), ("b", "The verdict is PASS.\n")] {
-        env.drive(
-            task,
-            &[
-                "research",
-                "research:awaiting_approval",
-                "research:approved",
-                "implement",
-                "code_review",
-                "code_review:awaiting_approval",
-                "code_review:approved",
-                "bug_find",
-                "adversarial_bug_find",
-                "doc_review",
-                "referee",
-            ],
-        );
+        env.drive(task, TO_REFEREE);
         env.artifact(task, "VERDICT.md", body);
         let r = env.refused(&["--task", task, "--transition", "complete"]);
         r.code(1);

@@ -10,21 +10,6 @@ use std::process::Command;
 
 use crate::harness::*;
 
-/// From `new` to `referee` through every mandatory phase (seed 001's code_review included).
-const TO_REFEREE: &[&str] = &[
-    "research",
-    "research:awaiting_approval",
-    "research:approved",
-    "implement",
-    "code_review",
-    "code_review:awaiting_approval",
-    "code_review:approved",
-    "bug_find",
-    "adversarial_bug_find",
-    "doc_review",
-    "referee",
-];
-
 /// sha256 of the bytes `spec v1\n`, `spec v2\n` and `content\n` (what `drive` writes).
 const SHA_V1: &str = "f89f546b78a376fbc01ba0d2d9d22533a181ef63b48d72066a46cd376d8d129e";
 const SHA_V2: &str = "c58cff8bf957f306090ca83b32b274b7dddcbcafc64eb6ee42c8fc193b12ec53";

@@ -526,11 +526,7 @@ impl automaton_store::LeaseStore for Coordinator {
     }
 
     async fn live(&self, task: &TaskName) -> Result<Option<automaton_store::Lease>, Error> {
-        if let Err(e @ (Error::Unavailable(_) | Error::Internal(_))) =
-            self.touch_guarded(task).await
-        {
-            return Err(e);
-        }
+        self.touch_guarded(task).await?;
         Ok(self.lease_of(task))
     }
 

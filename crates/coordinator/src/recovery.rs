@@ -270,13 +270,14 @@ impl Coordinator {
         }
     }
 
-    /// [`Coordinator::touch`] under the task's guard, for paths that do not hold it (reads).
+    /// [`Coordinator::touch_for_change`] under the task's guard, for paths that do not hold
+    /// it (reads): only a failure to make an adoption durable is an error.
     pub(crate) async fn touch_guarded(&self, task: &TaskName) -> Result<(), Error> {
         if self.states().contains_key(task) {
             return Ok(());
         }
         let _guard = self.guard(task).await;
-        self.touch(task).await.map(drop)
+        self.touch_for_change(task).await
     }
 
     /// Touches every task in the background, at the lowest CPU priority: stale views are

@@ -164,11 +164,7 @@ impl pb::tasks_server::Tasks for Service {
         let who = caller(&req);
         let task = task_name(&req.get_ref().task)?;
         // A lease the CLI took while no coordinator ran is shown once adopted.
-        if let Err(e @ (Error::Unavailable(_) | Error::Internal(_))) =
-            self.coord.touch_guarded(&task).await
-        {
-            return Err(e.into());
-        }
+        self.coord.touch_guarded(&task).await?;
         let t = task.clone();
         let mut view = self
             .coord

@@ -1,7 +1,7 @@
 //! The coordinator: its parts (lease table, log, fencing, guards, views, events) and how it
 //! opens. What it does lives beside it: `lease_ops.rs` (claims, renewals, releases, expiry),
 //! `task_changes.rs` (transitions, approvals, creation), `recovery.rs` (start-up and the first
-//! touch of a task), `events.rs`, `views.rs`, `commit.rs`.
+//! touch of a task), `holders.rs` (who held each phase), `events.rs`, `views.rs`, `commit.rs`.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, MutexGuard};
