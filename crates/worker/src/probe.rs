@@ -53,3 +53,60 @@ pub struct Probe {
     pub cpus: u32,
     pub budget: Budget,
 }
+
+/// The flags that decide what the probe finds (shared by `probe` and the session).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct DetectArgs {
+    /// Replace NVML with a fake GPU, e.g. `sim-a:24GiB` (repeatable). Every report and
+    /// registration says the GPUs are simulated.
+    #[arg(long = "simulate-gpu", value_name = "NAME:SIZE")]
+    pub simulate_gpu: Vec<String>,
+}
+
+/// Probes the machine. Never fails: whatever cannot be found is reported with the reason.
+pub fn detect(args: &DetectArgs) -> Probe {
+    let gpus: Vec<Gpu> = args
+        .simulate_gpu
+        .iter()
+        .enumerate()
+        .map(|(i, s)| Gpu {
+            index: i as u32,
+            name: s.clone(),
+            uuid: format!("SIM-{i}"),
+            total_bytes: 0,
+            free_bytes: 0,
+            driver: "simulated".into(),
+        })
+        .collect();
+    Probe {
+        host: String::new(),
+        simulated: !gpus.is_empty(),
+        gpus,
+        gpu_note: None,
+        ram_bytes: 0,
+        cpus: 0,
+        budget: Budget {
+            model_context_kb: 128_000,
+            framework_overhead_tokens: 4000,
+            recommended_kb: 8000,
+            recommended_k: 8,
+            headroom: 0.25,
+            max_peak_context_kb: 6000,
+            source: "placeholder".into(),
+            context_source: "placeholder".into(),
+            num_ctx: None,
+            auto_detect: true,
+        },
+    }
+}
+
+/// `automaton-worker probe`: prints the probe (seed 002's block, or JSON).
+pub fn run(args: &DetectArgs, json: bool) -> anyhow::Result<()> {
+    let p = detect(args);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+    } else {
+        println!("{p:?}");
+    }
+    Ok(())
+}
