@@ -158,6 +158,7 @@ async fn an_agent_token_acts_only_as_its_agent_and_sees_only_its_own_lease_secre
         task: "t".into(),
         agent: String::new(),
         ttl_ms: 60_000,
+        ..Default::default()
     });
     req.set_timeout(Duration::from_secs(10));
     let la = a

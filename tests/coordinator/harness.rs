@@ -618,6 +618,7 @@ impl Api {
             task: task.into(),
             agent: agent.into(),
             ttl_ms,
+            ..Default::default()
         });
         self.leases.claim(r).await.map(|r| r.into_inner())
     }

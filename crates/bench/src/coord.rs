@@ -72,6 +72,7 @@ impl Backend for Coordinator {
             task: self.task(client, slot),
             agent: agent(client),
             ttl_ms: self.ttl_ms,
+            ..Default::default()
         };
         let lease: Lease = self.client(client).unary(CLAIM, request).await?;
         if lease.lease_id.is_empty() || lease.token == 0 {

@@ -87,6 +87,7 @@ async fn claim(url: &str, task: &str, deadline: Instant) -> Result<pb::Lease> {
                     task: task.into(),
                     agent: "bench".into(),
                     ttl_ms: 600_000,
+                    ..Default::default()
                 })
                 .await?
                 .into_inner();

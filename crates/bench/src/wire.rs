@@ -481,6 +481,7 @@ mod tests {
             task,
             agent: "a".into(),
             ttl_ms: 1000,
+            ..Default::default()
         }
     }
 

@@ -385,6 +385,7 @@ impl Backend {
                     task: task.to_string(),
                     agent: agent.to_string(),
                     ttl_ms: ttl.map_or(0, |t| t.as_millis() as u64),
+                    ..Default::default()
                 };
                 let out = r.run(r.leases().claim(req))?;
                 Ok((lease_from_pb(&out)?, out.renewed))

@@ -17,6 +17,16 @@ pub enum Role {
     Agent,
     /// Everything, including approve and create.
     Operator,
+    /// A worker machine: holds a session (`Workers.Session`) under its name and claims only
+    /// as itself, within that session; otherwise as an agent.
+    Worker,
+}
+
+impl Role {
+    /// Agents and workers act only as the name their token is bound to.
+    pub fn is_bound(self) -> bool {
+        matches!(self, Role::Agent | Role::Worker)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,6 +75,12 @@ pub struct Config {
     pub lease_ttl_max: Duration,
     /// The most lease ids one KeepAlive message may name.
     pub keepalive_max_ids: usize,
+    /// A worker session silent this long is dead, and every lease it holds ends.
+    #[serde(with = "duration")]
+    pub session_timeout: Duration,
+    /// How often workers are told to heartbeat (at most a third of the session timeout).
+    #[serde(with = "duration")]
+    pub heartbeat_interval: Duration,
     pub tls: Option<Tls>,
     pub tokens: Vec<Token>,
 }
@@ -83,6 +99,8 @@ impl Default for Config {
             lease_ttl_min: automaton_workflow::TtlBounds::DEFAULT.min,
             lease_ttl_max: automaton_workflow::TtlBounds::DEFAULT.max,
             keepalive_max_ids: 1024,
+            session_timeout: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(2),
             tls: None,
             tokens: Vec::new(),
         }
@@ -99,6 +117,8 @@ pub struct Overrides {
     pub grace_period: Option<Duration>,
     pub lease_ttl_min: Option<Duration>,
     pub lease_ttl_max: Option<Duration>,
+    pub session_timeout: Option<Duration>,
+    pub heartbeat_interval: Option<Duration>,
 }
 
 mod duration {
@@ -180,6 +200,12 @@ impl Config {
         if let Some(t) = flags.lease_ttl_max {
             cfg.lease_ttl_max = t;
         }
+        if let Some(t) = flags.session_timeout {
+            cfg.session_timeout = t;
+        }
+        if let Some(t) = flags.heartbeat_interval {
+            cfg.heartbeat_interval = t;
+        }
         Ok(cfg)
     }
 
@@ -215,6 +241,8 @@ impl Config {
             ("AUTOMATON_RPC_TIMEOUT", &mut self.rpc_timeout),
             ("AUTOMATON_LEASE_TTL_MIN", &mut self.lease_ttl_min),
             ("AUTOMATON_LEASE_TTL_MAX", &mut self.lease_ttl_max),
+            ("AUTOMATON_SESSION_TIMEOUT", &mut self.session_timeout),
+            ("AUTOMATON_HEARTBEAT_INTERVAL", &mut self.heartbeat_interval),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = parse_duration(&v).ok_or_else(|| bad(key, &v, "a duration like 30s"))?;
@@ -245,6 +273,7 @@ impl Config {
         for (key, role) in [
             ("AUTOMATON_OPERATOR_TOKEN", Role::Operator),
             ("AUTOMATON_AGENT_TOKEN", Role::Agent),
+            ("AUTOMATON_WORKER_TOKEN", Role::Worker),
         ] {
             if let Some(token) = env_var(key) {
                 self.tokens.push(Token {
@@ -266,10 +295,11 @@ impl Config {
             )));
         }
         for t in &self.tokens {
-            // An agent token speaks for the agent it names: the name must be one.
-            if t.role == Role::Agent && t.name.parse::<automaton_workflow::AgentId>().is_err() {
+            // An agent or worker token speaks for the agent it names: the name must be one.
+            if t.role.is_bound() && t.name.parse::<automaton_workflow::AgentId>().is_err() {
                 return Err(Error::Config(format!(
-                    "agent token name '{}' is not an agent id: use lowercase letters, digits and dashes (it is the agent this token may act as)",
+                    "{} token name '{}' is not an agent id: use lowercase letters, digits and dashes (it is the name this token may act as)",
+                    format!("{:?}", t.role).to_lowercase(),
                     t.name
                 )));
             }
@@ -302,6 +332,15 @@ impl Config {
                 self.lease_ttl_max > automaton_workflow::TtlBounds::CEILING,
                 "lease_ttl_max must be at most 366 days",
             ),
+            (
+                self.session_timeout < Duration::from_millis(100),
+                "session_timeout must be at least 100ms",
+            ),
+            (
+                self.heartbeat_interval.is_zero()
+                    || self.heartbeat_interval.saturating_mul(3) > self.session_timeout,
+                "heartbeat_interval must be above zero and at most a third of session_timeout",
+            ),
         ] {
             if bad {
                 return Err(Error::Config(what.into()));
@@ -333,6 +372,8 @@ impl Config {
             log_compact_bytes: self.log_compact_bytes,
             ttl: self.ttl_bounds(),
             keepalive_max_ids: self.keepalive_max_ids,
+            session_timeout: self.session_timeout,
+            heartbeat_interval: self.heartbeat_interval,
             failpoints,
         }
     }

@@ -43,7 +43,19 @@ impl Coordinator {
         agent: &AgentId,
         ttl: Option<Duration>,
     ) -> Result<Granted, Error> {
-        let result = self.claim_inner(task, agent, ttl).await;
+        self.claim_in(task, agent, ttl, None).await
+    }
+
+    /// A claim, in a worker session when `session` is given (the session's id, or empty for
+    /// the agent's live session): the lease then ends when the session dies.
+    pub async fn claim_in(
+        &self,
+        task: &TaskName,
+        agent: &AgentId,
+        ttl: Option<Duration>,
+        session: Option<&str>,
+    ) -> Result<Granted, Error> {
+        let result = self.claim_inner(task, agent, ttl, session).await;
         if let Err(e) = &result
             && self.watched()
         {
@@ -63,6 +75,7 @@ impl Coordinator {
         task: &TaskName,
         agent: &AgentId,
         ttl: Option<Duration>,
+        session: Option<&str>,
     ) -> Result<Granted, Error> {
         let ttl =
             match ttl {
@@ -143,6 +156,11 @@ impl Coordinator {
         }
         let (live, displaced, commit) = {
             let mut table = self.table();
+            // Under the table's lock: a session that dies after this check finds this grant
+            // in the table and ends it too.
+            let session = session
+                .map(|s| self.session_for_claim(agent, s))
+                .transpose()?;
             let token = table.take_token();
             self.fencing.cover(token)?;
             let claimed = SystemTime::now();
@@ -157,6 +175,7 @@ impl Coordinator {
                 claimed,
                 view_expires: claimed,
                 ending: false,
+                session: session.clone(),
             };
             live.view_expires = live.next_view_expires();
             // A lease displaced here had lapsed; the grant's record is its end at replay.
@@ -395,6 +414,7 @@ impl Coordinator {
 
     pub(crate) fn after_end(&self, l: &Live, reason: &'static str) {
         self.view_of(l, false);
+        self.tell_session(l, reason);
         // Without a KeepAlive stream, building the notice is wasted work.
         if self.watchers.any() {
             self.watchers.lost(&Lost {
@@ -405,7 +425,7 @@ impl Coordinator {
             });
         }
         if self.watched() {
-            let kind = if reason == "expired" {
+            let kind = if reason == "expired" || reason == "session_expired" {
                 "lease_expired"
             } else {
                 "lease_released"

@@ -22,6 +22,8 @@ mod lease_ops;
 pub mod owner;
 mod recovery;
 mod service;
+mod sessions;
+mod worker_service;
 mod state;
 mod table;
 mod task_changes;
@@ -62,6 +64,11 @@ pub enum Error {
     Invalid(String),
     #[error("{0}")]
     PermissionDenied(String),
+    /// Refused by a rule outside the store (a worker session's).
+    #[error("{0}")]
+    Refused(String),
+    #[error("{0}")]
+    AlreadyExists(String),
     #[error("project is owned by another coordinator ({holder}); stop it first, or talk to it (see {})", path.display())]
     Owned {
         path: std::path::PathBuf,
@@ -97,6 +104,8 @@ impl From<Error> for Status {
             Error::LeaseNotFound(_) => (tonic::Code::NotFound, ErrorKind::NotFound),
             Error::Invalid(_) => (tonic::Code::InvalidArgument, ErrorKind::Invalid),
             Error::PermissionDenied(_) => (tonic::Code::PermissionDenied, ErrorKind::Refused),
+            Error::Refused(_) => (tonic::Code::FailedPrecondition, ErrorKind::Refused),
+            Error::AlreadyExists(_) => (tonic::Code::AlreadyExists, ErrorKind::AlreadyExists),
             Error::Owned { .. } | Error::Config(_) => {
                 (tonic::Code::FailedPrecondition, ErrorKind::Refused)
             }
@@ -131,7 +140,9 @@ pub async fn serve(
     let limit = cfg.max_message_bytes;
     let tasks = pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit);
     let leases = pb::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(limit);
-    let events = pb::events_server::EventsServer::new(svc).max_decoding_message_size(limit);
+    let events =
+        pb::events_server::EventsServer::new(svc.clone()).max_decoding_message_size(limit);
+    let workers = pb::workers_server::WorkersServer::new(svc).max_decoding_message_size(limit);
 
     let (health, health_svc) = tonic_health::server::health_reporter();
     health
@@ -142,6 +153,9 @@ pub async fn serve(
         .await;
     health
         .set_serving::<pb::events_server::EventsServer<service::Service>>()
+        .await;
+    health
+        .set_serving::<pb::workers_server::WorkersServer<service::Service>>()
         .await;
     health
         .set_service_status("", tonic_health::ServingStatus::Serving)
@@ -171,6 +185,7 @@ pub async fn serve(
                 tokio::select! {
                     _ = tick.tick() => {
                         coord.expire();
+                        coord.expire_sessions();
                         coord.compact_log();
                     }
                     _ = stop.changed() => return,
@@ -212,6 +227,7 @@ pub async fn serve(
             // Streams never finish on their own: tell them to end so the drain can complete.
             let _ = stop_tx.send(true);
             coord.watchers.stop_all();
+            coord.sessions.stop_all();
         }
     };
     let result = builder
@@ -229,6 +245,7 @@ pub async fn serve(
         .add_service(tasks)
         .add_service(leases)
         .add_service(events)
+        .add_service(workers)
         .serve_with_incoming_shutdown(
             // Small request/response messages: Nagle plus delayed ACKs would add ~40 ms.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),

@@ -40,6 +40,12 @@ struct Flags {
     /// Longest TTL a claim may ask for (default 7d).
     #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 7d or 12h"))]
     lease_ttl_max: Option<std::time::Duration>,
+    /// A worker session silent this long is dead and its leases end (default 10s).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 10s or 500ms"))]
+    session_timeout: Option<std::time::Duration>,
+    /// How often workers heartbeat (default 2s; at most a third of the session timeout).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 2s or 200ms"))]
+    heartbeat_interval: Option<std::time::Duration>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -79,6 +85,8 @@ fn run() -> anyhow::Result<()> {
         grace_period: flags.grace_period,
         lease_ttl_min: flags.lease_ttl_min,
         lease_ttl_max: flags.lease_ttl_max,
+        session_timeout: flags.session_timeout,
+        heartbeat_interval: flags.heartbeat_interval,
     })?;
     if flags.print_config {
         print!("{}", cfg.to_toml());

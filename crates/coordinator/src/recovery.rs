@@ -116,6 +116,7 @@ pub(crate) fn recover(
             token,
             ttl,
             state,
+            session,
             ..
         } = r
         else {
@@ -135,9 +136,11 @@ pub(crate) fn recover(
                 continue;
             }
         }
-        table.insert(Live::recovered(
+        let mut live = Live::recovered(
             task, agent, lease_id, token, ttl, state, grace, now, now_wall,
-        ));
+        );
+        live.session = session.map(Arc::from);
+        table.insert(live);
     }
     // The CLI moves the fencing mark past every token it issues: no folder need be read.
     let mark = project.fencing_mark()?.max(log_mark);
@@ -188,6 +191,7 @@ impl Live {
             claimed: now_wall,
             view_expires: wall_later(now_wall, live.saturating_add(ttl)),
             ending: false,
+            session: None,
         }
     }
 }
@@ -339,6 +343,7 @@ mod tests {
             token,
             ttl: Duration::from_secs(30),
             state: "research".parse().expect("state"),
+            session: None,
         }
     }
 

@@ -42,26 +42,38 @@ fn json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
     serde_json::to_string(v).map_err(|e| Status::internal(format!("cannot encode JSON: {e}")))
 }
 
-fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
+pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
     if c.role == Role::Operator {
         Ok(())
     } else {
         Err(Error::PermissionDenied(format!(
-            "{what} needs an operator token; '{}' is an agent",
-            c.name
+            "{what} needs an operator token; '{}' is {}",
+            c.name,
+            if c.role == Role::Worker {
+                "a worker"
+            } else {
+                "an agent"
+            }
         ))
         .into())
     }
 }
 
-/// The agent a caller acts as. An agent token is bound to its agent: the request's agent must
-/// be empty or that agent. An operator names any agent.
+/// The agent a caller acts as. An agent or worker token is bound to its name: the request's
+/// agent must be empty or that name. An operator names any agent.
 fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
     match who.role {
-        Role::Agent if requested.is_empty() || requested == who.name => agent_id(&who.name),
-        Role::Agent => Err(Error::PermissionDenied(format!(
-            "'{}' holds an agent token and may act only as itself, not as '{}': leave agent empty or send '{}'",
+        Role::Agent | Role::Worker if requested.is_empty() || requested == who.name => {
+            agent_id(&who.name)
+        }
+        Role::Agent | Role::Worker => Err(Error::PermissionDenied(format!(
+            "'{}' holds {} token and may act only as itself, not as '{}': leave agent empty or send '{}'",
             who.name,
+            if who.role == Role::Worker {
+                "a worker"
+            } else {
+                "an agent"
+            },
             automaton_workflow::excerpt(requested),
             who.name
         ))
@@ -78,7 +90,7 @@ fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
 /// operator, the agent named, if any (an operator may act without naming one).
 fn agent_of_change(who: &Caller, requested: &str) -> Result<Option<AgentId>, Status> {
     match who.role {
-        Role::Agent => acting_agent(who, requested).map(Some),
+        Role::Agent | Role::Worker => acting_agent(who, requested).map(Some),
         Role::Operator => (!requested.is_empty())
             .then(|| agent_id(requested))
             .transpose(),
@@ -88,7 +100,7 @@ fn agent_of_change(who: &Caller, requested: &str) -> Result<Option<AgentId>, Sta
 /// The agent an agent token is bound to; `None` for operators, who may act for any agent.
 fn bound_agent(who: &Caller) -> Result<Option<AgentId>, Status> {
     match who.role {
-        Role::Agent => agent_id(&who.name).map(Some),
+        Role::Agent | Role::Worker => agent_id(&who.name).map(Some),
         Role::Operator => Ok(None),
     }
 }
@@ -124,6 +136,7 @@ pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {
         expires_at: format_time(l.expires_at(now)),
         remaining_ms: l.deadline.saturating_duration_since(now).as_millis() as u64,
         renewed,
+        session_id: l.session.as_deref().unwrap_or_default().to_string(),
     }
 }
 
@@ -258,7 +271,7 @@ impl pb::tasks_server::Tasks for Service {
                 .transpose()?,
             token: (r.token != 0).then_some(r.token),
         };
-        if who.role == Role::Agent && presented.lease_id.is_none() && presented.token.is_none() {
+        if who.role.is_bound() && presented.lease_id.is_none() && presented.token.is_none() {
             return Err(Error::PermissionDenied(format!(
                 "'{}' is an agent: an agent transitions only under its lease (present lease_id and token)",
                 who.name
@@ -332,9 +345,48 @@ impl pb::leases_server::Leases for Service {
         let who = caller(&req);
         let r = req.into_inner();
         let task = task_name(&r.task)?;
-        let agent = acting_agent(&who, &r.agent)?;
-        let ttl = (r.ttl_ms != 0).then(|| Duration::from_millis(r.ttl_ms));
-        let g = self.coord.claim(&task, &agent, ttl).await?;
+        if r.session_id.len() > MAX_LEASE_ID {
+            return Err(Error::Invalid(format!(
+                "session id '{}' is longer than {MAX_LEASE_ID} bytes: send the session_id a SessionGranted returned",
+                automaton_workflow::excerpt(&r.session_id)
+            ))
+            .into());
+        }
+        // A worker claims only in its session; an operator may claim in any (the session
+        // then names the agent); an agent's own leases belong to no session.
+        let (agent, session) = match who.role {
+            Role::Worker => (acting_agent(&who, &r.agent)?, Some(r.session_id.as_str())),
+            Role::Operator if !r.session_id.is_empty() => {
+                let Some(name) = self.coord.session_name(&r.session_id) else {
+                    return Err(Error::Refused(format!(
+                        "session '{}' has ended (or never existed): the worker must register again",
+                        automaton_workflow::excerpt(&r.session_id)
+                    ))
+                    .into());
+                };
+                if !r.agent.is_empty() && r.agent != name.as_str() {
+                    return Err(Error::Invalid(format!(
+                        "session '{}' is worker '{name}''s, not '{}': leave agent empty or send '{name}'",
+                        r.session_id,
+                        automaton_workflow::excerpt(&r.agent)
+                    ))
+                    .into());
+                }
+                (name, Some(r.session_id.as_str()))
+            }
+            Role::Agent if !r.session_id.is_empty() => {
+                return Err(Error::PermissionDenied(format!(
+                    "'{}' holds an agent token: only workers (and operators) claim in a worker session",
+                    who.name
+                ))
+                .into());
+            }
+            _ => (acting_agent(&who, &r.agent)?, None),
+        };
+        let g = {
+            let ttl = (r.ttl_ms != 0).then(|| Duration::from_millis(r.ttl_ms));
+            self.coord.claim_in(&task, &agent, ttl, session).await?
+        };
         Ok(Response::new(lease_pb(&g.live, g.renewed)))
     }
 

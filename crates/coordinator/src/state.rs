@@ -33,6 +33,10 @@ pub struct Options {
     pub ttl: automaton_workflow::TtlBounds,
     /// The most lease ids one KeepAlive message may name.
     pub keepalive_max_ids: usize,
+    /// A worker session silent this long is dead (`sessions.rs`).
+    pub session_timeout: Duration,
+    /// How often workers heartbeat.
+    pub heartbeat_interval: Duration,
     /// Test hooks that fail the log's disk on purpose (`AUTOMATON_FAILPOINTS`).
     pub failpoints: crate::wal::Failpoints,
 }
@@ -44,6 +48,8 @@ impl Default for Options {
             log_compact_bytes: 16 << 20,
             ttl: automaton_workflow::TtlBounds::DEFAULT,
             keepalive_max_ids: 1024,
+            session_timeout: Duration::from_secs(10),
+            heartbeat_interval: Duration::from_secs(2),
             failpoints: crate::wal::Failpoints::default(),
         }
     }
@@ -81,6 +87,8 @@ pub struct Coordinator {
     pub(crate) watchers_of_events: Arc<AtomicUsize>,
     pub(crate) watchers: Watchers,
     pub(crate) seq: AtomicU64,
+    /// Worker sessions (`sessions.rs`).
+    pub(crate) sessions: crate::sessions::Sessions,
 }
 
 impl Coordinator {
@@ -137,8 +145,9 @@ impl Coordinator {
         }
         let views = crate::views::spawn_view_writer(project.clone(), written);
         let (events, _) = broadcast::channel(4096);
-        Ok((
-            Arc::new_cyclic(|me| Coordinator {
+        let sessions =
+            crate::sessions::Sessions::new(options.session_timeout, options.heartbeat_interval);
+        let coord = Arc::new_cyclic(|me| Coordinator {
                 me: me.clone(),
                 project,
                 policy,
@@ -158,9 +167,11 @@ impl Coordinator {
                 watchers_of_events: Arc::new(AtomicUsize::new(0)),
                 watchers: Watchers::default(),
                 seq: AtomicU64::new(0),
-            }),
-            notes,
-        ))
+                sessions,
+            });
+        // Sessions that own live leases wait for their workers to resume them.
+        coord.recover_sessions();
+        Ok((coord, notes))
     }
 
     /// The guard of `task`'s shard.

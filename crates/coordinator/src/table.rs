@@ -4,7 +4,8 @@
 //! clock of whoever reads a `.state.lock`. The TTL is a minimum: a lease lives at least its
 //! TTL after its last renewal, and at least the grace period after a restart.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_store::Lease;
@@ -29,6 +30,8 @@ pub struct Live {
     /// Lapsed, its end queued for the log: it stays in the table (never live again) until
     /// that end is durable, so nobody is told it ended before a restart would agree.
     pub ending: bool,
+    /// The worker session that owns the lease: it ends the moment the session dies.
+    pub session: Option<Arc<str>>,
 }
 
 impl Live {
@@ -54,6 +57,7 @@ impl Live {
             token: self.token,
             ttl: self.ttl,
             state: self.state,
+            session: self.session.as_deref().map(str::to_string),
         }
     }
 
@@ -111,6 +115,8 @@ pub(crate) fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
 pub(crate) struct Table {
     by_task: HashMap<TaskName, Live>,
     by_id: HashMap<String, TaskName>,
+    /// The tasks each worker session holds leases on.
+    by_session: HashMap<Arc<str>, HashSet<TaskName>>,
     pub(crate) next_token: u64,
 }
 
@@ -143,11 +149,14 @@ impl Table {
     /// Inserts `live`, returning the lease it displaces on its task (a lapsed one: a live
     /// lease is never displaced). Replay treats the new grant as that lease's end.
     pub fn insert(&mut self, live: Live) -> Option<Live> {
-        let old = self.by_task.remove(&live.task);
-        if let Some(old) = &old {
-            self.by_id.remove(&old.lease_id);
-        }
+        let old = self.remove(&live.task);
         self.by_id.insert(live.lease_id.clone(), live.task.clone());
+        if let Some(s) = &live.session {
+            self.by_session
+                .entry(s.clone())
+                .or_default()
+                .insert(live.task.clone());
+        }
         self.by_task.insert(live.task.clone(), live);
         old
     }
@@ -155,7 +164,52 @@ impl Table {
     pub fn remove(&mut self, task: &TaskName) -> Option<Live> {
         let old = self.by_task.remove(task)?;
         self.by_id.remove(&old.lease_id);
+        if let Some(s) = &old.session
+            && let Some(tasks) = self.by_session.get_mut(s)
+        {
+            tasks.remove(task);
+            if tasks.is_empty() {
+                self.by_session.remove(s);
+            }
+        }
         Some(old)
+    }
+
+    /// Marks every lease of `session` as ending now and returns them (the session died):
+    /// never live again, removed once their ends are durable, like [`Table::mark_lapsed`].
+    pub fn mark_session_ending(&mut self, session: &str, now: Instant) -> Vec<Live> {
+        let Some(tasks) = self.by_session.get(session) else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            if let Some(l) = self.by_task.get_mut(t)
+                && !l.ending
+            {
+                l.ending = true;
+                l.deadline = l.deadline.min(now);
+                out.push(l.clone());
+            }
+        }
+        out
+    }
+
+    /// The live leases of `session`.
+    pub fn of_session(&self, session: &str, now: Instant) -> Vec<&Live> {
+        self.by_session
+            .get(session)
+            .into_iter()
+            .flatten()
+            .filter_map(|t| self.live(t, now))
+            .collect()
+    }
+
+    /// Every session that owns a lease in the table (a start recovers them).
+    pub fn sessions(&self) -> impl Iterator<Item = (&Arc<str>, &AgentId)> {
+        self.by_session.iter().filter_map(|(s, tasks)| {
+            let t = tasks.iter().next()?;
+            Some((s, &self.by_task.get(t)?.agent))
+        })
     }
 
     /// Removes `task`'s entry if it is still the lease `lease_id`.

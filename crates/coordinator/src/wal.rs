@@ -31,6 +31,8 @@ pub(crate) enum Record {
         token: u64,
         ttl: Duration,
         state: State,
+        /// The worker session that owns the lease (it ends with the session).
+        session: Option<String>,
     },
     /// Released, expired, or ended by a transition. (A grant also ends every earlier grant
     /// of its task: a claim that displaces a lapsed lease writes no `End` of its own.)
@@ -58,7 +60,17 @@ impl Record {
                 token,
                 ttl,
                 state,
-            } => render_grant(task, agent, lease_id, *token, *ttl, *state, out),
+                session,
+            } => render_grant(
+                task,
+                agent,
+                lease_id,
+                *token,
+                *ttl,
+                *state,
+                session.as_deref(),
+                out,
+            ),
             Record::End { lease_id } => render_end(lease_id, out),
             Record::Mark { token } => {
                 let _ = writeln!(out, "M\t{token}");
@@ -72,14 +84,21 @@ impl Record {
     fn parse(line: &str) -> Option<Record> {
         let f: Vec<&str> = line.split('\t').collect();
         match f.as_slice() {
-            ["G", task, agent, lease_id, token, ttl, state] => Some(Record::Grant {
-                task: task.parse().ok()?,
-                agent: agent.parse().ok()?,
-                lease_id: lease_id.to_string(),
-                token: parse_token(token)?,
-                ttl: Duration::from_millis(ttl.parse().ok()?),
-                state: state.parse().ok()?,
-            }),
+            ["G", task, agent, lease_id, token, ttl, state, session @ ..] if session.len() <= 1 => {
+                Some(Record::Grant {
+                    task: task.parse().ok()?,
+                    agent: agent.parse().ok()?,
+                    lease_id: lease_id.to_string(),
+                    token: parse_token(token)?,
+                    ttl: Duration::from_millis(ttl.parse().ok()?),
+                    state: state.parse().ok()?,
+                    session: match session {
+                        [s] if crate::sessions::valid_id(s) => Some(s.to_string()),
+                        [_] => return None,
+                        _ => None,
+                    },
+                })
+            }
             ["E", lease_id] => Some(Record::End {
                 lease_id: lease_id.to_string(),
             }),
@@ -104,6 +123,7 @@ fn parse_token(text: &str) -> Option<u64> {
         .filter(|t| *t <= automaton_store::MAX_TOKEN)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn render_grant(
     task: &TaskName,
     agent: &AgentId,
@@ -111,14 +131,20 @@ fn render_grant(
     token: u64,
     ttl: Duration,
     state: State,
+    session: Option<&str>,
     out: &mut Vec<u8>,
 ) {
     // Writing into a Vec cannot fail.
-    let _ = writeln!(
+    let _ = write!(
         out,
         "G\t{task}\t{agent}\t{lease_id}\t{token}\t{}\t{state}",
         ttl.as_millis()
     );
+    // A grant outside any session keeps the original seven fields.
+    if let Some(s) = session {
+        let _ = write!(out, "\t{s}");
+    }
+    out.push(b'\n');
 }
 
 fn render_end(lease_id: &str, out: &mut Vec<u8>) {
@@ -438,6 +464,7 @@ impl Wal {
             l.token,
             l.ttl,
             l.state,
+            l.session.as_deref(),
             &mut bytes,
         );
         self.submit(bytes)
@@ -646,6 +673,7 @@ mod tests {
             token,
             ttl: Duration::from_millis(1500),
             state: "implement".parse().expect("valid"),
+            session: None,
         }
     }
 

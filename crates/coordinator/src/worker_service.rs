@@ -1,0 +1,179 @@
+//! The `Workers` service: the session stream, `ListWorkers`, `DrainWorker` (proto in,
+//! `sessions.rs` operations, proto out).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use automaton_proto::v1 as pb;
+use pb::coordinator_message::Msg as Out;
+use pb::worker_message::Msg as In;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::Error;
+use crate::auth::caller;
+use crate::config::Role;
+use crate::service::{Service, require_operator};
+use crate::sessions::Push;
+
+/// A session's outbound messages; ends after the first `Push::End`.
+pub struct Outbound {
+    rx: mpsc::UnboundedReceiver<Push>,
+    done: bool,
+}
+
+impl Stream for Outbound {
+    type Item = Result<pb::CoordinatorMessage, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(Push::Msg(m))) => Poll::Ready(Some(Ok(m))),
+            Poll::Ready(Some(Push::End(s))) => {
+                self.done = true;
+                if s.code() == tonic::Code::Ok {
+                    Poll::Ready(None)
+                } else {
+                    Poll::Ready(Some(Err(s)))
+                }
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+fn msg(m: Out) -> Push {
+    Push::Msg(pb::CoordinatorMessage { msg: Some(m) })
+}
+
+#[tonic::async_trait]
+impl pb::workers_server::Workers for Service {
+    type SessionStream = Outbound;
+
+    async fn session(
+        &self,
+        req: Request<Streaming<pb::WorkerMessage>>,
+    ) -> Result<Response<Outbound>, Status> {
+        let who = caller(&req);
+        let bound = match who.role {
+            Role::Worker => Some(who.name.clone()),
+            Role::Operator => None,
+            Role::Agent => {
+                return Err(Error::PermissionDenied(format!(
+                    "'{}' holds an agent token: a worker session needs a worker token (role = \"worker\")",
+                    who.name
+                ))
+                .into());
+            }
+        };
+        let mut inbound = req.into_inner();
+        // The first message registers; a client that sends nothing is dropped after one
+        // session timeout.
+        let first = tokio::time::timeout(self.coord.sessions.timeout, inbound.message())
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(
+                    "no Register within the session timeout: send Register first",
+                )
+            })??;
+        let Some(pb::WorkerMessage {
+            msg: Some(In::Register(reg)),
+        }) = first
+        else {
+            return Err(Status::failed_precondition(
+                "the first message of a session must be a Register",
+            ));
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let joined = self
+            .coord
+            .register(bound.as_deref(), reg, tx.clone())
+            .await?;
+        let _ = tx.send(msg(Out::Granted(joined.granted)));
+        let coord = self.coord.clone();
+        let mut stop = self.shutdown.clone();
+        let (id, generation) = (joined.id, joined.generation);
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    m = inbound.message() => m,
+                    _ = stop.changed() => break,
+                };
+                match next {
+                    Ok(Some(pb::WorkerMessage {
+                        msg: Some(In::Heartbeat(h)),
+                    })) => match coord.heartbeat(&id, generation) {
+                        Ok(()) => {
+                            let _ = tx.send(msg(Out::Ack(pb::HeartbeatAck { seq: h.seq })));
+                        }
+                        Err(s) => {
+                            let _ = tx.send(Push::End(s));
+                            break;
+                        }
+                    },
+                    Ok(Some(pb::WorkerMessage {
+                        msg: Some(In::Deregister(_)),
+                    })) => {
+                        if let Err(e) = coord.deregister(&id, generation).await {
+                            let _ = tx.send(Push::End(e.into()));
+                        } else {
+                            let _ = tx.send(Push::End(Status::ok("deregistered")));
+                        }
+                        break;
+                    }
+                    Ok(Some(pb::WorkerMessage {
+                        msg: Some(In::Register(_)),
+                    })) => {
+                        let _ = tx.send(Push::End(Status::invalid_argument(
+                            "this stream already registered: send Heartbeat or Deregister",
+                        )));
+                        coord.sessions.detach(&id, generation);
+                        break;
+                    }
+                    Ok(Some(pb::WorkerMessage { msg: None })) => {
+                        let _ = tx.send(Push::End(Status::invalid_argument(
+                            "an empty WorkerMessage: send Heartbeat or Deregister",
+                        )));
+                        coord.sessions.detach(&id, generation);
+                        break;
+                    }
+                    // The stream broke or the worker closed it: the session lives on until
+                    // its timeout, for the worker to resume.
+                    Ok(None) | Err(_) => {
+                        coord.sessions.detach(&id, generation);
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Outbound { rx, done: false }))
+    }
+
+    async fn list_workers(
+        &self,
+        req: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        let who = caller(&req);
+        let workers = self
+            .coord
+            .workers(who.role == Role::Operator, Some(who.name.as_str()));
+        Ok(Response::new(pb::ListWorkersResponse { workers }))
+    }
+
+    async fn drain_worker(
+        &self,
+        req: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        require_operator(&caller(&req), "DrainWorker")?;
+        let r = req.into_inner();
+        let name = r
+            .name
+            .parse()
+            .map_err(|e: automaton_workflow::NameError| Error::Invalid(format!("worker name: {e}")))?;
+        Ok(Response::new(self.coord.drain(&name, r.undo)?))
+    }
+}
