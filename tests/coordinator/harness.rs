@@ -44,10 +44,24 @@ token = "agent-secret-0123456789ab"
 name = "agent-b"
 role = "agent"
 token = "agent-b-secret-0123456789"
+
+[[tokens]]
+name = "gpu-a"
+role = "worker"
+token = "worker-a-secret-0123456789"
+
+[[tokens]]
+name = "gpu-b"
+role = "worker"
+token = "worker-b-secret-0123456789"
 "#;
 
+/// Worker tokens, bound to `gpu-a` and `gpu-b`.
+pub const WORKER_A_TOKEN: &str = "worker-a-secret-0123456789";
+pub const WORKER_B_TOKEN: &str = "worker-b-secret-0123456789";
+
 /// Environment variables that would make a child depend on the machine running the tests.
-const SCRUBBED_ENV: &[&str] = &[
+pub const SCRUBBED_ENV: &[&str] = &[
     "AUTOMATON_COORDINATOR",
     "AUTOMATON_TOKEN",
     "AUTOMATON_CONFIG",
@@ -62,20 +76,32 @@ const SCRUBBED_ENV: &[&str] = &[
     "AUTOMATON_TLS_KEY",
     "AUTOMATON_OPERATOR_TOKEN",
     "AUTOMATON_AGENT_TOKEN",
+    "AUTOMATON_WORKER_TOKEN",
+    "AUTOMATON_SESSION_TIMEOUT",
+    "AUTOMATON_HEARTBEAT_INTERVAL",
     "AUTOMATON_CALL_TIMEOUT",
 ];
 
 /// The `automaton` CLI binary, built next to the coordinator by `cargo test --workspace`.
 pub fn cli_bin() -> PathBuf {
+    sibling_bin("automaton")
+}
+
+/// The `automaton-worker` binary, built next to the coordinator by `cargo test --workspace`.
+pub fn worker_bin() -> PathBuf {
+    sibling_bin("automaton-worker")
+}
+
+fn sibling_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("the test binary lives in target/<profile>/deps");
-    let bin = dir.join(format!("automaton{}", std::env::consts::EXE_SUFFIX));
+    let bin = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.is_file(),
-        "the `automaton` CLI binary is missing at {}: run `cargo test --workspace` (or `cargo build --workspace`) first",
+        "the `{name}` binary is missing at {}: run `cargo test --workspace` (or `cargo build --workspace`) first",
         bin.display()
     );
     bin

@@ -111,6 +111,13 @@ impl Remote {
         pb::leases_client::LeasesClient::with_interceptor(self.channel.clone(), self.stamp.clone())
     }
 
+    fn workers(&self) -> pb::workers_client::WorkersClient<Intercepted> {
+        pb::workers_client::WorkersClient::with_interceptor(
+            self.channel.clone(),
+            self.stamp.clone(),
+        )
+    }
+
     /// Runs one call to completion. A coordinator that cannot finish the call by its deadline
     /// answers so itself; one that never answers (hung, or the connection dead) is given up
     /// on at the deadline, with the same advice.
@@ -238,6 +245,30 @@ impl Backend {
             channel,
             stamp: Stamp { bearer, deadline },
         })))
+    }
+
+    /// The coordinator, for the commands that exist only with one (the fleet's).
+    fn remote_only(&self, what: &str) -> Result<&Remote, Failure> {
+        match self {
+            Backend::Remote(r) => Ok(r),
+            Backend::Local(_) => Err(Failure::Usage(format!(
+                "{what} needs a running coordinator: start automaton-coordinator, or pass --coordinator URL (or AUTOMATON_COORDINATOR)"
+            ))),
+        }
+    }
+
+    pub fn list_workers(&self) -> Result<Vec<pb::WorkerInfo>, Failure> {
+        let r = self.remote_only("automaton workers")?;
+        Ok(r.run(r.workers().list_workers(pb::ListWorkersRequest {}))?
+            .workers)
+    }
+
+    pub fn drain_worker(&self, name: &str, undo: bool) -> Result<pb::WorkerInfo, Failure> {
+        let r = self.remote_only("automaton workers drain")?;
+        r.run(r.workers().drain_worker(pb::DrainWorkerRequest {
+            name: name.to_string(),
+            undo,
+        }))
     }
 
     pub fn coordinator(&self) -> Option<&str> {

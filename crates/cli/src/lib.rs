@@ -8,6 +8,7 @@
 
 mod backend;
 mod render;
+mod workers;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -30,10 +31,14 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// The status commands of the status-script spec (what `status.py` did).
     Status(StatusArgs),
+    /// The fleet: every worker with its GPUs, budget, state, task and heartbeat age.
+    Workers(workers::WorkersArgs),
 }
 
 /// Flags are spelled as seed 004 spells them, so `status.py` prompts keep working.
@@ -198,6 +203,7 @@ fn misplaced_agent_md_warning(args: &StatusArgs) -> Option<String> {
 /// Runs a parsed command line; prints and returns the exit code.
 pub fn run(cli: Cli) -> i32 {
     match cli.command {
+        Command::Workers(args) => workers::run(&args),
         Command::Status(args) => {
             let json = args.json;
             let warning = misplaced_agent_md_warning(&args);

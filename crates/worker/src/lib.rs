@@ -7,3 +7,4 @@
 //! are the coordinator's calls. The worker reports and obeys.
 
 pub mod probe;
+pub mod session;

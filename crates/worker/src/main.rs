@@ -1,15 +1,43 @@
 //! `automaton-worker`: `probe` reports what this machine can hold; without a subcommand the
 //! worker joins the coordinator's fleet and holds its session.
 
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use automaton_worker::probe;
+use automaton_worker::{probe, session};
 
 #[derive(Parser)]
-#[command(name = "automaton-worker", version, about)]
+#[command(name = "automaton-worker", version, about, args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
+    /// The coordinator to join, e.g. http://10.0.0.5:7070 (also AUTOMATON_COORDINATOR).
+    #[arg(long, value_name = "URL")]
+    coordinator: Option<String>,
+    /// This worker's name (an agent id; with a worker token, the token's name). Default: the
+    /// host name, made an agent id.
+    #[arg(long)]
+    name: Option<String>,
+    /// The worker token (also AUTOMATON_TOKEN): `role = "worker"` in the coordinator's config.
+    #[arg(long, value_name = "TOKEN")]
+    token: Option<String>,
+    /// How many leases this worker works on at once.
+    #[arg(long, default_value_t = 1)]
+    capacity: u32,
+    /// End a live session under the same name instead of being refused.
+    #[arg(long)]
+    replace: bool,
+    /// The longest wait between reconnection attempts.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    max_backoff: Duration,
+    /// Log format on stderr: text (default) or json.
+    #[arg(long, value_name = "FORMAT", default_value = "text")]
+    log_format: String,
+    #[command(flatten)]
+    detect: probe::DetectArgs,
 }
 
 #[derive(Subcommand)]
@@ -25,19 +53,101 @@ enum Cmd {
     },
 }
 
-fn main() -> std::process::ExitCode {
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    automaton_workflow::parse_duration(s).ok_or_else(|| format!("'{s}': write e.g. 5s or 500ms"))
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = match cli.cmd {
-        Some(Cmd::Probe { detect, json }) => probe::run(&detect, json),
-        None => Err(anyhow::anyhow!(
-            "no coordinator given: run `automaton-worker probe`, or join with --coordinator URL"
-        )),
+        Some(Cmd::Probe { ref detect, json }) => probe::run(detect, json),
+        None => join(cli),
     };
     match out {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("automaton-worker: {e:#}");
-            std::process::ExitCode::from(2)
+            ExitCode::from(2)
         }
     }
+}
+
+/// A name for this worker from the host name: lowercase, other characters made `-`.
+fn default_name(host: &str) -> String {
+    let n: String = host
+        .to_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let n = n.trim_matches('-').to_string();
+    if n.is_empty() { "worker".into() } else { n }
+}
+
+fn join(cli: Cli) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    match cli.log_format.as_str() {
+        "json" => logs.json().init(),
+        "text" => logs.init(),
+        other => anyhow::bail!("unknown --log-format '{other}': use text or json"),
+    }
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let coordinator = match cli.coordinator.or_else(|| env("AUTOMATON_COORDINATOR")) {
+        Some(url) if url.trim().is_empty() => {
+            anyhow::bail!("--coordinator is empty: give a URL such as http://127.0.0.1:7070")
+        }
+        Some(url) => url,
+        None => anyhow::bail!(
+            "no coordinator given: join with --coordinator URL (or AUTOMATON_COORDINATOR), or run `automaton-worker probe`"
+        ),
+    };
+    if cli.capacity == 0 {
+        anyhow::bail!("--capacity must be at least 1");
+    }
+    let probe = probe::detect(&cli.detect);
+    let name = cli.name.unwrap_or_else(|| default_name(&probe.host));
+    if name.parse::<automaton_workflow::AgentId>().is_err() {
+        anyhow::bail!(
+            "--name '{name}' is not a worker name: use lowercase letters, digits and dashes"
+        );
+    }
+    let opts = session::Options {
+        coordinator,
+        name,
+        token: cli.token.or_else(|| env("AUTOMATON_TOKEN")),
+        capacity: cli.capacity,
+        replace: cli.replace,
+        max_backoff: cli.max_backoff.max(Duration::from_millis(100)),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        install_signals(stop_tx)?;
+        session::run(probe, opts, stop).await?;
+        Ok(())
+    })
+}
+
+/// SIGTERM and SIGINT stop the worker: it deregisters (its leases released at once) and
+/// exits 0. Installed before the worker connects, so no early signal kills it uncleanly.
+fn install_signals(stop: tokio::sync::watch::Sender<bool>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        let _ = stop.send(true);
+    });
+    Ok(())
 }

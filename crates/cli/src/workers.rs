@@ -1,0 +1,229 @@
+//! `automaton workers`: the fleet as the coordinator sees it, and `drain` / `undrain`.
+
+use std::path::PathBuf;
+
+use automaton_proto::v1 as pb;
+use automaton_store::{ErrorKind, Project};
+use clap::{Args, Subcommand};
+
+use crate::backend::{self, Backend, Failure};
+
+#[derive(Debug, Args)]
+pub struct WorkersArgs {
+    #[command(subcommand)]
+    pub action: Option<WorkersAction>,
+    /// Project folder (default: the current directory): finds its coordinator.
+    #[arg(long, value_name = "PATH", global = true)]
+    pub project: Option<PathBuf>,
+    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
+    #[arg(long, value_name = "URL", global = true)]
+    pub coordinator: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WorkersAction {
+    /// Stop new work for a worker (it keeps what it holds).
+    Drain { name: String },
+    /// Let a drained worker take work again.
+    Undrain { name: String },
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn json(w: &pb::WorkerInfo) -> serde_json::Value {
+    let b = w.budget.clone().unwrap_or_default();
+    serde_json::json!({
+        "name": w.name,
+        "host": w.host,
+        "state": w.state,
+        "simulated": w.simulated,
+        "gpus": w.gpus.iter().map(|g| serde_json::json!({
+            "index": g.index,
+            "name": g.name,
+            "uuid": g.uuid,
+            "total_bytes": g.total_bytes,
+            "free_bytes": g.free_bytes,
+            "driver": g.driver,
+        })).collect::<Vec<_>>(),
+        "ram_bytes": w.ram_bytes,
+        "cpus": w.cpus,
+        "budget": {
+            "model_context_kb": b.model_context_kb,
+            "framework_overhead_tokens": b.framework_overhead_tokens,
+            "recommended_kb": b.recommended_kb,
+            "headroom": b.headroom,
+            "max_peak_context_kb": b.max_peak_context_kb,
+            "source": b.source,
+            "context_source": b.context_source,
+            "num_ctx": b.num_ctx,
+        },
+        "capacity": w.capacity,
+        "leases": w.leases.iter().map(|l| serde_json::json!({"task": l.task, "phase": l.phase})).collect::<Vec<_>>(),
+        "heartbeat_age_ms": w.heartbeat_age_ms,
+        "since": w.since,
+        "session_id": w.session_id,
+        "version": w.version,
+    })
+}
+
+fn gpus(w: &pb::WorkerInfo) -> String {
+    if w.gpus.is_empty() {
+        return "none".into();
+    }
+    let list: Vec<String> = w
+        .gpus
+        .iter()
+        .map(|g| {
+            format!(
+                "{} {:.1}/{:.1} GiB free",
+                g.name,
+                g.free_bytes as f64 / GIB,
+                g.total_bytes as f64 / GIB
+            )
+        })
+        .collect();
+    format!(
+        "{}{}",
+        list.join(", "),
+        if w.simulated { " (simulated)" } else { "" }
+    )
+}
+
+fn table(workers: &[pb::WorkerInfo]) -> String {
+    if workers.is_empty() {
+        return "No workers: start automaton-worker --coordinator URL on each GPU machine.\n"
+            .into();
+    }
+    let rows: Vec<[String; 7]> = workers
+        .iter()
+        .map(|w| {
+            let budget = w.budget.clone().unwrap_or_default();
+            let work = if w.leases.is_empty() {
+                "-".to_string()
+            } else {
+                w.leases
+                    .iter()
+                    .map(|l| format!("{} ({})", l.task, l.phase))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            [
+                w.name.clone(),
+                w.state.clone(),
+                if w.host.is_empty() {
+                    "-".into()
+                } else {
+                    w.host.clone()
+                },
+                gpus(w),
+                format!("{}k ({})", budget.max_peak_context_kb / 1000, budget.source),
+                work,
+                format!("{:.1}s", w.heartbeat_age_ms as f64 / 1000.0),
+            ]
+        })
+        .collect();
+    let head = [
+        "NAME",
+        "STATE",
+        "HOST",
+        "GPUS",
+        "BUDGET (max peak context)",
+        "TASK (PHASE)",
+        "HEARD",
+    ];
+    let mut width = head.map(str::len);
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let mut l = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                l.push_str(c);
+            } else {
+                l.push_str(&format!("{c:<w$}  ", w = width[i]));
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(head.to_vec(), &mut out);
+    for r in &rows {
+        line(r.iter().map(String::as_str).collect(), &mut out);
+    }
+    out
+}
+
+fn act(args: &WorkersArgs) -> Result<String, Failure> {
+    let cwd = std::env::current_dir()
+        .map_err(|e| Failure::Usage(format!("cannot read the current directory: {e}")))?;
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
+    let backend = match backend::find_coordinator(&project, args.coordinator.as_deref())? {
+        Some(address) => Backend::remote(project, address)?,
+        None => Backend::Local(project),
+    };
+    let one = |w: pb::WorkerInfo, verb: &str| {
+        if args.json {
+            format!("{}\n", json(&w))
+        } else {
+            format!("Worker '{}' {verb} (state: {}).\n", w.name, w.state)
+        }
+    };
+    match &args.action {
+        None => {
+            let workers = backend.list_workers()?;
+            Ok(if args.json {
+                format!(
+                    "{}\n",
+                    serde_json::Value::Array(workers.iter().map(json).collect())
+                )
+            } else {
+                table(&workers)
+            })
+        }
+        Some(WorkersAction::Drain { name }) => Ok(one(
+            backend.drain_worker(name, false)?,
+            "is draining: it takes no new work",
+        )),
+        Some(WorkersAction::Undrain { name }) => {
+            Ok(one(backend.drain_worker(name, true)?, "takes work again"))
+        }
+    }
+}
+
+/// Runs `automaton workers …`; prints and returns the exit code.
+pub fn run(args: &WorkersArgs) -> i32 {
+    match act(args) {
+        Ok(out) => {
+            crate::print(&out);
+            0
+        }
+        Err(f) => {
+            let (msg, kind) = match f {
+                Failure::Store(e) => (e.to_string(), e.kind()),
+                Failure::Usage(m) => (m, ErrorKind::Invalid),
+                Failure::Refused(m) => (m, ErrorKind::Refused),
+                Failure::Remote { message, kind } => {
+                    (message, ErrorKind::parse(&kind).unwrap_or(ErrorKind::Io))
+                }
+            };
+            let code = crate::exit_code(kind);
+            if args.json {
+                crate::print(&format!(
+                    "{}\n",
+                    serde_json::json!({"error": msg, "kind": kind.as_str(), "exit_code": code})
+                ));
+            } else {
+                eprintln!("ERROR: {msg}");
+            }
+            code
+        }
+    }
+}
