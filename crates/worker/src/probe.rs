@@ -551,6 +551,7 @@ pub fn to_json(p: &Probe) -> serde_json::Value {
         "gpu_vram_gb": gb(total),
         "gpu_free_vram_gb": gb(free),
         "ram_gb": gb(p.ram_bytes),
+        "ram_bytes": p.ram_bytes,
         "model_context_kb": b.model_context_kb,
         "framework_overhead_tokens": b.framework_overhead_tokens,
         "recommended_kb": b.recommended_kb,

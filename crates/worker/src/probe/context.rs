@@ -98,7 +98,15 @@ pub fn detect(i: &Inputs) -> Answer {
     }
     if let Some(server) = i.server {
         match ask_server(server, i.model.map(|m| m.0)) {
-            Ok((n, how, ollama)) => return done(n, how, fell, ollama),
+            Ok((n, how, ollama)) => {
+                // What this server did not answer (e.g. /v1/models before /props) still says
+                // which kind of server it is.
+                let (how, earlier) = how;
+                if !earlier.is_empty() {
+                    fell.push(format!("--model-server {server}: {earlier}"));
+                }
+                return done(n, how, fell, ollama);
+            }
             Err(why) => fell.push(format!("--model-server {server}: {why}")),
         }
     }
@@ -177,7 +185,10 @@ impl Asker {
     }
 }
 
-fn ask_server(server: &str, model: Option<&str>) -> Result<(u64, String, Option<Ollama>), String> {
+/// The window, with (how it was found, why earlier endpoints of this server fell through).
+type Found = (u64, (String, String), Option<Ollama>);
+
+fn ask_server(server: &str, model: Option<&str>) -> Result<Found, String> {
     let url = Url::parse(server).map_err(|e| e.to_string())?;
     let mut a = Asker {
         url,
@@ -189,28 +200,22 @@ fn ask_server(server: &str, model: Option<&str>) -> Result<(u64, String, Option<
 
     match a.json("/v1/models", None).and_then(|v| vllm(&v, model)) {
         Ok((n, id)) => {
-            return Ok((
-                n,
-                format!(
-                    "model server {}/v1/models: max_model_len {n} of {id} (vLLM)",
-                    a.base
-                ),
-                None,
-            ));
+            let how = format!(
+                "model server {}/v1/models: max_model_len {n} of {id} (vLLM)",
+                a.base
+            );
+            return Ok((n, (how, why.join("; ")), None));
         }
         Err(e) => why.push(format!("/v1/models {e}")),
     }
     match a.json("/props", None).and_then(|v| llama_cpp(&v)) {
         Ok((n, slots)) => {
             let slots = slots.map(|s| format!(", {s} slots")).unwrap_or_default();
-            return Ok((
-                n,
-                format!(
-                    "model server {}/props: per-slot n_ctx {n}{slots} (llama.cpp)",
-                    a.base
-                ),
-                None,
-            ));
+            let how = format!(
+                "model server {}/props: per-slot n_ctx {n}{slots} (llama.cpp)",
+                a.base
+            );
+            return Ok((n, (how, why.join("; ")), None));
         }
         Err(e) => why.push(format!("/props {e}")),
     }
@@ -225,16 +230,13 @@ fn ask_server(server: &str, model: Option<&str>) -> Result<(u64, String, Option<
                         .map(|m| format!("Modelfile num_ctx {m}")),
                 ];
                 let parts: Vec<_> = parts.into_iter().flatten().collect();
-                return Ok((
-                    n,
-                    format!(
-                        "model server {} (Ollama) {}: {}; requests must send num_ctx",
-                        a.base,
-                        o.model,
-                        parts.join(", ")
-                    ),
-                    Some(o),
-                ));
+                let how = format!(
+                    "model server {} (Ollama) {}: {}; requests must send num_ctx",
+                    a.base,
+                    o.model,
+                    parts.join(", ")
+                );
+                return Ok((n, (how, why.join("; ")), Some(o)));
             }
             why.push(format!(
                 "Ollama {}: no context length in /api/ps or /api/show",
