@@ -536,6 +536,7 @@ pub struct Api {
     pub tasks: TasksClient<Channel>,
     pub leases: LeasesClient<Channel>,
     pub events: EventsClient<Channel>,
+    pub workers: pb::workers_client::WorkersClient<Channel>,
     pub token: Option<String>,
 }
 
@@ -546,7 +547,8 @@ impl Api {
         Api {
             tasks: TasksClient::new(ch.clone()),
             leases: LeasesClient::new(ch.clone()),
-            events: EventsClient::new(ch),
+            events: EventsClient::new(ch.clone()),
+            workers: pb::workers_client::WorkersClient::new(ch),
             token,
         }
     }

@@ -11,3 +11,4 @@ mod leases;
 mod limits;
 mod restart;
 mod service;
+mod workers;

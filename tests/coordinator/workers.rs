@@ -18,7 +18,12 @@ const HEARTBEAT: &str = "200ms";
 const TIMEOUT_D: Duration = Duration::from_secs(1);
 
 fn fleet_args() -> Vec<&'static str> {
-    vec!["--session-timeout", TIMEOUT, "--heartbeat-interval", HEARTBEAT]
+    vec![
+        "--session-timeout",
+        TIMEOUT,
+        "--heartbeat-interval",
+        HEARTBEAT,
+    ]
 }
 
 /// A running `automaton-worker`.
@@ -146,7 +151,9 @@ impl Drop for Worker {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             // A stopped process must be continued to die promptly.
-            let _ = Command::new("kill").args(["-CONT", &self.pid().to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-CONT", &self.pid().to_string()])
+                .status();
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
@@ -154,7 +161,7 @@ impl Drop for Worker {
 }
 
 fn workers_client(api: &Api) -> WorkersClient<tonic::transport::Channel> {
-    WorkersClient::new(api.tasks.clone().into_inner())
+    api.workers.clone()
 }
 
 async fn list(api: &Api) -> Vec<pb::WorkerInfo> {
@@ -197,8 +204,16 @@ async fn claim_in_session(api: &mut Api, task: &str, name: &str) -> pb::Lease {
 async fn workers_with_simulated_24_and_80_gib_join_and_the_larger_has_the_larger_budget() {
     let env = Env::new();
     let coord = Coord::start(&env, &fleet_args());
-    let _a = Worker::start(&coord.url, &["--name", "gpu-a", "--simulate-gpu", "sim-a:24GiB"], &[]);
-    let _b = Worker::start(&coord.url, &["--name", "gpu-b", "--simulate-gpu", "sim-b:80GiB"], &[]);
+    let _a = Worker::start(
+        &coord.url,
+        &["--name", "gpu-a", "--simulate-gpu", "sim-a:24GiB"],
+        &[],
+    );
+    let _b = Worker::start(
+        &coord.url,
+        &["--name", "gpu-b", "--simulate-gpu", "sim-b:80GiB"],
+        &[],
+    );
     let out = Command::new(cli_bin())
         .args(["workers", "--json", "--coordinator", &coord.url])
         .env("HOME", env.home.path())
@@ -217,7 +232,11 @@ async fn workers_with_simulated_24_and_80_gib_join_and_the_larger_has_the_larger
         assert_eq!(w["state"], "idle");
         assert_eq!(w["simulated"], true);
         assert_eq!(w["gpus"].as_array().map(Vec::len), Some(1));
-        assert!(w["budget"]["source"].as_str().is_some_and(|s| !s.is_empty()));
+        assert!(
+            w["budget"]["source"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty())
+        );
         w["budget"]["max_peak_context_kb"]
             .as_u64()
             .expect("max_peak_context_kb")
@@ -241,7 +260,10 @@ async fn workers_with_simulated_24_and_80_gib_join_and_the_larger_has_the_larger
         .output()
         .expect("run automaton workers");
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(table.contains("gpu-a") && table.contains("gpu-b") && table.contains("idle"), "{table}");
+    assert!(
+        table.contains("gpu-a") && table.contains("gpu-b") && table.contains("idle"),
+        "{table}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,7 +272,11 @@ async fn kill_9_a_worker_holding_a_lease_ends_it_within_the_session_timeout_with
     let coord = Coord::start(&env, &fleet_args());
     let mut api = coord.api().await;
     api.claimable_task("t").await;
-    let mut w = Worker::start(&coord.url, &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"], &[]);
+    let mut w = Worker::start(
+        &coord.url,
+        &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"],
+        &[],
+    );
     let lease = claim_in_session(&mut api, "t", "gpu-a").await;
     let listed = worker_named(&api, "gpu-a").await.expect("listed");
     assert_eq!(listed.leases.len(), 1);
@@ -280,7 +306,10 @@ async fn kill_9_a_worker_holding_a_lease_ends_it_within_the_session_timeout_with
         .await;
     assert!(lost.detail.contains("session_expired"), "{lost:?}");
     // Claimable again, by anyone.
-    let again = api.claim("t", "agent-x", 60_000).await.expect("claimable again");
+    let again = api
+        .claim("t", "agent-x", 60_000)
+        .await
+        .expect("claimable again");
     assert!(again.token > lease.token);
     // Its calls under the old lease are refused.
     expect_err(
@@ -290,7 +319,10 @@ async fn kill_9_a_worker_holding_a_lease_ends_it_within_the_session_timeout_with
         None,
     );
     assert_eq!(
-        worker_named(&api, "gpu-a").await.expect("still listed").state,
+        worker_named(&api, "gpu-a")
+            .await
+            .expect("still listed")
+            .state,
         "lost"
     );
 }
@@ -302,8 +334,15 @@ async fn sigstop_past_the_session_timeout_then_sigcont_its_leases_are_gone_refus
     let coord = Coord::start(&env, &fleet_args());
     let mut api = coord.api().await;
     api.claimable_task("t").await;
-    let w = Worker::start(&coord.url, &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"], &[]);
-    let first = worker_named(&api, "gpu-a").await.expect("listed").session_id;
+    let w = Worker::start(
+        &coord.url,
+        &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"],
+        &[],
+    );
+    let first = worker_named(&api, "gpu-a")
+        .await
+        .expect("listed")
+        .session_id;
     let lease = claim_in_session(&mut api, "t", "gpu-a").await;
     let mut events = Events::watch(&api).await;
     signal(w.pid(), "-STOP");
@@ -354,8 +393,15 @@ async fn coordinator_kill_9_and_restart_the_worker_resumes_its_session_and_keeps
     let listen = format!("127.0.0.1:{port}");
     let mut api = coord.api().await;
     api.claimable_task("t").await;
-    let w = Worker::start(&coord.url, &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"], &[]);
-    let session = worker_named(&api, "gpu-a").await.expect("listed").session_id;
+    let w = Worker::start(
+        &coord.url,
+        &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"],
+        &[],
+    );
+    let session = worker_named(&api, "gpu-a")
+        .await
+        .expect("listed")
+        .session_id;
     let lease = claim_in_session(&mut api, "t", "gpu-a").await;
     coord.kill9();
     let mut restarted_args = args.clone();
@@ -387,7 +433,11 @@ async fn a_session_the_worker_never_resumes_after_a_restart_ends_its_leases_afte
     let mut coord = Coord::start(&env, &args);
     let mut api = coord.api().await;
     api.claimable_task("t").await;
-    let mut w = Worker::start(&coord.url, &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"], &[]);
+    let mut w = Worker::start(
+        &coord.url,
+        &["--name", "gpu-a", "--simulate-gpu", "a:24GiB"],
+        &[],
+    );
     let lease = claim_in_session(&mut api, "t", "gpu-a").await;
     w.kill9();
     coord.kill9();
@@ -568,7 +618,10 @@ async fn sigterm_deregisters_releases_its_leases_at_once_and_exits_0() {
             e.kind == "worker_left" && e.agent == "gpu-a"
         })
         .await;
-    assert!(worker_named(&api, "gpu-a").await.is_none(), "a worker that left is not listed");
+    assert!(
+        worker_named(&api, "gpu-a").await.is_none(),
+        "a worker that left is not listed"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -581,7 +634,9 @@ async fn drain_stops_new_work_for_a_worker_is_an_event_and_undrain_undoes_it() {
     let mut events = Events::watch(&api).await;
     let run = |args: &[&str]| {
         let mut c = Command::new(cli_bin());
-        c.args(["workers"]).args(args).args(["--coordinator", &coord.url]);
+        c.args(["workers"])
+            .args(args)
+            .args(["--coordinator", &coord.url]);
         c.env("HOME", env.home.path()).env_remove("AUTOMATON_TOKEN");
         c.output().expect("run automaton workers")
     };
@@ -599,8 +654,14 @@ async fn drain_stops_new_work_for_a_worker_is_an_event_and_undrain_undoes_it() {
         "the worker is told: {}",
         w.stderr()
     );
-    assert_eq!(worker_named(&api, "gpu-a").await.expect("listed").state, "draining");
-    let session = worker_named(&api, "gpu-a").await.expect("listed").session_id;
+    assert_eq!(
+        worker_named(&api, "gpu-a").await.expect("listed").state,
+        "draining"
+    );
+    let session = worker_named(&api, "gpu-a")
+        .await
+        .expect("listed")
+        .session_id;
     let r = api.req(pb::ClaimRequest {
         task: "t".into(),
         session_id: session,
@@ -618,7 +679,10 @@ async fn drain_stops_new_work_for_a_worker_is_an_event_and_undrain_undoes_it() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no worker named 'no-such-worker'"));
     let out = run(&["undrain", "gpu-a"]);
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(worker_named(&api, "gpu-a").await.expect("listed").state, "idle");
+    assert_eq!(
+        worker_named(&api, "gpu-a").await.expect("listed").state,
+        "idle"
+    );
     claim_in_session(&mut api, "t", "gpu-a").await;
 }
 
@@ -653,7 +717,11 @@ async fn bad_session_input_gets_clear_errors_and_never_a_session() {
             Code::FailedPrecondition,
             "first message of a session must be a Register",
         ),
-        (register(pb::Register::default()), Code::InvalidArgument, "must name the worker"),
+        (
+            register(pb::Register::default()),
+            Code::InvalidArgument,
+            "must name the worker",
+        ),
         (
             register(pb::Register {
                 name: "Not A Name".into(),
@@ -711,7 +779,12 @@ async fn bad_session_input_gets_clear_errors_and_never_a_session() {
         ),
     ];
     for (msg, code, contains) in cases {
-        expect_err(c.session(tokio_stream::iter(vec![msg])).await, code, contains, None);
+        expect_err(
+            c.session(tokio_stream::iter(vec![msg])).await,
+            code,
+            contains,
+            None,
+        );
     }
     assert!(list(&api).await.is_empty(), "no session was opened");
     // A claim naming a session that is not one.
@@ -745,15 +818,19 @@ async fn the_implementer_worker_never_claims_code_review_whatever_the_request_sa
         ops.transition("t", step).await.expect("to design");
     }
     env.artifact("t", "DESIGN.md", "# Design\n");
-    ops.transition("t", "design:awaiting_approval").await.expect("await");
+    ops.transition("t", "design:awaiting_approval")
+        .await
+        .expect("await");
     ops.approve("t", "").await.expect("approve design");
-    ops.transition("t", "implement").await.expect("to implement");
+    ops.transition("t", "implement")
+        .await
+        .expect("to implement");
     let _a = Worker::start(&coord.url, &["--token", WORKER_A_TOKEN], &[]);
     let _b = Worker::start(&coord.url, &["--token", WORKER_B_TOKEN], &[]);
     let mut as_a = coord.api_as(WORKER_A_TOKEN).await;
     let l = as_a.claim("t", "", 60_000).await.expect("gpu-a implements");
     env.artifact("t", "IMPLEMENTATION.md", "# Done\n");
-    as_a.transition_under("t", "code_review", &l.lease_id, l.token)
+    as_a.transition_under("t", "code_review", &l)
         .await
         .expect("to code_review");
     expect_err(

@@ -23,7 +23,6 @@ pub mod owner;
 mod recovery;
 mod service;
 mod sessions;
-mod worker_service;
 mod state;
 mod table;
 mod task_changes;
@@ -32,6 +31,7 @@ mod wal;
 #[cfg(test)]
 mod wal_fuzz;
 mod watchers;
+mod worker_service;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -140,8 +140,7 @@ pub async fn serve(
     let limit = cfg.max_message_bytes;
     let tasks = pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit);
     let leases = pb::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(limit);
-    let events =
-        pb::events_server::EventsServer::new(svc.clone()).max_decoding_message_size(limit);
+    let events = pb::events_server::EventsServer::new(svc.clone()).max_decoding_message_size(limit);
     let workers = pb::workers_server::WorkersServer::new(svc).max_decoding_message_size(limit);
 
     let (health, health_svc) = tonic_health::server::health_reporter();

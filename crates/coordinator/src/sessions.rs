@@ -144,9 +144,9 @@ fn check_register(bound: BoundName<'_>, r: &mut pb::Register) -> Result<AgentId,
         }
         None => r.name.clone(),
     };
-    let name: AgentId = name.parse().map_err(|e: automaton_workflow::NameError| {
-        Error::Invalid(format!("worker name: {e}"))
-    })?;
+    let name: AgentId = name
+        .parse()
+        .map_err(|e: automaton_workflow::NameError| Error::Invalid(format!("worker name: {e}")))?;
     r.name = name.to_string();
     for (what, s) in [("host", &r.host), ("version", &r.version)] {
         if let Some(e) = too_long(what, s) {
@@ -318,7 +318,11 @@ impl Sessions {
         let now = Instant::now();
         let mut inner = self.inner();
         match inner.by_id.get_mut(id) {
-            Some(s) if s.attached.as_ref().is_some_and(|a| a.generation == generation) => {
+            Some(s)
+                if s.attached
+                    .as_ref()
+                    .is_some_and(|a| a.generation == generation) =>
+            {
                 s.heard = now;
                 s.deadline = crate::table::later(now, self.timeout);
                 Ok(())
@@ -337,7 +341,9 @@ impl Sessions {
     pub(crate) fn detach(&self, id: &str, generation: u64) {
         let mut inner = self.inner();
         if let Some(s) = inner.by_id.get_mut(id)
-            && s.attached.as_ref().is_some_and(|a| a.generation == generation)
+            && s.attached
+                .as_ref()
+                .is_some_and(|a| a.generation == generation)
         {
             s.attached = None;
         }
@@ -347,7 +353,8 @@ impl Sessions {
     pub(crate) fn push(&self, id: &str, msg: pb::coordinator_message::Msg) {
         let inner = self.inner();
         if let Some(a) = inner.by_id.get(id).and_then(|s| s.attached.as_ref()) {
-            let _ = a.tx.send(Push::Msg(pb::CoordinatorMessage { msg: Some(msg) }));
+            let _ =
+                a.tx.send(Push::Msg(pb::CoordinatorMessage { msg: Some(msg) }));
         }
     }
 
@@ -444,14 +451,13 @@ impl Coordinator {
                         kept,
                         lost,
                         draining: inner.drained.contains(&name),
+                        name: name.to_string(),
                     },
                 }
             } else {
                 if let Some(other) = inner.by_name.get(&name).cloned() {
                     let Some(first) = inner.by_id.get(&other) else {
-                        return Err(Error::Internal(
-                            "the session table lost a session".into(),
-                        ));
+                        return Err(Error::Internal("the session table lost a session".into()));
                     };
                     if !replace {
                         let host = if first.awaiting {
@@ -499,6 +505,7 @@ impl Coordinator {
                         kept: vec![],
                         lost: listed,
                         draining: inner.drained.contains(&name),
+                        name: name.to_string(),
                     },
                 }
             }
@@ -535,13 +542,9 @@ impl Coordinator {
             .iter()
             .map(|g| format!("{} {:.0} GiB", g.name, g.total_bytes as f64 / GIB))
             .collect();
-        let budget = s
-            .reg
-            .budget
-            .as_ref()
-            .map_or("no budget".to_string(), |b| {
-                format!("max peak context {} tokens", b.max_peak_context_kb)
-            });
+        let budget = s.reg.budget.as_ref().map_or("no budget".to_string(), |b| {
+            format!("max peak context {} tokens", b.max_peak_context_kb)
+        });
         format!(
             "host {}; GPUs: {}{}; {budget}",
             s.reg.host,
@@ -563,10 +566,11 @@ impl Coordinator {
     pub(crate) async fn deregister(&self, id: &str, generation: u64) -> Result<(), Error> {
         let ours = {
             let inner = self.sessions.inner();
-            inner
-                .by_id
-                .get(id)
-                .is_some_and(|s| s.attached.as_ref().is_some_and(|a| a.generation == generation))
+            inner.by_id.get(id).is_some_and(|s| {
+                s.attached
+                    .as_ref()
+                    .is_some_and(|a| a.generation == generation)
+            })
         };
         if ours {
             self.end_session(id, "released").await?;
@@ -774,8 +778,14 @@ impl Coordinator {
                     "idle"
                 };
                 let shown = secrets || me == Some(s.name.as_str());
-                info(&s.reg, state, leases, now.saturating_duration_since(s.heard), s.started)
-                    .with_session(shown.then(|| s.id.to_string()))
+                info(
+                    &s.reg,
+                    state,
+                    leases,
+                    now.saturating_duration_since(s.heard),
+                    s.started,
+                )
+                .with_session(shown.then(|| s.id.to_string()))
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -879,4 +889,3 @@ fn info(
         cpus: reg.cpus,
     }
 }
-

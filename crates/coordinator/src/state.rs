@@ -148,27 +148,27 @@ impl Coordinator {
         let sessions =
             crate::sessions::Sessions::new(options.session_timeout, options.heartbeat_interval);
         let coord = Arc::new_cyclic(|me| Coordinator {
-                me: me.clone(),
-                project,
-                policy,
-                options,
-                table: Mutex::new(table),
-                fencing,
-                wal,
-                holders,
-                guards: (0..GUARD_SHARDS)
-                    .map(|_| Arc::new(tokio::sync::Mutex::new(())))
-                    .collect(),
-                reads: Arc::new(tokio::sync::Semaphore::new(MAX_BLOCKING_READS)),
-                views,
-                states: Mutex::new(states),
-                log_mark,
-                events,
-                watchers_of_events: Arc::new(AtomicUsize::new(0)),
-                watchers: Watchers::default(),
-                seq: AtomicU64::new(0),
-                sessions,
-            });
+            me: me.clone(),
+            project,
+            policy,
+            options,
+            table: Mutex::new(table),
+            fencing,
+            wal,
+            holders,
+            guards: (0..GUARD_SHARDS)
+                .map(|_| Arc::new(tokio::sync::Mutex::new(())))
+                .collect(),
+            reads: Arc::new(tokio::sync::Semaphore::new(MAX_BLOCKING_READS)),
+            views,
+            states: Mutex::new(states),
+            log_mark,
+            events,
+            watchers_of_events: Arc::new(AtomicUsize::new(0)),
+            watchers: Watchers::default(),
+            seq: AtomicU64::new(0),
+            sessions,
+        });
         // Sessions that own live leases wait for their workers to resume them.
         coord.recover_sessions();
         Ok((coord, notes))

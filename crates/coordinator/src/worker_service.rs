@@ -170,10 +170,9 @@ impl pb::workers_server::Workers for Service {
     ) -> Result<Response<pb::WorkerInfo>, Status> {
         require_operator(&caller(&req), "DrainWorker")?;
         let r = req.into_inner();
-        let name = r
-            .name
-            .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Invalid(format!("worker name: {e}")))?;
+        let name = r.name.parse().map_err(|e: automaton_workflow::NameError| {
+            Error::Invalid(format!("worker name: {e}"))
+        })?;
         Ok(Response::new(self.coord.drain(&name, r.undo)?))
     }
 }

@@ -10,7 +10,12 @@ use clap::{Parser, Subcommand};
 use automaton_worker::{probe, session};
 
 #[derive(Parser)]
-#[command(name = "automaton-worker", version, about, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "automaton-worker",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
@@ -54,7 +59,7 @@ enum Cmd {
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    automaton_workflow::parse_duration(s).ok_or_else(|| format!("'{s}': write e.g. 5s or 500ms"))
+    humantime::parse_duration(s).map_err(|_| format!("'{s}': write e.g. 5s or 500ms"))
 }
 
 fn main() -> ExitCode {
@@ -109,8 +114,14 @@ fn join(cli: Cli) -> anyhow::Result<()> {
         anyhow::bail!("--capacity must be at least 1");
     }
     let probe = probe::detect(&cli.detect);
-    let name = cli.name.unwrap_or_else(|| default_name(&probe.host));
-    if name.parse::<automaton_workflow::AgentId>().is_err() {
+    let token = cli.token.or_else(|| env("AUTOMATON_TOKEN"));
+    // With a token the coordinator knows the name (the token's); without, the host's.
+    let name = match (cli.name, &token) {
+        (Some(n), _) => n,
+        (None, Some(_)) => String::new(),
+        (None, None) => default_name(&probe.host),
+    };
+    if !name.is_empty() && name.parse::<automaton_workflow::AgentId>().is_err() {
         anyhow::bail!(
             "--name '{name}' is not a worker name: use lowercase letters, digits and dashes"
         );
@@ -118,7 +129,7 @@ fn join(cli: Cli) -> anyhow::Result<()> {
     let opts = session::Options {
         coordinator,
         name,
-        token: cli.token.or_else(|| env("AUTOMATON_TOKEN")),
+        token,
         capacity: cli.capacity,
         replace: cli.replace,
         max_backoff: cli.max_backoff.max(Duration::from_millis(100)),

@@ -159,7 +159,15 @@ pub async fn run(
         }
         let ended = match endpoint.connect().await {
             Ok(channel) => {
-                session(&channel, bearer.as_ref(), &probe, &opts, &mut state, &mut stop).await
+                session(
+                    &channel,
+                    bearer.as_ref(),
+                    &probe,
+                    &opts,
+                    &mut state,
+                    &mut stop,
+                )
+                .await
             }
             Err(e) => Ended::Broken(format!("cannot connect to {}: {e}", opts.coordinator)),
         };
@@ -223,7 +231,11 @@ async fn stream(
         Some(Ok(pb::CoordinatorMessage {
             msg: Some(In::Granted(g)),
         })) => g,
-        Some(Ok(_)) => return Err(Ended::Broken("the coordinator answered out of order".into())),
+        Some(Ok(_)) => {
+            return Err(Ended::Broken(
+                "the coordinator answered out of order".into(),
+            ));
+        }
         Some(Err(s)) => return Err(Ended::Broken(s.message().to_string())),
         None => return Err(Ended::Broken("the coordinator closed the stream".into())),
     };
@@ -249,7 +261,7 @@ async fn stream(
         state.leases.clear();
         println!(
             "joined {} as {} (session {})",
-            opts.coordinator, opts.name, granted.session_id
+            opts.coordinator, granted.name, granted.session_id
         );
     }
     if granted.draining {
