@@ -683,6 +683,32 @@ mod tests {
         wal.submit(bytes).expect("queued").await.expect("append");
     }
 
+    #[test]
+    fn a_grant_names_its_session_and_a_grant_without_one_keeps_seven_fields() {
+        let mut in_session = grant("x", 1);
+        if let Record::Grant { session, .. } = &mut in_session {
+            *session = Some("s-00ff".into());
+        }
+        for r in [grant("y", 2), in_session] {
+            let mut bytes = Vec::new();
+            r.render(&mut bytes);
+            let line = String::from_utf8(bytes).expect("utf-8");
+            let fields = line.trim_end().split('\t').count();
+            let named = matches!(&r, Record::Grant { session: Some(_), .. });
+            assert_eq!(fields, if named { 8 } else { 7 }, "{line:?}");
+            assert_eq!(Record::parse(line.trim_end()), Some(r));
+        }
+        // A session field that is not a session id is not a lease record.
+        assert_eq!(
+            Record::parse("G\tt\ta\tx\t1\t1500\timplement\t../etc"),
+            None
+        );
+        assert_eq!(
+            Record::parse("G\tt\ta\tx\t1\t1500\timplement\ts-01\textra"),
+            None
+        );
+    }
+
     #[tokio::test]
     async fn log_round_trips_and_ignores_a_torn_tail() {
         let dir = tempfile::tempdir().expect("tempdir");

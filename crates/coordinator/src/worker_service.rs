@@ -17,9 +17,15 @@ use crate::config::Role;
 use crate::service::{Service, require_operator};
 use crate::sessions::Push;
 
-/// A session's outbound messages; ends after the first `Push::End`.
+/// Heartbeat acks waiting to be sent: a worker that heartbeats without reading its stream
+/// loses acks (it is not listening anyway), never the coordinator's memory.
+const ACKS_QUEUED: usize = 8;
+
+/// A session's outbound messages: notices (lease losses, drains, the end) first, then acks.
+/// Ends after the first `Push::End`.
 pub struct Outbound {
     rx: mpsc::UnboundedReceiver<Push>,
+    acks: mpsc::Receiver<u64>,
     done: bool,
 }
 
@@ -31,17 +37,24 @@ impl Stream for Outbound {
             return Poll::Ready(None);
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Push::Msg(m))) => Poll::Ready(Some(Ok(m))),
+            Poll::Ready(Some(Push::Msg(m))) => return Poll::Ready(Some(Ok(m))),
             Poll::Ready(Some(Push::End(s))) => {
                 self.done = true;
-                if s.code() == tonic::Code::Ok {
+                return if s.code() == tonic::Code::Ok {
                     Poll::Ready(None)
                 } else {
                     Poll::Ready(Some(Err(s)))
-                }
+                };
             }
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Pending => {}
+        }
+        match self.acks.poll_recv(cx) {
+            Poll::Ready(Some(seq)) => Poll::Ready(Some(Ok(pb::CoordinatorMessage {
+                msg: Some(Out::Ack(pb::HeartbeatAck { seq })),
+            }))),
+            // The reader is gone; notices still end the stream through `rx`.
+            Poll::Ready(None) | Poll::Pending => Poll::Pending,
         }
     }
 }
@@ -89,6 +102,7 @@ impl pb::workers_server::Workers for Service {
             ));
         };
         let (tx, rx) = mpsc::unbounded_channel();
+        let (acks_tx, acks) = mpsc::channel(ACKS_QUEUED);
         let joined = self
             .coord
             .register(bound.as_deref(), reg, tx.clone())
@@ -108,7 +122,7 @@ impl pb::workers_server::Workers for Service {
                         msg: Some(In::Heartbeat(h)),
                     })) => match coord.heartbeat(&id, generation) {
                         Ok(()) => {
-                            let _ = tx.send(msg(Out::Ack(pb::HeartbeatAck { seq: h.seq })));
+                            let _ = acks_tx.try_send(h.seq);
                         }
                         Err(s) => {
                             let _ = tx.send(Push::End(s));
@@ -150,7 +164,11 @@ impl pb::workers_server::Workers for Service {
                 }
             }
         });
-        Ok(Response::new(Outbound { rx, done: false }))
+        Ok(Response::new(Outbound {
+            rx,
+            acks,
+            done: false,
+        }))
     }
 
     async fn list_workers(
