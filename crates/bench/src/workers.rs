@@ -336,14 +336,25 @@ async fn session(
             }
             changed = phase.changed() => {
                 let p = *phase.borrow();
-                if changed.is_err() || p == Phase::Stop || (p == Phase::Kill && killed) {
+                if p == Phase::Kill && killed {
+                    break;
+                }
+                if changed.is_err() || p == Phase::Stop {
+                    // End cleanly, so a reused coordinator has no leftovers expiring.
+                    let bye = pb::WorkerMessage { msg: Some(In::Deregister(pb::Deregister {})) };
+                    if tx.send(bye).await.is_ok() {
+                        let ended = async {
+                            while let Ok(Some(_)) = next_message(&mut inbound).await {}
+                        };
+                        let _ = tokio::time::timeout(Duration::from_secs(5), ended).await;
+                    }
                     break;
                 }
             }
         }
     }
-    // Stream and connection go at once, without a Deregister: the session lives on until
-    // its timeout.
+    // A killed session's stream and connection go at once, without a Deregister: the
+    // session lives on until its timeout.
     drop(tx);
     drop(inbound);
     drop(channel);
@@ -370,6 +381,7 @@ struct Seen {
 async fn watch_events(
     channel: Channel,
     tasks: Vec<String>,
+    workers: std::collections::HashSet<String>,
 ) -> Result<mpsc::UnboundedReceiver<(String, String, Instant)>> {
     let mut events = pb::events_client::EventsClient::new(channel)
         .watch_events(pb::WatchEventsRequest {})
@@ -384,7 +396,7 @@ async fn watch_events(
             let ours = (e.kind == "lease_expired"
                 && e.detail.contains("session_expired")
                 && wanted.contains(&e.task))
-                || (e.kind == "worker_lost" && e.agent.starts_with("bench-w"));
+                || (e.kind == "worker_lost" && workers.contains(&e.agent));
             if ours && tx.send((e.kind, e.task, at)).is_err() {
                 return;
             }
@@ -420,7 +432,8 @@ async fn one_count(
                 .with_context(|| format!("prepare task {task}"))?;
         }
     }
-    let mut events = watch_events(control.clone(), tasks.clone()).await?;
+    let names = killed.iter().map(|&i| worker_name(i)).collect();
+    let mut events = watch_events(control.clone(), tasks.clone(), names).await?;
 
     // Open and register the sessions.
     let (phase_tx, phase_rx) = watch::channel(Phase::Run);
