@@ -262,3 +262,54 @@ fn restart_bench_times_every_round_against_the_reference() {
         assert!(r["serving_s"].as_f64() >= r["listening_s"].as_f64(), "{r}");
     }
 }
+
+/// `automaton-bench workers`: sessions register and heartbeat against the real coordinator,
+/// and every lease of a session that went silent ends by the session's expiry.
+#[test]
+fn workers_bench_ends_every_killed_lease() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("workers.json");
+    let coordinator = coordinator_bin();
+    let run = bench(&[
+        "workers",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--sessions",
+        "20",
+        "--heartbeat",
+        "200ms",
+        "--duration",
+        "1s",
+        "--kill",
+        "5",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("JSON");
+    let results = report["results"].as_array().expect("results");
+    assert_eq!(results.len(), 1, "{report}");
+    let r = &results[0];
+    assert_eq!(r["sessions"], 20, "{r}");
+    assert_eq!(r["session_timeout_ms"], 1000, "{r}");
+    assert_eq!(r["session_errors"], 0, "{r}");
+    assert!(
+        r["heartbeat_rtt"]["count"].as_u64().expect("count") > 0,
+        "{r}"
+    );
+    assert!(r["coordinator_cpu_cores"].as_f64().is_some(), "{r}");
+    assert!(
+        r["coordinator_rss_peak_mib"].as_f64().expect("rss") > 0.0,
+        "{r}"
+    );
+    assert_eq!(r["killed"], 5, "{r}");
+    assert_eq!(r["leases_ended"], 5, "every killed lease ended: {r}");
+    assert_eq!(r["lease_end"]["count"], 5, "{r}");
+    let p50 = r["lease_end"]["p50_ms"].as_f64().expect("p50");
+    assert!(
+        p50 >= 900.0,
+        "no lease ends well before the session timeout: {r}"
+    );
+    assert!(run.stdout.contains("lease end"), "{}", run.stdout);
+}

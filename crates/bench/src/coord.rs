@@ -171,7 +171,8 @@ pub async fn prepare(
     Ok((total, t0.elapsed().as_secs_f64()))
 }
 
-async fn prepare_one(tasks: &mut TasksClient<Channel>, task: &str) -> Result<()> {
+/// Creates `task` (or finds it) and moves it to `research`.
+pub async fn prepare_one(tasks: &mut TasksClient<Channel>, task: &str) -> Result<()> {
     match tasks
         .create_task(CreateTaskRequest {
             task: task.to_string(),

@@ -29,6 +29,7 @@ mod rpc;
 mod spawn;
 mod stats;
 mod wire;
+mod workers;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -61,6 +62,9 @@ enum Cmd {
     /// Time from `kill -9` to serving again on a project with many task folders, against a
     /// small project's restart.
     Restart(restart::RestartArgs),
+    /// Many worker sessions (one connection each) heartbeating one coordinator: its CPU and
+    /// memory, the heartbeat round trip, and how soon a silent session's leases end.
+    Workers(workers::WorkersArgs),
     /// The coordinator's API with no work behind it (no leases, no disk): what tonic and the
     /// kernel cost here, the ceiling for `leases --coordinator URL`.
     EchoServer {
@@ -566,6 +570,7 @@ async fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Leases(args) => leases(args).await,
         Cmd::Restart(args) => restart::run(args).await,
+        Cmd::Workers(args) => workers::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
     }
 }

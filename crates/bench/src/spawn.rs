@@ -61,6 +61,11 @@ impl Spawned {
         let _ = self.child.wait();
     }
 
+    /// The process id (for reading its /proc figures).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     fn exited(&mut self) -> Option<String> {
         match self.child.try_wait() {
             Ok(Some(st)) => Some(st.to_string()),
@@ -95,6 +100,16 @@ pub fn coordinator(bin: &Path, scratch: &Path) -> Result<Spawned> {
 /// Starts `automaton-coordinator --project PROJECT --listen 127.0.0.1:0`, logging under
 /// `scratch` (appending: a restart keeps the earlier lines), and waits for `listening on`.
 pub fn coordinator_on(bin: &Path, project: &Path, scratch: &Path) -> Result<Spawned> {
+    coordinator_with(bin, project, scratch, &[])
+}
+
+/// As `coordinator_on`, with `extra` flags after `--listen`.
+pub fn coordinator_with(
+    bin: &Path,
+    project: &Path,
+    scratch: &Path,
+    extra: &[String],
+) -> Result<Spawned> {
     let log = scratch.join("coordinator.log");
     let stderr = fs::OpenOptions::new()
         .create(true)
@@ -104,6 +119,7 @@ pub fn coordinator_on(bin: &Path, project: &Path, scratch: &Path) -> Result<Spaw
         .arg("--project")
         .arg(project)
         .args(["--listen", "127.0.0.1:0"])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr)
