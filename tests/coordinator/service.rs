@@ -192,7 +192,7 @@ async fn auth_no_token_unauthenticated_wrong_role_permission_denied() {
     let coord = Coord::start(&env, &[]);
     assert!(
         coord.wait_stderr(
-            "bearer tokens (1 operator, 2 agent)",
+            "bearer tokens (1 operator, 2 agent, 2 worker)",
             Duration::from_secs(5)
         ),
         "the mode line names the protection:\n{}",
@@ -524,7 +524,7 @@ fn config_precedence_unknown_keys_and_masked_tokens() {
     );
     // Tokens are shown, masked.
     let tokens = v["tokens"].as_array().expect("tokens");
-    assert_eq!(tokens.len(), 3);
+    assert_eq!(tokens.len(), 5);
     for t in tokens {
         assert_eq!(t["token"].as_str(), Some("********"));
     }

@@ -409,14 +409,12 @@ impl Config {
                 format!("INSECURE: no authentication on {}{tls}", self.listen)
             }
         } else {
-            let ops = self
-                .tokens
-                .iter()
-                .filter(|t| t.role == Role::Operator)
-                .count();
+            let count = |r: Role| self.tokens.iter().filter(|t| t.role == r).count();
             format!(
-                "bearer tokens ({ops} operator, {} agent){tls}",
-                self.tokens.len() - ops
+                "bearer tokens ({} operator, {} agent, {} worker){tls}",
+                count(Role::Operator),
+                count(Role::Agent),
+                count(Role::Worker)
             )
         }
     }

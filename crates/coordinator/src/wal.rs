@@ -694,7 +694,13 @@ mod tests {
             r.render(&mut bytes);
             let line = String::from_utf8(bytes).expect("utf-8");
             let fields = line.trim_end().split('\t').count();
-            let named = matches!(&r, Record::Grant { session: Some(_), .. });
+            let named = matches!(
+                &r,
+                Record::Grant {
+                    session: Some(_),
+                    ..
+                }
+            );
             assert_eq!(fields, if named { 8 } else { 7 }, "{line:?}");
             assert_eq!(Record::parse(line.trim_end()), Some(r));
         }
