@@ -383,11 +383,13 @@ async fn a_rewrite_that_fails_after_its_rename_stops_the_coordinator_and_loses_n
         let l = match api.claim("r", "agent-a", 60_000).await {
             Ok(l) => l,
             Err(s) => {
+                // The server stopping mid-call: refused, or the connection going away
+                // under the call (h2 GOAWAY surfaces as INTERNAL).
                 assert!(
                     matches!(
                         s.code(),
                         Code::Unavailable | Code::Unknown | Code::Cancelled
-                    ),
+                    ) || (s.code() == Code::Internal && s.message().contains("h2 protocol error")),
                     "{s:?}"
                 );
                 stopped = true;

@@ -291,16 +291,30 @@ impl Backend {
         }
     }
 
-    pub fn view(&self, task: &TaskName) -> Result<TaskView, Failure> {
+    /// The task's view, with its last agent runs and why it is held from dispatch (only a
+    /// coordinator knows those: none on the files).
+    pub fn view_with_runs(
+        &self,
+        task: &TaskName,
+    ) -> Result<(TaskView, Vec<pb::Run>, String), Failure> {
         match self {
-            Backend::Local(p) => Ok(p.view(task, SystemTime::now())?),
+            Backend::Local(p) => Ok((p.view(task, SystemTime::now())?, vec![], String::new())),
             Backend::Remote(r) => {
                 let req = pb::GetTaskRequest {
                     task: task.to_string(),
                 };
-                from_json(&r.run(r.tasks().get_task(req))?.view_json)
+                let d = r.run(r.tasks().get_task(req))?;
+                Ok((from_json(&d.view_json)?, d.runs, d.held))
             }
         }
+    }
+
+    pub fn stop_run(&self, task: &TaskName, resume: bool) -> Result<pb::StopRunResponse, Failure> {
+        let r = self.remote_only("automaton stop")?;
+        r.run(r.workers().stop_run(pb::StopRunRequest {
+            task: task.to_string(),
+            resume,
+        }))
     }
 
     pub fn list(&self) -> Result<Vec<ListEntry>, Failure> {

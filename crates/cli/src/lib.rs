@@ -39,6 +39,9 @@ pub enum Command {
     Status(StatusArgs),
     /// The fleet: every worker with its GPUs, budget, state, task and heartbeat age.
     Workers(workers::WorkersArgs),
+    /// Stop the agent run on a task (`operator_stopped`) and hold the task from dispatch;
+    /// `--resume` lets it be dispatched again.
+    Stop(workers::StopArgs),
 }
 
 /// Flags are spelled as seed 004 spells them, so `status.py` prompts keep working.
@@ -204,6 +207,7 @@ fn misplaced_agent_md_warning(args: &StatusArgs) -> Option<String> {
 pub fn run(cli: Cli) -> i32 {
     match cli.command {
         Command::Workers(args) => workers::run(&args),
+        Command::Stop(args) => workers::stop(&args),
         Command::Status(args) => {
             let json = args.json;
             let warning = misplaced_agent_md_warning(&args);
@@ -536,11 +540,21 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     }
     let task = task_arg(args, "automaton status")?;
     let policy = project.policy()?;
-    let view = backend.view(&task)?;
-    Ok(Output::ok(emit(
-        &view,
-        render::task(&view, policy.multi_agent),
-    )))
+    let (view, runs, held) = backend.view_with_runs(&task)?;
+    let mut text = render::task(&view, policy.multi_agent);
+    text.push_str(&render::runs(&runs, &held));
+    // The spec's fields unchanged; a coordinator's runs and hold added when there are any.
+    let mut value = serde_json::to_value(&view)
+        .map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
+    if let Some(obj) = value.as_object_mut() {
+        if !runs.is_empty() {
+            obj.insert("runs".into(), workers::runs_json(&runs));
+        }
+        if !held.is_empty() {
+            obj.insert("held".into(), serde_json::Value::String(held));
+        }
+    }
+    Ok(Output::ok(emit(&value, text)))
 }
 
 /// Object-safe JSON rendering, so one `emit` serves every result type.

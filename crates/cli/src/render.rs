@@ -23,6 +23,36 @@ fn short(sha: &str) -> &str {
     &sha[..sha.len().min(12)]
 }
 
+/// A coordinator's word on a task's agent runs (after the spec's block; empty when there is
+/// nothing to say, so prompts that read the block see it unchanged).
+pub fn runs(runs: &[automaton_proto::v1::Run], held: &str) -> String {
+    let mut out = String::new();
+    if !held.is_empty() {
+        let _ = writeln!(out, "Held from dispatch: {held}");
+    }
+    if !runs.is_empty() {
+        let _ = writeln!(out, "Last runs:");
+        for r in runs {
+            let reason = if r.stop_reason.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", r.stop_reason)
+            };
+            let detail = if r.detail.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", r.detail)
+            };
+            let _ = writeln!(
+                out,
+                "  - {} by {} (token {}): {}{reason}{detail}, started {}",
+                r.phase, r.worker, r.token, r.state, r.started_at
+            );
+        }
+    }
+    out
+}
+
 pub fn task(v: &TaskView, multi_agent: bool) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "Task: {}", v.task);

@@ -23,6 +23,21 @@ pub struct WorkersArgs {
     pub json: bool,
 }
 
+#[derive(Debug, Args)]
+pub struct StopArgs {
+    /// The task whose run to stop (`name` or `parent/sub`).
+    pub task: String,
+    /// Let a stopped (or held) task be dispatched again instead.
+    #[arg(long)]
+    pub resume: bool,
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum WorkersAction {
     /// Stop new work for a worker (it keeps what it holds).
@@ -62,11 +77,33 @@ fn json(w: &pb::WorkerInfo) -> serde_json::Value {
         },
         "capacity": w.capacity,
         "leases": w.leases.iter().map(|l| serde_json::json!({"task": l.task, "phase": l.phase})).collect::<Vec<_>>(),
+        "runs": runs_json(&w.runs),
         "heartbeat_age_ms": w.heartbeat_age_ms,
         "since": w.since,
         "session_id": w.session_id,
         "version": w.version,
     })
+}
+
+/// Agent runs as JSON (for `workers --json` and `status --task --json`).
+pub fn runs_json(runs: &[pb::Run]) -> serde_json::Value {
+    serde_json::Value::Array(
+        runs.iter()
+            .map(|r| {
+                serde_json::json!({
+                    "worker": r.worker,
+                    "phase": r.phase,
+                    "token": r.token,
+                    "state": r.state,
+                    "stop_reason": r.stop_reason,
+                    "detail": r.detail,
+                    "exit_code": r.exit_code,
+                    "started_at": r.started_at,
+                    "ended_at": r.ended_at,
+                })
+            })
+            .collect(),
+    )
 }
 
 fn gpus(w: &pb::WorkerInfo) -> String {
@@ -106,7 +143,15 @@ fn table(workers: &[pb::WorkerInfo]) -> String {
             } else {
                 w.leases
                     .iter()
-                    .map(|l| format!("{} ({})", l.task, l.phase))
+                    .map(|l| {
+                        let run = w
+                            .runs
+                            .iter()
+                            .find(|r| r.phase == l.phase)
+                            .map(|r| format!(", run {}", r.state))
+                            .unwrap_or_default();
+                        format!("{} ({}{run})", l.task, l.phase)
+                    })
                     .collect::<Vec<_>>()
                     .join(", ")
             };
@@ -160,15 +205,55 @@ fn table(workers: &[pb::WorkerInfo]) -> String {
     out
 }
 
-fn act(args: &WorkersArgs) -> Result<String, Failure> {
+fn backend_of(project: Option<&std::path::Path>, coordinator: Option<&str>) -> Result<Backend, Failure> {
     let cwd = std::env::current_dir()
         .map_err(|e| Failure::Usage(format!("cannot read the current directory: {e}")))?;
     let home = std::env::var_os("HOME").map(PathBuf::from);
-    let project = Project::open(args.project.as_deref().unwrap_or(&cwd), home.as_deref());
-    let backend = match backend::find_coordinator(&project, args.coordinator.as_deref())? {
+    let project = Project::open(project.unwrap_or(&cwd), home.as_deref());
+    Ok(match backend::find_coordinator(&project, coordinator)? {
         Some(address) => Backend::remote(project, address)?,
         None => Backend::Local(project),
-    };
+    })
+}
+
+fn stop_act(args: &StopArgs) -> Result<String, Failure> {
+    let task: automaton_workflow::TaskName =
+        args.task.parse().map_err(|e: automaton_workflow::NameError| {
+            Failure::Store(e.into())
+        })?;
+    let backend = backend_of(args.project.as_deref(), args.coordinator.as_deref())?;
+    let out = backend.stop_run(&task, args.resume)?;
+    Ok(if args.json {
+        format!(
+            "{}
+",
+            serde_json::json!({"task": out.task, "worker": out.worker, "held": out.held, "resumed": args.resume})
+        )
+    } else if args.resume {
+        format!("Task '{}' may be dispatched again.
+", out.task)
+    } else if out.worker.is_empty() {
+        format!(
+            "No run on '{}'; it is held from dispatch (automaton stop {} --resume to undo).
+",
+            out.task, out.task
+        )
+    } else {
+        format!(
+            "Stopped the run of '{}' on {} (operator_stopped); the task is held from dispatch (automaton stop {} --resume to undo).
+",
+            out.task, out.worker, out.task
+        )
+    })
+}
+
+/// Runs `automaton stop …`; prints and returns the exit code.
+pub fn stop(args: &StopArgs) -> i32 {
+    finish(stop_act(args), args.json)
+}
+
+fn act(args: &WorkersArgs) -> Result<String, Failure> {
+    let backend = backend_of(args.project.as_deref(), args.coordinator.as_deref())?;
     let one = |w: pb::WorkerInfo, verb: &str| {
         if args.json {
             format!("{}\n", json(&w))
@@ -200,7 +285,11 @@ fn act(args: &WorkersArgs) -> Result<String, Failure> {
 
 /// Runs `automaton workers …`; prints and returns the exit code.
 pub fn run(args: &WorkersArgs) -> i32 {
-    match act(args) {
+    finish(act(args), args.json)
+}
+
+fn finish(out: Result<String, Failure>, json: bool) -> i32 {
+    match out {
         Ok(out) => {
             crate::print(&out);
             0
@@ -215,7 +304,7 @@ pub fn run(args: &WorkersArgs) -> i32 {
                 }
             };
             let code = crate::exit_code(kind);
-            if args.json {
+            if json {
                 crate::print(&format!(
                     "{}\n",
                     serde_json::json!({"error": msg, "kind": kind.as_str(), "exit_code": code})

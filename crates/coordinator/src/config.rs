@@ -81,6 +81,14 @@ pub struct Config {
     /// How often workers are told to heartbeat (at most a third of the session timeout).
     #[serde(with = "duration")]
     pub heartbeat_interval: Duration,
+    /// How long an agent run may take before it is stopped `timed_out` (seed 002's
+    /// MAX_PHASE_TIME).
+    #[serde(with = "duration")]
+    pub max_phase_time: Duration,
+    /// Failed runs of one phase of a task before the task is held from dispatch.
+    pub max_attempts: u32,
+    /// The largest artifact a worker may upload.
+    pub max_artifact_bytes: u64,
     pub tls: Option<Tls>,
     pub tokens: Vec<Token>,
 }
@@ -101,6 +109,9 @@ impl Default for Config {
             keepalive_max_ids: 1024,
             session_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(2),
+            max_phase_time: Duration::from_secs(3600),
+            max_attempts: 3,
+            max_artifact_bytes: 8 << 20,
             tls: None,
             tokens: Vec::new(),
         }
@@ -119,6 +130,7 @@ pub struct Overrides {
     pub lease_ttl_max: Option<Duration>,
     pub session_timeout: Option<Duration>,
     pub heartbeat_interval: Option<Duration>,
+    pub max_phase_time: Option<Duration>,
 }
 
 mod duration {
@@ -206,6 +218,9 @@ impl Config {
         if let Some(t) = flags.heartbeat_interval {
             cfg.heartbeat_interval = t;
         }
+        if let Some(t) = flags.max_phase_time {
+            cfg.max_phase_time = t;
+        }
         Ok(cfg)
     }
 
@@ -243,6 +258,7 @@ impl Config {
             ("AUTOMATON_LEASE_TTL_MAX", &mut self.lease_ttl_max),
             ("AUTOMATON_SESSION_TIMEOUT", &mut self.session_timeout),
             ("AUTOMATON_HEARTBEAT_INTERVAL", &mut self.heartbeat_interval),
+            ("AUTOMATON_MAX_PHASE_TIME", &mut self.max_phase_time),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = parse_duration(&v).ok_or_else(|| bad(key, &v, "a duration like 30s"))?;
@@ -256,6 +272,16 @@ impl Config {
             if let Some(v) = env_var(key) {
                 *slot = v.parse().map_err(|_| bad(key, &v, "a number"))?;
             }
+        }
+        if let Some(v) = env_var("AUTOMATON_MAX_ATTEMPTS") {
+            self.max_attempts = v
+                .parse()
+                .map_err(|_| bad("AUTOMATON_MAX_ATTEMPTS", &v, "a number"))?;
+        }
+        if let Some(v) = env_var("AUTOMATON_MAX_ARTIFACT_BYTES") {
+            self.max_artifact_bytes = v
+                .parse()
+                .map_err(|_| bad("AUTOMATON_MAX_ARTIFACT_BYTES", &v, "a number"))?;
         }
         if let Some(v) = env_var("AUTOMATON_LOG_COMPACT_BYTES") {
             self.log_compact_bytes = v
@@ -341,6 +367,15 @@ impl Config {
                     || self.heartbeat_interval.saturating_mul(3) > self.session_timeout,
                 "heartbeat_interval must be above zero and at most a third of session_timeout",
             ),
+            (
+                self.max_phase_time < Duration::from_millis(100),
+                "max_phase_time must be at least 100ms",
+            ),
+            (self.max_attempts == 0, "max_attempts must be at least 1"),
+            (
+                self.max_artifact_bytes == 0 || self.max_artifact_bytes > 1 << 30,
+                "max_artifact_bytes must be between 1 and 1 GiB",
+            ),
         ] {
             if bad {
                 return Err(Error::Config(what.into()));
@@ -374,6 +409,9 @@ impl Config {
             keepalive_max_ids: self.keepalive_max_ids,
             session_timeout: self.session_timeout,
             heartbeat_interval: self.heartbeat_interval,
+            max_phase_time: self.max_phase_time,
+            max_attempts: self.max_attempts,
+            max_artifact_bytes: self.max_artifact_bytes,
             failpoints,
         }
     }

@@ -323,6 +323,53 @@ impl Coordinator {
         }
     }
 
+    /// The live lease `lease_id` for work under it (a worker's fetch, upload or completion):
+    /// the token must be its own, and a caller bound to a name (`who`) must be its holder.
+    /// An ended lease is refused once its end is durable, like a renewal.
+    pub(crate) async fn lease_for_work(
+        &self,
+        lease_id: &str,
+        token: u64,
+        who: Option<&AgentId>,
+    ) -> Result<Live, Error> {
+        let now = Instant::now();
+        let found = {
+            let table = self.table();
+            match table.by_id(lease_id, now) {
+                Some(l) => Ok(l.clone()),
+                None => Err(table.lapsed(lease_id, now)),
+            }
+        };
+        let l = match found {
+            Ok(l) => l,
+            Err(lapsed) => {
+                return match self.not_found(lease_id, lapsed) {
+                    Refused::Now(e) => Err(e),
+                    Refused::OnceDurable(commit, e) => {
+                        commit.await.map_err(Error::Unavailable)?;
+                        Err(e)
+                    }
+                };
+            }
+        };
+        if let Some(who) = who
+            && who != &l.agent
+        {
+            return Err(Error::PermissionDenied(format!(
+                "lease '{}' is not held by '{who}': a worker works only under its own leases",
+                automaton_workflow::excerpt(lease_id)
+            )));
+        }
+        if token != l.token {
+            return Err(Error::Store(automaton_store::Error::StaleToken {
+                task: l.task.clone(),
+                given: token,
+                current: Some(l.token),
+            }));
+        }
+        Ok(l)
+    }
+
     /// Ends a lease at its holder's request; acknowledged once the end is in the log. `who`:
     /// the agent a caller speaks for (an agent token's name, or the request's agent).
     pub async fn release(
@@ -415,6 +462,8 @@ impl Coordinator {
     pub(crate) fn after_end(&self, l: &Live, reason: &'static str) {
         self.view_of(l, false);
         self.tell_session(l, reason);
+        // The task may be dispatched again.
+        self.work.poke();
         // Without a KeepAlive stream, building the notice is wasted work.
         if self.watchers.any() {
             self.watchers.lost(&Lost {

@@ -9,6 +9,7 @@
 
 pub mod auth;
 mod commit;
+mod dispatch;
 pub mod config;
 mod events;
 mod fencing;
@@ -31,6 +32,7 @@ mod wal;
 #[cfg(test)]
 mod wal_fuzz;
 mod watchers;
+mod work_service;
 mod worker_service;
 
 use std::future::Future;
@@ -141,7 +143,9 @@ pub async fn serve(
     let tasks = pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit);
     let leases = pb::leases_server::LeasesServer::new(svc.clone()).max_decoding_message_size(limit);
     let events = pb::events_server::EventsServer::new(svc.clone()).max_decoding_message_size(limit);
-    let workers = pb::workers_server::WorkersServer::new(svc).max_decoding_message_size(limit);
+    let workers =
+        pb::workers_server::WorkersServer::new(svc.clone()).max_decoding_message_size(limit);
+    let work = pb::work_server::WorkServer::new(svc).max_decoding_message_size(limit);
 
     let (health, health_svc) = tonic_health::server::health_reporter();
     health
@@ -155,6 +159,9 @@ pub async fn serve(
         .await;
     health
         .set_serving::<pb::workers_server::WorkersServer<service::Service>>()
+        .await;
+    health
+        .set_serving::<pb::work_server::WorkServer<service::Service>>()
         .await;
     health
         .set_service_status("", tonic_health::ServingStatus::Serving)
@@ -174,6 +181,7 @@ pub async fn serve(
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
     coord.spawn_reconciler();
+    coord.spawn_dispatcher(stop_rx.clone());
     let sweeper = {
         let coord = coord.clone();
         let mut stop = stop_rx.clone();
@@ -245,6 +253,7 @@ pub async fn serve(
         .add_service(leases)
         .add_service(events)
         .add_service(workers)
+        .add_service(work)
         .serve_with_incoming_shutdown(
             // Small request/response messages: Nagle plus delayed ACKs would add ~40 ms.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),

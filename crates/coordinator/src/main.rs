@@ -46,6 +46,9 @@ struct Flags {
     /// How often workers heartbeat (default 2s; at most a third of the session timeout).
     #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 2s or 200ms"))]
     heartbeat_interval: Option<std::time::Duration>,
+    /// How long an agent run may take before it is stopped `timed_out` (default 1h).
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 1h or 90s"))]
+    max_phase_time: Option<std::time::Duration>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -87,6 +90,7 @@ fn run() -> anyhow::Result<()> {
         lease_ttl_max: flags.lease_ttl_max,
         session_timeout: flags.session_timeout,
         heartbeat_interval: flags.heartbeat_interval,
+        max_phase_time: flags.max_phase_time,
     })?;
     if flags.print_config {
         print!("{}", cfg.to_toml());

@@ -230,6 +230,8 @@ impl pb::tasks_server::Tasks for Service {
             lease,
             implementers: view.implementers.iter().map(|a| a.to_string()).collect(),
             view_json: json(&view)?,
+            runs: self.coord.work.runs(&task),
+            held: self.coord.work.held(&task).unwrap_or_default(),
         }))
     }
 

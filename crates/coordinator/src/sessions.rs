@@ -103,6 +103,7 @@ pub(crate) fn valid_id(s: &str) -> bool {
 /// What a register hands back.
 pub(crate) struct Joined {
     pub id: Arc<str>,
+    pub name: AgentId,
     pub generation: u64,
     pub granted: pb::SessionGranted,
 }
@@ -383,6 +384,31 @@ impl Sessions {
     pub(crate) fn len(&self) -> usize {
         self.inner().by_id.len()
     }
+
+    /// The sessions that can take work now: attached, not awaiting their worker, not
+    /// drained, with fewer leases than their capacity. Call under the table's lock.
+    pub(crate) fn slots(
+        &self,
+        table: &crate::table::Table,
+        now: Instant,
+    ) -> Vec<crate::dispatch::Slot> {
+        let inner = self.inner();
+        inner
+            .by_id
+            .values()
+            .filter(|s| s.attached.is_some() && !s.awaiting && !inner.drained.contains(&s.name))
+            .filter_map(|s| {
+                let held = table.of_session(&s.id, now).len();
+                let cap = s.reg.capacity.max(1);
+                (held < cap as usize).then(|| crate::dispatch::Slot {
+                    session: s.id.clone(),
+                    name: s.name.clone(),
+                    free: cap as usize - held,
+                    capacity: cap,
+                })
+            })
+            .collect()
+    }
 }
 
 impl Coordinator {
@@ -442,6 +468,7 @@ impl Coordinator {
                     .collect();
                 Joined {
                     id: s.id.clone(),
+                    name: name.clone(),
                     generation,
                     granted: pb::SessionGranted {
                         session_id: s.id.to_string(),
@@ -496,6 +523,7 @@ impl Coordinator {
                 );
                 Joined {
                     id: id.clone(),
+                    name: name.clone(),
                     generation,
                     granted: pb::SessionGranted {
                         session_id: id.to_string(),
@@ -778,14 +806,21 @@ impl Coordinator {
                     "idle"
                 };
                 let shown = secrets || me == Some(s.name.as_str());
-                info(
+                let runs = table
+                    .of_session(&s.id, now)
+                    .into_iter()
+                    .filter_map(|l| self.work.run_of(&l.task, l.token))
+                    .collect();
+                let mut w = info(
                     &s.reg,
                     state,
                     leases,
                     now.saturating_duration_since(s.heard),
                     s.started,
                 )
-                .with_session(shown.then(|| s.id.to_string()))
+                .with_session(shown.then(|| s.id.to_string()));
+                w.runs = runs;
+                w
             })
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -887,5 +922,6 @@ fn info(
         session_id: String::new(),
         ram_bytes: reg.ram_bytes,
         cpus: reg.cpus,
+        runs: vec![],
     }
 }

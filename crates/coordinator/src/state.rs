@@ -37,6 +37,12 @@ pub struct Options {
     pub session_timeout: Duration,
     /// How often workers heartbeat.
     pub heartbeat_interval: Duration,
+    /// How long an agent run may take (seed 002's MAX_PHASE_TIME).
+    pub max_phase_time: Duration,
+    /// Failed runs of one phase before its task is held from dispatch.
+    pub max_attempts: u32,
+    /// The largest artifact a worker may upload.
+    pub max_artifact_bytes: u64,
     /// Test hooks that fail the log's disk on purpose (`AUTOMATON_FAILPOINTS`).
     pub failpoints: crate::wal::Failpoints,
 }
@@ -50,6 +56,9 @@ impl Default for Options {
             keepalive_max_ids: 1024,
             session_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(2),
+            max_phase_time: Duration::from_secs(3600),
+            max_attempts: 3,
+            max_artifact_bytes: 8 << 20,
             failpoints: crate::wal::Failpoints::default(),
         }
     }
@@ -89,6 +98,8 @@ pub struct Coordinator {
     pub(crate) seq: AtomicU64,
     /// Worker sessions (`sessions.rs`).
     pub(crate) sessions: crate::sessions::Sessions,
+    /// Dispatch, runs and held tasks (`dispatch.rs`).
+    pub(crate) work: crate::dispatch::Work,
 }
 
 impl Coordinator {
@@ -147,6 +158,11 @@ impl Coordinator {
         let (events, _) = broadcast::channel(4096);
         let sessions =
             crate::sessions::Sessions::new(options.session_timeout, options.heartbeat_interval);
+        let work = crate::dispatch::Work::new(
+            options.max_phase_time,
+            options.max_attempts,
+            options.max_artifact_bytes,
+        );
         let coord = Arc::new_cyclic(|me| Coordinator {
             me: me.clone(),
             project,
@@ -168,6 +184,7 @@ impl Coordinator {
             watchers: Watchers::default(),
             seq: AtomicU64::new(0),
             sessions,
+            work,
         });
         // Sessions that own live leases wait for their workers to resume them.
         coord.recover_sessions();

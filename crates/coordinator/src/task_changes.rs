@@ -65,6 +65,7 @@ impl Coordinator {
             0,
             format!("{from} → {target}"),
         );
+        self.work.poke();
         Ok((from, ended))
     }
 
@@ -110,6 +111,7 @@ impl Coordinator {
             0,
             format!("{} → {}", out.from, out.to),
         );
+        self.work.poke();
         Ok(out)
     }
 
@@ -132,6 +134,7 @@ impl Coordinator {
         self.states()
             .insert(task.clone(), State::open(automaton_workflow::Phase::New));
         self.emit("task_created", &task.to_string(), "", 0, "new".into());
+        self.work.task_created(task);
         Ok(())
     }
 }

@@ -111,6 +111,9 @@ impl pb::workers_server::Workers for Service {
         let coord = self.coord.clone();
         let mut stop = self.shutdown.clone();
         let (id, generation) = (joined.id, joined.generation);
+        let name = joined.name;
+        // A new worker may take work now.
+        self.coord.work.poke();
         tokio::spawn(async move {
             loop {
                 let next = tokio::select! {
@@ -129,6 +132,12 @@ impl pb::workers_server::Workers for Service {
                             break;
                         }
                     },
+                    Ok(Some(pb::WorkerMessage {
+                        msg: Some(In::Answer(a)),
+                    })) => coord.answered(&name, a).await,
+                    Ok(Some(pb::WorkerMessage {
+                        msg: Some(In::Run(r)),
+                    })) => coord.run_update(&name, r).await,
                     Ok(Some(pb::WorkerMessage {
                         msg: Some(In::Deregister(_)),
                     })) => {
@@ -192,5 +201,24 @@ impl pb::workers_server::Workers for Service {
             Error::Invalid(format!("worker name: {e}"))
         })?;
         Ok(Response::new(self.coord.drain(&name, r.undo)?))
+    }
+
+    async fn stop_run(
+        &self,
+        req: Request<pb::StopRunRequest>,
+    ) -> Result<Response<pb::StopRunResponse>, Status> {
+        let who = caller(&req);
+        require_operator(&who, "StopRun")?;
+        let r = req.into_inner();
+        let task: automaton_workflow::TaskName = r
+            .task
+            .parse()
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))?;
+        let (worker, held) = self.coord.stop_run(&task, r.resume, &who.name).await?;
+        Ok(Response::new(pb::StopRunResponse {
+            task: task.to_string(),
+            worker: worker.map(|w| w.to_string()).unwrap_or_default(),
+            held,
+        }))
     }
 }

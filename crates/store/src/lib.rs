@@ -25,6 +25,7 @@ mod lease_files;
 mod read;
 mod scope;
 mod view;
+mod work;
 
 use std::path::PathBuf;
 
@@ -43,6 +44,7 @@ pub use records::{Approval, Lease, MAX_TOKEN, format_time, parse_time};
 pub use view::{
     ApprovalView, FolderReport, ListEntry, Listing, ProjectFolders, TaskError, TaskView,
 };
+pub use work::InputFile;
 
 /// Broad classes of failure; the CLI maps them to exit codes, the coordinator to gRPC codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,6 +230,8 @@ pub enum Error {
     CorruptFencing { path: PathBuf },
     #[error("{} is not UTF-8 text. Rewrite it as UTF-8.", path.display())]
     NotUtf8 { path: PathBuf },
+    #[error("{} is larger than one assignment may carry ({limit} bytes in all): shorten it.", path.display())]
+    InputTooLarge { path: PathBuf, limit: u64 },
     #[error("Cannot {action} {}: {source}. Check the path and its permissions.", path.display())]
     Io {
         action: &'static str,
@@ -295,7 +299,8 @@ impl Error {
             | NotClaimable { .. }
             | Separation { .. }
             | SelfApproval { .. }
-            | HeldPhase { .. } => ErrorKind::Refused,
+            | HeldPhase { .. }
+            | InputTooLarge { .. } => ErrorKind::Refused,
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod lease;
 mod names;
 mod phase;
 mod policy;
+pub mod progress;
 mod rules;
 mod verdict;
 

@@ -1,0 +1,620 @@
+//! Dispatch: the coordinator offers work over the workers' sessions.
+//!
+//! A round looks at every task, oldest first. A task in `new` is started (moved to
+//! `research`); an approved gate moves on to the phase its artifact declares with a `Next:`
+//! line, or to the default path (`automaton_workflow::progress`); a task with work (an open
+//! phase with a deliverable) that nobody holds goes to an idle worker, chosen by
+//! [`choose`], with a lease owned by that worker's session. The grant enforces every rule
+//! (separation of duties included): a refused grant tries the next worker. The worker
+//! accepts or refuses on its stream; an offer unanswered for [`OFFER_TIMEOUT`] is taken back.
+//!
+//! Rounds run when something changes (a lease ends, a task is created, approved or
+//! transitioned, a worker joins or answers) and every [`ROUND_EVERY`] otherwise.
+//!
+//! Runs: workers report each agent run's lifecycle (seed 003: requested → starting → active
+//! → stopping → stopped, with a stop reason); the last ones per task are kept for
+//! `automaton status --task` and `automaton workers`. A failed run releases its lease; after
+//! `max_attempts` failed runs of one phase the task is held from dispatch, with the reason.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use automaton_proto::v1 as pb;
+use automaton_workflow::{AgentId, State, TaskName};
+use tokio::sync::{Notify, watch};
+
+use crate::Error;
+use crate::lease_ops::Presented;
+use crate::state::Coordinator;
+
+/// A round runs at least this often (the offer timeouts, a worker back from a refusal).
+const ROUND_EVERY: Duration = Duration::from_millis(250);
+/// An offer the worker has not answered in this long is taken back.
+pub(crate) const OFFER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A worker that refused work is not offered more for this long.
+const REFUSAL_PAUSE: Duration = Duration::from_secs(1);
+/// Runs kept per task.
+const RUNS_KEPT: usize = 10;
+
+/// An idle worker: a live, attached, undrained session with room for more leases.
+#[derive(Debug, Clone)]
+pub(crate) struct Slot {
+    pub session: Arc<str>,
+    pub name: AgentId,
+    pub free: usize,
+    pub capacity: u32,
+}
+
+struct Offer {
+    task: TaskName,
+    name: AgentId,
+    session: Arc<str>,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Every task the coordinator knows, with when it was created (oldest first wins).
+    tasks: HashMap<TaskName, SystemTime>,
+    seeded: bool,
+    /// Tasks not to dispatch, with why.
+    held: HashMap<TaskName, String>,
+    /// Failed runs per task and state.
+    failures: HashMap<(TaskName, State), u32>,
+    /// Offers not answered yet, by lease id.
+    offers: HashMap<String, Offer>,
+    /// Recent runs per task, oldest first.
+    runs: HashMap<TaskName, VecDeque<pb::Run>>,
+    /// Workers that refused work lately.
+    paused: HashMap<AgentId, Instant>,
+}
+
+pub(crate) struct Work {
+    inner: Mutex<Inner>,
+    pub(crate) wake: Notify,
+    pub(crate) max_phase_time: Duration,
+    pub(crate) max_attempts: u32,
+    pub(crate) max_artifact_bytes: u64,
+}
+
+impl Work {
+    pub(crate) fn new(max_phase_time: Duration, max_attempts: u32, max_artifact_bytes: u64) -> Work {
+        Work {
+            inner: Mutex::default(),
+            wake: Notify::new(),
+            max_phase_time,
+            max_attempts: max_attempts.max(1),
+            max_artifact_bytes,
+        }
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Something changed: run a round soon.
+    pub(crate) fn poke(&self) {
+        self.wake.notify_one();
+    }
+
+    pub(crate) fn task_created(&self, task: &TaskName) {
+        self.inner()
+            .tasks
+            .entry(task.clone())
+            .or_insert_with(SystemTime::now);
+        self.poke();
+    }
+
+    /// Why `task` is held from dispatch, if it is.
+    pub(crate) fn held(&self, task: &TaskName) -> Option<String> {
+        self.inner().held.get(task).cloned()
+    }
+
+    pub(crate) fn runs(&self, task: &TaskName) -> Vec<pb::Run> {
+        self.inner()
+            .runs
+            .get(task)
+            .map(|r| r.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The last run on `task` under fencing token `token`.
+    pub(crate) fn run_of(&self, task: &TaskName, token: u64) -> Option<pb::Run> {
+        self.inner()
+            .runs
+            .get(task)
+            .and_then(|r| r.iter().rev().find(|r| r.token == token).cloned())
+    }
+
+    /// Offers not yet answered by `session`.
+    fn offered_to(&self, session: &str) -> usize {
+        self.inner()
+            .offers
+            .values()
+            .filter(|o| &*o.session == session)
+            .count()
+    }
+}
+
+/// The dispatcher's one decision: which of the idle workers should get `state` of `task`,
+/// in order of preference (the grant may still refuse one, e.g. reviewer ≠ implementer).
+/// Deliberately simple: every idle worker, the one with the most free room first, then by
+/// name. (The next step makes this fit-aware: a sub-task's estimated peak context against
+/// each worker's budget, best fit first.)
+pub(crate) fn choose(_task: &TaskName, _state: State, idle: &[Slot]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..idle.len()).filter(|&i| idle[i].free > 0).collect();
+    order.sort_by(|&a, &b| {
+        idle[b]
+            .free
+            .cmp(&idle[a].free)
+            .then_with(|| idle[a].name.cmp(&idle[b].name))
+    });
+    order
+}
+
+impl Coordinator {
+    /// Runs dispatch rounds until `stop` turns true.
+    pub(crate) fn spawn_dispatcher(self: &Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = me.dispatch_round().await {
+                    tracing::warn!(error = %e, "dispatch round failed");
+                }
+                tokio::select! {
+                    _ = me.work.wake.notified() => {}
+                    _ = tokio::time::sleep(ROUND_EVERY) => {}
+                    _ = stop.changed() => return,
+                }
+            }
+        });
+    }
+
+    /// Every task, once (the store's list, off the async threads).
+    async fn seed_tasks(&self) -> Result<(), Error> {
+        if self.work.inner().seeded {
+            return Ok(());
+        }
+        let now = SystemTime::now();
+        let found: Vec<(TaskName, SystemTime)> = self
+            .read(move |p| {
+                let mut out = Vec::new();
+                for e in p.list(now)? {
+                    for row in e.rows() {
+                        let age = p.task_age(&row.task, now).unwrap_or_default();
+                        out.push((row.task.clone(), now - age));
+                    }
+                }
+                Ok(out)
+            })
+            .await?;
+        let mut inner = self.work.inner();
+        for (t, created) in found {
+            inner.tasks.entry(t).or_insert(created);
+        }
+        inner.seeded = true;
+        Ok(())
+    }
+
+    /// The idle workers now.
+    fn idle_slots(&self) -> Vec<Slot> {
+        let now = Instant::now();
+        let mut slots = self.sessions.slots(&self.table(), now);
+        {
+            let mut inner = self.work.inner();
+            inner.paused.retain(|_, until| *until > now);
+            slots.retain(|s| !inner.paused.contains_key(&s.name));
+        }
+        for s in &mut slots {
+            s.free = s.free.saturating_sub(self.work.offered_to(&s.session));
+        }
+        slots.retain(|s| s.free > 0);
+        slots
+    }
+
+    /// One round: start new tasks, move approved gates on, offer work to idle workers, take
+    /// back offers nobody answered.
+    pub(crate) async fn dispatch_round(self: &Arc<Self>) -> Result<(), Error> {
+        self.seed_tasks().await?;
+        self.take_back_stale_offers().await;
+        let mut tasks: Vec<(SystemTime, TaskName)> = {
+            let inner = self.work.inner();
+            inner
+                .tasks
+                .iter()
+                .filter(|(t, _)| !inner.held.contains_key(*t))
+                .map(|(t, c)| (*c, t.clone()))
+                .collect()
+        };
+        tasks.sort();
+        let mut idle = self.idle_slots();
+        for (_, task) in tasks {
+            let state = match self.state_now(&task).await {
+                Ok(s) => s,
+                Err(e) => {
+                    self.hold(&task, format!("cannot be read: {e}"));
+                    continue;
+                }
+            };
+            let state = match self.move_on(&task, state).await {
+                Ok(s) => s,
+                Err(e) => {
+                    self.hold(&task, e.to_string());
+                    continue;
+                }
+            };
+            if !automaton_workflow::progress::has_work(state)
+                || idle.is_empty()
+                || self.live_of(&task).is_some()
+            {
+                continue;
+            }
+            for i in choose(&task, state, &idle) {
+                let slot = idle[i].clone();
+                match self.offer(&task, state, &slot).await {
+                    Ok(true) => {
+                        idle[i].free -= 1;
+                        break;
+                    }
+                    Ok(false) => continue,
+                    Err(e) => {
+                        tracing::warn!(task = %task, worker = %slot.name, error = %e, "cannot offer work");
+                        break;
+                    }
+                }
+            }
+            idle.retain(|s| s.free > 0);
+        }
+        Ok(())
+    }
+
+    /// The task's state as the coordinator knows it (read once from `.state`).
+    async fn state_now(&self, task: &TaskName) -> Result<State, Error> {
+        if let Some(s) = self.states().get(task) {
+            return Ok(*s);
+        }
+        let _guard = self.guard(task).await;
+        self.touch(task).await
+    }
+
+    /// Moves a task on where no agent is needed: `new` starts research; an approved gate
+    /// goes to the declared (`Next:`) or default next phase. Returns the state after.
+    async fn move_on(self: &Arc<Self>, task: &TaskName, state: State) -> Result<State, Error> {
+        use automaton_workflow::{Gate, Phase};
+        let target = match (state.phase, state.gate) {
+            (Phase::New, _) => State::open(Phase::Research),
+            (p, Gate::Approved) => {
+                let text = match p.artifact() {
+                    Some(a) => {
+                        let path = self.project.task_dir(task).join(a.file_name());
+                        tokio::task::spawn_blocking(move || std::fs::read_to_string(path).ok())
+                            .await
+                            .ok()
+                            .flatten()
+                    }
+                    None => None,
+                };
+                match automaton_workflow::progress::after_approval(state, text.as_deref()) {
+                    Ok(Some(t)) => t,
+                    Ok(None) => return Ok(state),
+                    Err(bad) => return Err(Error::Refused(bad.to_string())),
+                }
+            }
+            _ => return Ok(state),
+        };
+        match self.transition(task, target, &Presented::default()).await {
+            Ok(_) => {
+                self.emit(
+                    "dispatched",
+                    &task.to_string(),
+                    "",
+                    0,
+                    format!("{state} → {target} (no agent needed)"),
+                );
+                Ok(target)
+            }
+            // Someone else moved it meanwhile: look again next round.
+            Err(e) => {
+                tracing::debug!(task = %task, error = %e, "could not move the task on");
+                Ok(self.state_now(task).await.unwrap_or(state))
+            }
+        }
+    }
+
+    /// Grants `task` to the worker of `slot` in its session and sends the assignment.
+    /// `Ok(false)`: the grant was refused for this worker (try another).
+    async fn offer(&self, task: &TaskName, state: State, slot: &Slot) -> Result<bool, Error> {
+        let granted = match self
+            .claim_in(task, &slot.name, None, Some(&slot.session))
+            .await
+        {
+            Ok(g) if !g.renewed => g,
+            // It holds the task already (an offer in flight): nothing new to send.
+            Ok(_) => return Ok(false),
+            Err(Error::Store(e)) if e.kind() == automaton_store::ErrorKind::Refused => {
+                tracing::debug!(task = %task, worker = %slot.name, reason = %e, "not this worker");
+                return Ok(false);
+            }
+            Err(Error::Refused(_)) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let attempt = self
+            .work
+            .inner()
+            .failures
+            .get(&(task.clone(), state))
+            .copied()
+            .unwrap_or(0)
+            + 1;
+        let why = format!(
+            "oldest waiting task; {} is idle ({} of {} slots free)",
+            slot.name, slot.free, slot.capacity
+        );
+        let live = granted.live;
+        self.work.inner().offers.insert(
+            live.lease_id.clone(),
+            Offer {
+                task: task.clone(),
+                name: slot.name.clone(),
+                session: slot.session.clone(),
+                at: Instant::now(),
+            },
+        );
+        self.record_run(task, &slot.name, state, live.token, "requested", "", "", -1);
+        self.sessions.push(
+            &slot.session,
+            pb::coordinator_message::Msg::Assign(pb::Assignment {
+                task: task.to_string(),
+                phase: state.to_string(),
+                lease: Some(crate::service::lease_pb(&live, false)),
+                artifact: state
+                    .phase
+                    .artifact()
+                    .map(|a| a.file_name().to_string())
+                    .unwrap_or_default(),
+                can_edit: state.phase.allows_code_edits(),
+                max_phase_time_ms: self.work.max_phase_time.as_millis() as u64,
+                attempt,
+                why: why.clone(),
+            }),
+        );
+        self.emit(
+            "assigned",
+            &task.to_string(),
+            slot.name.as_str(),
+            live.token,
+            format!("{state} (attempt {attempt}): {why}"),
+        );
+        Ok(true)
+    }
+
+    /// Offers nobody answered in time: their leases are released and the tasks offered again.
+    async fn take_back_stale_offers(&self) {
+        let now = Instant::now();
+        let stale: Vec<String> = self
+            .work
+            .inner()
+            .offers
+            .iter()
+            .filter(|(_, o)| now.duration_since(o.at) > OFFER_TIMEOUT)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            let taken = self.work.inner().offers.remove(&id);
+            if let Some(o) = taken {
+                tracing::warn!(task = %o.task, worker = %o.name, "offer not answered in time: taken back");
+                let _ = self.release(&id, None, None).await;
+            }
+        }
+    }
+
+    /// A worker's answer to an offer.
+    pub(crate) async fn answered(&self, worker: &AgentId, a: pb::AssignmentAnswer) {
+        let offer = {
+            let mut inner = self.work.inner();
+            match inner.offers.get(&a.lease_id) {
+                Some(o) if &o.name == worker => inner.offers.remove(&a.lease_id),
+                _ => None,
+            }
+        };
+        let Some(o) = offer else {
+            return;
+        };
+        if a.accepted {
+            return;
+        }
+        tracing::info!(task = %o.task, worker = %worker, reason = %a.reason, "offer refused");
+        self.work
+            .inner()
+            .paused
+            .insert(worker.clone(), Instant::now() + REFUSAL_PAUSE);
+        let _ = self.release(&a.lease_id, None, Some(worker)).await;
+        self.work.poke();
+    }
+
+    /// Records a run's step (for `status --task` and `workers`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_run(
+        &self,
+        task: &TaskName,
+        worker: &AgentId,
+        state: State,
+        token: u64,
+        run_state: &str,
+        reason: &str,
+        detail: &str,
+        exit_code: i32,
+    ) {
+        let now = automaton_store::format_time(SystemTime::now());
+        let mut inner = self.work.inner();
+        let runs = inner.runs.entry(task.clone()).or_default();
+        match runs.iter_mut().rev().find(|r| r.token == token) {
+            Some(r) => {
+                r.state = run_state.into();
+                r.stop_reason = reason.into();
+                r.detail = detail.into();
+                r.exit_code = exit_code;
+                if run_state == "stopped" {
+                    r.ended_at = now;
+                }
+            }
+            None => {
+                runs.push_back(pb::Run {
+                    worker: worker.to_string(),
+                    phase: state.to_string(),
+                    token,
+                    state: run_state.into(),
+                    stop_reason: reason.into(),
+                    detail: detail.into(),
+                    exit_code,
+                    started_at: now,
+                    ended_at: String::new(),
+                });
+                while runs.len() > RUNS_KEPT {
+                    runs.pop_front();
+                }
+            }
+        }
+    }
+
+    /// A run update from `worker`'s session. A run that stopped without completing releases
+    /// its lease (if it still stands) and counts against the phase; too many, and the task is
+    /// held.
+    pub(crate) async fn run_update(&self, worker: &AgentId, u: pb::RunUpdate) {
+        let Ok(task) = u.task.parse::<TaskName>() else {
+            return;
+        };
+        let Ok(state) = u.phase.parse::<State>() else {
+            return;
+        };
+        // Only runs under a lease this worker was granted.
+        let known = self
+            .work
+            .run_of(&task, u.token)
+            .is_some_and(|r| r.worker == worker.as_str());
+        if !known {
+            return;
+        }
+        let detail = automaton_workflow::excerpt(&u.detail);
+        let reason = automaton_workflow::excerpt(&u.stop_reason);
+        self.record_run(
+            &task, worker, state, u.token, &u.state, &reason, &detail, u.exit_code,
+        );
+        match u.state.as_str() {
+            "active" => self.emit(
+                "run_started",
+                &task.to_string(),
+                worker.as_str(),
+                u.token,
+                state.to_string(),
+            ),
+            "stopped" => {
+                self.emit(
+                    "run_stopped",
+                    &task.to_string(),
+                    worker.as_str(),
+                    u.token,
+                    format!("{state}: {reason}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") }),
+                );
+                if reason != "completed" {
+                    self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
+                        .await;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_failed(
+        &self,
+        task: &TaskName,
+        state: State,
+        worker: &AgentId,
+        lease_id: &str,
+        token: u64,
+        reason: &str,
+        detail: &str,
+    ) {
+        // Losing the lease is not the run's fault.
+        if reason != "lease_lost" && reason != "operator_stopped" && reason != "shutdown" {
+            let n = {
+                let mut inner = self.work.inner();
+                let n = inner.failures.entry((task.clone(), state)).or_insert(0);
+                *n += 1;
+                *n
+            };
+            if n >= self.work.max_attempts {
+                self.hold(
+                    task,
+                    format!(
+                        "{n} failed runs of {state} (last: {reason}{}): fix the cause, then `automaton stop {task} --resume`",
+                        if detail.is_empty() { String::new() } else { format!(", {detail}") }
+                    ),
+                );
+            }
+        }
+        if self
+            .live_of(task)
+            .is_some_and(|l| l.lease_id == lease_id && l.token == token)
+        {
+            let _ = self.release(lease_id, Some(token), Some(worker)).await;
+        }
+        self.work.poke();
+    }
+
+    /// Holds `task` from dispatch with `why` (an event says so).
+    pub(crate) fn hold(&self, task: &TaskName, why: String) {
+        let new = {
+            let mut inner = self.work.inner();
+            inner.held.insert(task.clone(), why.clone()).as_ref() != Some(&why)
+        };
+        if new {
+            tracing::warn!(task = %task, why = %why, "task held from dispatch");
+            self.emit("task_held", &task.to_string(), "", 0, why);
+        }
+    }
+
+    /// `automaton stop TASK`: ends the run on `task` (`operator_stopped`) and holds the task;
+    /// with `resume`, lets it be dispatched again. Returns the worker whose run stopped.
+    pub(crate) async fn stop_run(
+        &self,
+        task: &TaskName,
+        resume: bool,
+        by: &str,
+    ) -> Result<(Option<AgentId>, bool), Error> {
+        if !self.project.task_dir(task).is_dir() {
+            return Err(Error::Store(automaton_store::Error::TaskNotFound {
+                task: task.clone(),
+                tasks: String::new(),
+            }));
+        }
+        if resume {
+            {
+                let mut inner = self.work.inner();
+                inner.held.remove(task);
+                inner.failures.retain(|(t, _), _| t != task);
+            }
+            self.emit("task_resumed", &task.to_string(), "", 0, format!("by {by}"));
+            self.work.poke();
+            return Ok((None, false));
+        }
+        self.hold(task, format!("stopped by an operator ({by})"));
+        let Some(l) = self.live_of(task) else {
+            return Ok((None, true));
+        };
+        if let Some(s) = &l.session {
+            self.sessions.push(
+                s,
+                pb::coordinator_message::Msg::Stop(pb::StopRun {
+                    lease_id: l.lease_id.clone(),
+                    task: task.to_string(),
+                    reason: "operator_stopped".into(),
+                }),
+            );
+        }
+        self.release(&l.lease_id, Some(l.token), None).await?;
+        Ok((Some(l.agent), true))
+    }
+}

@@ -1,0 +1,441 @@
+//! The `Work` service: what a worker does under an assignment's lease — fetch its inputs,
+//! upload the artifact and the code, complete the phase. Every call presents the lease id and
+//! its fencing token; a caller bound to a name must be the lease's holder. Writes are fenced:
+//! the lease is checked again under the task's guard right before the bytes land, so nothing
+//! sent under a lease that has ended reaches the folder or the branch.
+
+use std::sync::Arc;
+
+use automaton_proto::v1 as pb;
+use automaton_store::InputFile;
+use automaton_workflow::{AgentId, Artifact, State, TaskName};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::Error;
+use crate::auth::{Caller, caller};
+use crate::config::Role;
+use crate::lease_ops::Presented;
+use crate::service::Service;
+use crate::state::Coordinator;
+use crate::table::Live;
+
+/// Bytes per `FileData` message (well under the message limit).
+const CHUNK: usize = 1 << 20;
+/// A patch may change at most this many files, with at most this much content.
+const MAX_PATCH_FILES: usize = 10_000;
+const MAX_PATCH_BYTES: u64 = 256 << 20;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+/// The name a bound caller acts as (`None` for operators).
+fn bound(who: &Caller) -> Result<Option<AgentId>, Status> {
+    match who.role {
+        Role::Operator => Ok(None),
+        Role::Agent | Role::Worker => who
+            .name
+            .parse()
+            .map(Some)
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()).into()),
+    }
+}
+
+/// The lease's phase's artifact.
+fn artifact_of(l: &Live) -> Result<Artifact, Status> {
+    l.state.phase.artifact().ok_or_else(|| {
+        Error::Refused(format!(
+            "'{}' has no deliverable in {}: nothing to upload",
+            l.task, l.state
+        ))
+        .into()
+    })
+}
+
+/// An artifact name as sent: one plain file name, nothing hidden, no path.
+fn plain_name(name: &str) -> Result<&str, Status> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && !name.contains(['/', '\\', '\0'])
+        && name != ".."
+        && name.chars().all(|c| c.is_ascii_graphic());
+    if ok {
+        Ok(name)
+    } else {
+        Err(Error::Invalid(format!(
+            "'{}' is not an artifact name: send the phase's file name, e.g. SPEC.md (no path, no hidden file)",
+            automaton_workflow::excerpt(name)
+        ))
+        .into())
+    }
+}
+
+impl Coordinator {
+    /// Runs `f` on the project under `task`'s guard, if the lease `lease_id` with `token` is
+    /// still `task`'s live lease at that moment: the fence for every write a worker makes.
+    pub(crate) async fn under_lease<T: Send + 'static>(
+        self: &Arc<Self>,
+        task: &TaskName,
+        lease_id: &str,
+        token: u64,
+        f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error>
+        + Send
+        + 'static,
+    ) -> Result<T, Error> {
+        let (t, id) = (task.clone(), lease_id.to_string());
+        self.to_completion(task, move |c| async move {
+            let current = c.live_of(&t);
+            if current
+                .as_ref()
+                .is_none_or(|l| l.lease_id != id || l.token != token)
+            {
+                return Err(Error::Store(automaton_store::Error::StaleToken {
+                    task: t.clone(),
+                    given: token,
+                    current: current.map(|l| l.token),
+                }));
+            }
+            let project = c.project.clone();
+            tokio::task::spawn_blocking(move || f(&project))
+                .await
+                .map_err(|e| Error::Internal(format!("a fenced write failed: {e}")))?
+                .map_err(Error::from)
+        })
+        .await
+    }
+}
+
+type Stream<T> = ReceiverStream<Result<T, Status>>;
+
+#[tonic::async_trait]
+impl pb::work_server::Work for Service {
+    type FetchWorkspaceStream = Stream<pb::WorkspaceChunk>;
+
+    async fn fetch_workspace(
+        &self,
+        req: Request<pb::FetchWorkspaceRequest>,
+    ) -> Result<Response<Self::FetchWorkspaceStream>, Status> {
+        let who = bound(&caller(&req))?;
+        let r = req.into_inner();
+        let l = self
+            .coord
+            .lease_for_work(&r.lease_id, r.token, who.as_ref())
+            .await?;
+        let (task, phase) = (l.task.clone(), l.state.phase);
+        let cached = r.cached_commits;
+        let (inputs, head, code) = self
+            .coord
+            .read(move |p| {
+                let inputs = p.work_inputs(&task, phase)?;
+                let head = p.task_branch(&task)?;
+                let code = match &head {
+                    Some(h) if !cached.contains(&h.commit) => Some(p.read_tree(&h.commit)?),
+                    _ => None,
+                };
+                Ok((inputs, head, code))
+            })
+            .await?;
+        let mut files = Vec::new();
+        let mut bodies: Vec<(&'static str, String, Vec<u8>)> = Vec::new();
+        for InputFile {
+            kind,
+            path,
+            content,
+        } in inputs
+        {
+            files.push(pb::WorkspaceFile {
+                kind: kind.into(),
+                path: path.clone(),
+                size: content.len() as u64,
+                sha256: sha256_hex(&content),
+                executable: false,
+            });
+            bodies.push((kind, path, content));
+        }
+        let code_included = code.is_some();
+        for f in code.into_iter().flatten() {
+            files.push(pb::WorkspaceFile {
+                kind: "code".into(),
+                path: f.path.clone(),
+                size: f.content.len() as u64,
+                sha256: sha256_hex(&f.content),
+                executable: f.executable,
+            });
+            bodies.push(("code", f.path, f.content));
+        }
+        let manifest = pb::WorkspaceManifest {
+            task: l.task.to_string(),
+            phase: l.state.to_string(),
+            commit: head.as_ref().map(|h| h.commit.clone()).unwrap_or_default(),
+            branch: head.map(|h| h.branch).unwrap_or_default(),
+            code_included,
+            files,
+        };
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            let first = pb::WorkspaceChunk {
+                part: Some(pb::workspace_chunk::Part::Manifest(manifest)),
+            };
+            if tx.send(Ok(first)).await.is_err() {
+                return;
+            }
+            for (kind, path, content) in bodies {
+                let mut offset = 0usize;
+                // Empty files need no data message: the manifest says their size is 0.
+                while offset < content.len() {
+                    let end = (offset + CHUNK).min(content.len());
+                    let chunk = pb::WorkspaceChunk {
+                        part: Some(pb::workspace_chunk::Part::Data(pb::FileData {
+                            kind: kind.into(),
+                            path: path.clone(),
+                            offset: offset as u64,
+                            data: content[offset..end].to_vec(),
+                        })),
+                    };
+                    if tx.send(Ok(chunk)).await.is_err() {
+                        return;
+                    }
+                    offset = end;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn upload_artifact(
+        &self,
+        req: Request<Streaming<pb::ArtifactChunk>>,
+    ) -> Result<Response<pb::UploadResult>, Status> {
+        let who = bound(&caller(&req))?;
+        let limit = self.coord.work.max_artifact_bytes;
+        let mut chunks = req.into_inner();
+        let Some(first) = chunks.message().await? else {
+            return Err(Status::invalid_argument(
+                "an empty upload: send the lease, the name, the sha256 and the size first",
+            ));
+        };
+        let name = plain_name(&first.name)?.to_string();
+        let l = self
+            .coord
+            .lease_for_work(&first.lease_id, first.token, who.as_ref())
+            .await?;
+        let artifact = artifact_of(&l)?;
+        if name != artifact.file_name() {
+            return Err(Error::Refused(format!(
+                "'{name}' is not the artifact of {} (the lease's phase): upload {}",
+                l.state,
+                artifact.file_name()
+            ))
+            .into());
+        }
+        if first.size > limit {
+            return Err(Status::resource_exhausted(format!(
+                "{name} is {} bytes; artifacts are limited to {limit} bytes (max_artifact_bytes)",
+                first.size
+            )));
+        }
+        let mut bytes = first.data;
+        while let Some(c) = chunks.message().await? {
+            if bytes.len() as u64 + c.data.len() as u64 > first.size.min(limit) {
+                return Err(Status::resource_exhausted(format!(
+                    "{name}: more bytes than the {} announced (limit {limit})",
+                    first.size
+                )));
+            }
+            bytes.extend_from_slice(&c.data);
+        }
+        if bytes.len() as u64 != first.size {
+            return Err(Status::invalid_argument(format!(
+                "{name}: {} bytes arrived, {} were announced: upload it again",
+                bytes.len(),
+                first.size
+            )));
+        }
+        let sum = sha256_hex(&bytes);
+        if !sum.eq_ignore_ascii_case(&first.sha256) {
+            return Err(Status::invalid_argument(format!(
+                "{name}: the bytes have sha256 {sum}, not the {} sent: upload it again",
+                automaton_workflow::excerpt(&first.sha256)
+            )));
+        }
+        if name.ends_with(".md") && std::str::from_utf8(&bytes).is_err() {
+            return Err(Status::invalid_argument(format!(
+                "{name} is not UTF-8 text: markdown artifacts must be UTF-8"
+            )));
+        }
+        let size = bytes.len() as u64;
+        let task = l.task.clone();
+        let changed = self
+            .coord
+            .under_lease(&l.task, &l.lease_id, l.token, move |p| {
+                p.write_artifact(&task, artifact, &bytes)
+            })
+            .await?;
+        self.coord.emit(
+            "artifact_uploaded",
+            &l.task.to_string(),
+            l.agent.as_str(),
+            l.token,
+            format!("{name} ({size} bytes){}", if changed { "" } else { ", unchanged" }),
+        );
+        Ok(Response::new(pb::UploadResult {
+            name,
+            size,
+            sha256: sum,
+            unchanged: !changed,
+        }))
+    }
+
+    async fn upload_patch(
+        &self,
+        req: Request<Streaming<pb::PatchChunk>>,
+    ) -> Result<Response<pb::PatchResult>, Status> {
+        let who = bound(&caller(&req))?;
+        let mut chunks = req.into_inner();
+        let Some(first) = chunks.message().await? else {
+            return Err(Status::invalid_argument(
+                "an empty patch upload: send the lease and the base commit first",
+            ));
+        };
+        let l = self
+            .coord
+            .lease_for_work(&first.lease_id, first.token, who.as_ref())
+            .await?;
+        if !l.state.phase.allows_code_edits() {
+            return Err(Error::Refused(format!(
+                "{} may not change code (only implement and doc_review may): upload no patch",
+                l.state
+            ))
+            .into());
+        }
+        let base = first.base_commit.clone();
+        if base.len() > 64 || !base.bytes().all(|b| b.is_ascii_hexdigit()) || base.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "base commit '{}' is not a commit id: send the manifest's commit",
+                automaton_workflow::excerpt(&base)
+            )));
+        }
+        let mut changes: Vec<automaton_store::Change> = Vec::new();
+        let mut total = 0u64;
+        let mut open = false;
+        let mut next = first.change;
+        loop {
+            if let Some(c) = next.take() {
+                total += c.data.len() as u64;
+                if total > MAX_PATCH_BYTES {
+                    return Err(Status::resource_exhausted(format!(
+                        "the patch is larger than {MAX_PATCH_BYTES} bytes"
+                    )));
+                }
+                let continues = open && changes.last().is_some_and(|p| p.path == c.path);
+                if continues {
+                    if let Some(p) = changes.last_mut() {
+                        p.content.extend_from_slice(&c.data);
+                    }
+                } else {
+                    if changes.len() >= MAX_PATCH_FILES {
+                        return Err(Status::resource_exhausted(format!(
+                            "the patch changes more than {MAX_PATCH_FILES} files"
+                        )));
+                    }
+                    changes.push(automaton_store::Change {
+                        path: c.path,
+                        deleted: c.deleted,
+                        executable: c.executable,
+                        content: c.data,
+                    });
+                }
+                open = !c.deleted && !c.last;
+            }
+            match chunks.message().await? {
+                Some(m) => next = m.change,
+                None => break,
+            }
+        }
+        let (task, author) = (l.task.clone(), l.agent.to_string());
+        let message = format!(
+            "{}: {} by {} (fencing token {})",
+            l.task, l.state, l.agent, l.token
+        );
+        let n = changes.len();
+        let applied = self
+            .coord
+            .under_lease(&l.task, &l.lease_id, l.token, move |p| {
+                p.apply_changes(&task, &base, &changes, &author, &message)
+            })
+            .await?;
+        if let Some(c) = &applied.commit {
+            self.coord.emit(
+                "code_committed",
+                &l.task.to_string(),
+                l.agent.as_str(),
+                l.token,
+                format!("{} on {} ({n} files)", c, applied.branch),
+            );
+        }
+        Ok(Response::new(pb::PatchResult {
+            commit: applied.commit.unwrap_or_default(),
+            branch: applied.branch,
+            files_changed: applied.files_changed,
+        }))
+    }
+
+    async fn complete_phase(
+        &self,
+        req: Request<pb::CompletePhaseRequest>,
+    ) -> Result<Response<pb::CompletePhaseResponse>, Status> {
+        let who = bound(&caller(&req))?;
+        let r = req.into_inner();
+        let l = self
+            .coord
+            .lease_for_work(&r.lease_id, r.token, who.as_ref())
+            .await?;
+        let target: State = if r.target.is_empty() {
+            let verdict = if l.state.phase == automaton_workflow::Phase::Referee {
+                let path = self
+                    .coord
+                    .project
+                    .task_dir(&l.task)
+                    .join(Artifact::Verdict.file_name());
+                tokio::task::spawn_blocking(move || std::fs::read_to_string(path).ok())
+                    .await
+                    .ok()
+                    .flatten()
+            } else {
+                None
+            };
+            automaton_workflow::progress::after_work(l.state, verdict.as_deref()).ok_or_else(
+                || Error::Refused(format!("{} has no next phase to complete into", l.state)),
+            )?
+        } else {
+            r.target.parse().map_err(|_| {
+                Error::Invalid(format!(
+                    "'{}' is not a phase: leave target empty for the lifecycle's next state",
+                    automaton_workflow::excerpt(&r.target)
+                ))
+            })?
+        };
+        let presented = Presented {
+            agent: Some(l.agent.clone()),
+            lease_id: Some(l.lease_id.clone()),
+            token: Some(l.token),
+        };
+        let (from, _) = self
+            .coord
+            .transition(&l.task, target, &presented)
+            .await?;
+        Ok(Response::new(pb::CompletePhaseResponse {
+            task: l.task.to_string(),
+            from: from.to_string(),
+            to: target.to_string(),
+        }))
+    }
+}

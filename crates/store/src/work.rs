@@ -1,0 +1,184 @@
+//! What an assignment needs from the task store and gives back to it: the task's own files
+//! and the framework files of its phase (through the layered lookup) as the worker's inputs,
+//! and the artifact the worker uploads, written atomically.
+
+use std::fs;
+
+use automaton_workflow::{Artifact, Phase, TaskName};
+
+use crate::Error;
+use crate::fsx::io_err;
+use crate::project::Project;
+
+/// Files a sub-task carries besides its artifacts (seed 002).
+const SUBTASK_FILES: [&str; 2] = ["PARENT_SPEC.md", "VRAM_CONFIG.md"];
+/// The most bytes of framework files (prompt, rules, contracts) served for one phase.
+const MAX_FRAMEWORK_BYTES: u64 = 16 << 20;
+
+/// One input file of an assignment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputFile {
+    /// `task`, `prompt`, `rules` or `contract`.
+    pub kind: &'static str,
+    /// A file name (`SPEC.md`, `api.md`); `prompt.md` / `rules.md` for those kinds.
+    pub path: String,
+    pub content: Vec<u8>,
+}
+
+fn read_small(path: &std::path::Path, budget: &mut u64) -> Result<Option<Vec<u8>>, Error> {
+    let meta = match fs::metadata(path) {
+        Ok(m) if m.is_file() => m,
+        Ok(_) => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err("stat", path)(e)),
+    };
+    if meta.len() > *budget {
+        return Err(Error::InputTooLarge {
+            path: path.to_path_buf(),
+            limit: MAX_FRAMEWORK_BYTES,
+        });
+    }
+    *budget -= meta.len();
+    fs::read(path).map(Some).map_err(io_err("read", path))
+}
+
+impl Project {
+    /// The inputs of `phase` of `task`: the task's artifacts so far and its sub-task files,
+    /// then the phase prompt (`prompts/{phase}.md`), `.rules.md` and every `contracts/*.md`,
+    /// each through the layered lookup (the project's `.automaton/`, else `~/.automaton/`).
+    pub fn work_inputs(&self, task: &TaskName, phase: Phase) -> Result<Vec<InputFile>, Error> {
+        let dir = self.task_dir(task);
+        let mut budget = MAX_FRAMEWORK_BYTES;
+        let mut out = Vec::new();
+        let names = Artifact::ALL
+            .iter()
+            .map(|a| a.file_name())
+            .chain(SUBTASK_FILES);
+        for name in names {
+            if let Some(content) = read_small(&dir.join(name), &mut budget)? {
+                out.push(InputFile {
+                    kind: "task",
+                    path: name.to_string(),
+                    content,
+                });
+            }
+        }
+        let prompt = format!("prompts/{}.md", phase.name());
+        for (kind, rel, path) in [
+            ("prompt", prompt.as_str(), "prompt.md"),
+            ("rules", ".rules.md", "rules.md"),
+        ] {
+            if let Some(p) = self.layered(rel)
+                && let Some(content) = read_small(&p, &mut budget)?
+            {
+                out.push(InputFile {
+                    kind,
+                    path: path.to_string(),
+                    content,
+                });
+            }
+        }
+        if let Some(contracts) = self.layered("contracts") {
+            let mut names: Vec<_> = fs::read_dir(&contracts)
+                .map_err(io_err("list", &contracts))?
+                .filter_map(Result::ok)
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| n.ends_with(".md") && !n.starts_with('.'))
+                .collect();
+            names.sort();
+            for n in names {
+                if let Some(content) = read_small(&contracts.join(&n), &mut budget)? {
+                    out.push(InputFile {
+                        kind: "contract",
+                        path: n,
+                        content,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `artifact` of `task` atomically (temp file, fsync, rename, directory fsync).
+    /// Returns `false` when the folder already held exactly these bytes (nothing written).
+    pub fn write_artifact(
+        &self,
+        task: &TaskName,
+        artifact: Artifact,
+        bytes: &[u8],
+    ) -> Result<bool, Error> {
+        let dir = self.task_dir(task);
+        if !dir.is_dir() {
+            return Err(Error::TaskNotFound {
+                task: task.clone(),
+                tasks: self.tasks_display(),
+            });
+        }
+        let target = dir.join(artifact.file_name());
+        if fs::read(&target).is_ok_and(|old| old == bytes) {
+            return Ok(false);
+        }
+        self.write(&target, bytes)?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::project::tests::project;
+
+    #[test]
+    fn inputs_are_the_task_files_then_the_layered_framework_files() {
+        let home = tempfile::tempdir().expect("home");
+        let (d, _) = project();
+        let p = Project::open(d.path(), Some(home.path()));
+        let t: TaskName = "t".parse().expect("name");
+        p.create_task(&t).expect("create");
+        fs::write(p.task_dir(&t).join("SPEC.md"), "# spec\n").expect("spec");
+        fs::write(p.task_dir(&t).join("notes.txt"), "not an input").expect("notes");
+        let user = home.path().join(".automaton");
+        fs::create_dir_all(user.join("prompts")).expect("mkdir");
+        fs::create_dir_all(user.join("contracts")).expect("mkdir");
+        fs::write(user.join("prompts/design.md"), "user prompt").expect("prompt");
+        fs::write(user.join(".rules.md"), "user rules").expect("rules");
+        fs::write(user.join("contracts/api.md"), "api").expect("contract");
+        fs::create_dir_all(d.path().join(".automaton/prompts")).expect("mkdir");
+        fs::write(d.path().join(".automaton/prompts/design.md"), "own prompt").expect("own");
+        let got: Vec<(&str, String, Vec<u8>)> = p
+            .work_inputs(&t, Phase::Design)
+            .expect("inputs")
+            .into_iter()
+            .map(|f| (f.kind, f.path, f.content))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("task", "SPEC.md".into(), b"# spec\n".to_vec()),
+                ("prompt", "prompt.md".into(), b"own prompt".to_vec()),
+                ("rules", "rules.md".into(), b"user rules".to_vec()),
+                ("contract", "api.md".into(), b"api".to_vec()),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_artifact_is_written_once_and_the_same_bytes_again_change_nothing() {
+        let (d, _) = project();
+        let p = Project::open(d.path(), None);
+        let t: TaskName = "t".parse().expect("name");
+        p.create_task(&t).expect("create");
+        assert!(p.write_artifact(&t, Artifact::Spec, b"a").expect("write"));
+        assert!(!p.write_artifact(&t, Artifact::Spec, b"a").expect("again"));
+        assert!(
+            p.write_artifact(&t, Artifact::Spec, b"b")
+                .expect("new bytes")
+        );
+        assert_eq!(
+            fs::read(p.task_dir(&t).join("SPEC.md")).expect("read"),
+            b"b"
+        );
+        let missing: TaskName = "nope".parse().expect("name");
+        assert!(p.write_artifact(&missing, Artifact::Spec, b"a").is_err());
+    }
+}
