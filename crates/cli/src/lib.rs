@@ -544,8 +544,8 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     let mut text = render::task(&view, policy.multi_agent);
     text.push_str(&render::runs(&runs, &held));
     // The spec's fields unchanged; a coordinator's runs and hold added when there are any.
-    let mut value = serde_json::to_value(&view)
-        .map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
+    let mut value =
+        serde_json::to_value(&view).map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
     if let Some(obj) = value.as_object_mut() {
         if !runs.is_empty() {
             obj.insert("runs".into(), workers::runs_json(&runs));

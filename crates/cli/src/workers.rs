@@ -205,7 +205,10 @@ fn table(workers: &[pb::WorkerInfo]) -> String {
     out
 }
 
-fn backend_of(project: Option<&std::path::Path>, coordinator: Option<&str>) -> Result<Backend, Failure> {
+fn backend_of(
+    project: Option<&std::path::Path>,
+    coordinator: Option<&str>,
+) -> Result<Backend, Failure> {
     let cwd = std::env::current_dir()
         .map_err(|e| Failure::Usage(format!("cannot read the current directory: {e}")))?;
     let home = std::env::var_os("HOME").map(PathBuf::from);
@@ -217,10 +220,10 @@ fn backend_of(project: Option<&std::path::Path>, coordinator: Option<&str>) -> R
 }
 
 fn stop_act(args: &StopArgs) -> Result<String, Failure> {
-    let task: automaton_workflow::TaskName =
-        args.task.parse().map_err(|e: automaton_workflow::NameError| {
-            Failure::Store(e.into())
-        })?;
+    let task: automaton_workflow::TaskName = args
+        .task
+        .parse()
+        .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
     let backend = backend_of(args.project.as_deref(), args.coordinator.as_deref())?;
     let out = backend.stop_run(&task, args.resume)?;
     Ok(if args.json {
@@ -230,8 +233,11 @@ fn stop_act(args: &StopArgs) -> Result<String, Failure> {
             serde_json::json!({"task": out.task, "worker": out.worker, "held": out.held, "resumed": args.resume})
         )
     } else if args.resume {
-        format!("Task '{}' may be dispatched again.
-", out.task)
+        format!(
+            "Task '{}' may be dispatched again.
+",
+            out.task
+        )
     } else if out.worker.is_empty() {
         format!(
             "No run on '{}'; it is held from dispatch (automaton stop {} --resume to undo).

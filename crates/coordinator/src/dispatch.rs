@@ -79,7 +79,11 @@ pub(crate) struct Work {
 }
 
 impl Work {
-    pub(crate) fn new(max_phase_time: Duration, max_attempts: u32, max_artifact_bytes: u64) -> Work {
+    pub(crate) fn new(
+        max_phase_time: Duration,
+        max_attempts: u32,
+        max_artifact_bytes: u64,
+    ) -> Work {
         Work {
             inner: Mutex::default(),
             wake: Notify::new(),
@@ -499,7 +503,14 @@ impl Coordinator {
         let detail = automaton_workflow::excerpt(&u.detail);
         let reason = automaton_workflow::excerpt(&u.stop_reason);
         self.record_run(
-            &task, worker, state, u.token, &u.state, &reason, &detail, u.exit_code,
+            &task,
+            worker,
+            state,
+            u.token,
+            &u.state,
+            &reason,
+            &detail,
+            u.exit_code,
         );
         match u.state.as_str() {
             "active" => self.emit(
@@ -515,7 +526,14 @@ impl Coordinator {
                     &task.to_string(),
                     worker.as_str(),
                     u.token,
-                    format!("{state}: {reason}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") }),
+                    format!(
+                        "{state}: {reason}{}",
+                        if detail.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({detail})")
+                        }
+                    ),
                 );
                 if reason != "completed" {
                     self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)

@@ -9,8 +9,8 @@
 
 pub mod auth;
 mod commit;
-mod dispatch;
 pub mod config;
+mod dispatch;
 mod events;
 mod fencing;
 #[cfg(test)]

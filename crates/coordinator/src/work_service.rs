@@ -86,9 +86,7 @@ impl Coordinator {
         task: &TaskName,
         lease_id: &str,
         token: u64,
-        f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error>
-        + Send
-        + 'static,
+        f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error> + Send + 'static,
     ) -> Result<T, Error> {
         let (t, id) = (task.clone(), lease_id.to_string());
         self.to_completion(task, move |c| async move {
@@ -284,7 +282,10 @@ impl pb::work_server::Work for Service {
             &l.task.to_string(),
             l.agent.as_str(),
             l.token,
-            format!("{name} ({size} bytes){}", if changed { "" } else { ", unchanged" }),
+            format!(
+                "{name} ({size} bytes){}",
+                if changed { "" } else { ", unchanged" }
+            ),
         );
         Ok(Response::new(pb::UploadResult {
             name,
@@ -428,10 +429,7 @@ impl pb::work_server::Work for Service {
             lease_id: Some(l.lease_id.clone()),
             token: Some(l.token),
         };
-        let (from, _) = self
-            .coord
-            .transition(&l.task, target, &presented)
-            .await?;
+        let (from, _) = self.coord.transition(&l.task, target, &presented).await?;
         Ok(Response::new(pb::CompletePhaseResponse {
             task: l.task.to_string(),
             from: from.to_string(),

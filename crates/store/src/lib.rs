@@ -20,6 +20,7 @@ mod records;
 // The operations of `Project` (defined in project.rs): `impl Project` blocks, one concern a file.
 mod change;
 mod fencing;
+mod git;
 mod layered;
 mod lease_files;
 mod read;
@@ -36,6 +37,10 @@ use automaton_workflow::{
 
 pub use audit::{AuditReport, AuditTask, Category3};
 pub use change::{ApproveOutcome, TransitionOutcome, Upgraded};
+pub use git::{
+    Applied, BranchHead, Change, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES, TreeFile,
+    branch_name,
+};
 pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
 pub use project::Project;
@@ -232,6 +237,64 @@ pub enum Error {
     NotUtf8 { path: PathBuf },
     #[error("{} is larger than one assignment may carry ({limit} bytes in all): shorten it.", path.display())]
     InputTooLarge { path: PathBuf, limit: u64 },
+    #[error(
+        "{} is not a git repository: the project has no code to serve. Run 'git init' there and make a first commit.",
+        root.display()
+    )]
+    NoRepository { root: PathBuf },
+    #[error(
+        "The git repository at {} has no commits (HEAD is unborn), so task branches have nothing to start from. Make a first commit, then retry.",
+        root.display()
+    )]
+    NoCommits { root: PathBuf },
+    #[error(
+        "Task '{task}' has no branch '{branch}' yet. Serve the task's code first (task_branch creates it), then apply changes."
+    )]
+    NoBranch { task: TaskName, branch: String },
+    #[error("Invalid commit id '{commit}': give the full hexadecimal id (40 characters).")]
+    BadCommit { commit: String },
+    #[error(
+        "Commit {commit} not found in {}. Use a commit served for this task (its branch head).",
+        root.display()
+    )]
+    CommitNotFound { commit: String, root: PathBuf },
+    #[error(
+        "Invalid path '{path}' in the changes: {why}. Send relative '/'-separated paths inside the project's code."
+    )]
+    BadPath { path: String, why: &'static str },
+    #[error("Invalid {field} '{value}' for the commit: {why}.")]
+    BadCommitText {
+        field: &'static str,
+        value: String,
+        why: &'static str,
+    },
+    #[error(
+        "Commit {commit} holds a path git2 cannot serve as text: '{path}' ({why}). Rename it in the repository, then retry."
+    )]
+    UnservablePath {
+        commit: String,
+        path: String,
+        why: &'static str,
+    },
+    #[error(
+        "Commit {commit}'s tree is too large to serve: more than {limit}. Keep large files and generated trees out of the repository (or in .automaton/), then retry."
+    )]
+    TreeTooLarge { commit: String, limit: String },
+    #[error(
+        "Task '{task}': the changes touch {} that changed on the task branch since their base commit. Fetch the branch head again and redo the change there.",
+        git::list_paths(paths)
+    )]
+    PatchConflict { task: TaskName, paths: Vec<String> },
+    #[error(
+        "Task '{task}': branch '{branch}' kept moving while the changes were applied (tried twice). Retry the apply."
+    )]
+    BranchRace { task: TaskName, branch: String },
+    #[error("Cannot {action} in the git repository at {}: {source}. Check the repository (git fsck) and its permissions.", root.display())]
+    Git {
+        action: &'static str,
+        root: PathBuf,
+        source: git2::Error,
+    },
     #[error("Cannot {action} {}: {source}. Check the path and its permissions.", path.display())]
     Io {
         action: &'static str,
@@ -273,11 +336,19 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         use Error::*;
         match self {
-            TaskNotFound { .. } | ParentNotFound { .. } | ProjectNotFound { .. } => {
-                ErrorKind::NotFound
-            }
+            TaskNotFound { .. }
+            | ParentNotFound { .. }
+            | ProjectNotFound { .. }
+            | NoRepository { .. }
+            | NoBranch { .. }
+            | CommitNotFound { .. } => ErrorKind::NotFound,
             AlreadyExists { .. } => ErrorKind::AlreadyExists,
-            Name(_) | TtlOutOfBounds { .. } => ErrorKind::Invalid,
+            Name(_)
+            | TtlOutOfBounds { .. }
+            | BadCommit { .. }
+            | BadPath { .. }
+            | BadCommitText { .. }
+            | UnservablePath { .. } => ErrorKind::Invalid,
             UnknownPhase { .. }
             | Policy { .. }
             | CorruptLease { .. }
@@ -286,7 +357,7 @@ impl Error {
             | CorruptHolders { .. }
             | CorruptFencing { .. }
             | NotUtf8 { .. } => ErrorKind::Corrupt,
-            Io { .. } => ErrorKind::Io,
+            Io { .. } | Git { .. } => ErrorKind::Io,
             Untracked { .. }
             | Transition(_)
             | Approve(_)
@@ -300,7 +371,11 @@ impl Error {
             | Separation { .. }
             | SelfApproval { .. }
             | HeldPhase { .. }
-            | InputTooLarge { .. } => ErrorKind::Refused,
+            | InputTooLarge { .. }
+            | NoCommits { .. }
+            | TreeTooLarge { .. }
+            | PatchConflict { .. }
+            | BranchRace { .. } => ErrorKind::Refused,
         }
     }
 }
