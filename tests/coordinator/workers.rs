@@ -17,12 +17,15 @@ const TIMEOUT: &str = "1s";
 const HEARTBEAT: &str = "200ms";
 const TIMEOUT_D: Duration = Duration::from_secs(1);
 
+/// Sessions only: these tests claim in the workers' sessions themselves (`work.rs` tests
+/// dispatch).
 fn fleet_args() -> Vec<&'static str> {
     vec![
         "--session-timeout",
         TIMEOUT,
         "--heartbeat-interval",
         HEARTBEAT,
+        "--no-dispatch",
     ]
 }
 
@@ -603,7 +606,7 @@ async fn a_second_session_under_one_name_is_refused_with_the_first_host_and_age_
 async fn sigterm_deregisters_releases_its_leases_at_once_and_exits_0() {
     let env = Env::new();
     // A long session timeout: the release must come from the goodbye, not the expiry.
-    let coord = Coord::start(&env, &["--session-timeout", "60s"]);
+    let coord = Coord::start(&env, &["--session-timeout", "60s", "--no-dispatch"]);
     let mut api = coord.api().await;
     api.claimable_task("t").await;
     let mut w = Worker::start(&coord.url, &["--name", "gpu-a"], &[]);

@@ -87,6 +87,9 @@ pub struct Config {
     pub max_phase_time: Duration,
     /// Failed runs of one phase of a task before the task is held from dispatch.
     pub max_attempts: u32,
+    /// Offer work to idle workers (`false`: sessions and leases only; agents and operators
+    /// claim tasks themselves).
+    pub dispatch: bool,
     /// The largest artifact a worker may upload.
     pub max_artifact_bytes: u64,
     pub tls: Option<Tls>,
@@ -111,6 +114,7 @@ impl Default for Config {
             heartbeat_interval: Duration::from_secs(2),
             max_phase_time: Duration::from_secs(3600),
             max_attempts: 3,
+            dispatch: true,
             max_artifact_bytes: 8 << 20,
             tls: None,
             tokens: Vec::new(),
@@ -131,6 +135,7 @@ pub struct Overrides {
     pub session_timeout: Option<Duration>,
     pub heartbeat_interval: Option<Duration>,
     pub max_phase_time: Option<Duration>,
+    pub no_dispatch: bool,
 }
 
 mod duration {
@@ -221,6 +226,9 @@ impl Config {
         if let Some(t) = flags.max_phase_time {
             cfg.max_phase_time = t;
         }
+        if flags.no_dispatch {
+            cfg.dispatch = false;
+        }
         Ok(cfg)
     }
 
@@ -250,6 +258,9 @@ impl Config {
         }
         if let Some(v) = env_var("AUTOMATON_INSECURE") {
             self.insecure = matches!(v.as_str(), "1" | "true" | "yes");
+        }
+        if let Some(v) = env_var("AUTOMATON_DISPATCH") {
+            self.dispatch = !matches!(v.as_str(), "0" | "false" | "no" | "off");
         }
         for (key, slot) in [
             ("AUTOMATON_GRACE_PERIOD", &mut self.grace_period),

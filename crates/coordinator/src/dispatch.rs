@@ -234,6 +234,12 @@ impl Coordinator {
         tasks.sort();
         let mut idle = self.idle_slots();
         for (_, task) in tasks {
+            if idle.is_empty() {
+                break;
+            }
+            if self.live_of(&task).is_some() {
+                continue;
+            }
             let state = match self.state_now(&task).await {
                 Ok(s) => s,
                 Err(e) => {
@@ -241,22 +247,22 @@ impl Coordinator {
                     continue;
                 }
             };
-            let state = match self.move_on(&task, state).await {
-                Ok(s) => s,
+            // Where the work is: the state itself, or the phase a start or an approved gate
+            // leads to (moved there only when a worker is about to take it).
+            let work = match self.next_work(&task, state).await {
+                Ok(Some(w)) => w,
+                Ok(None) => continue,
                 Err(e) => {
                     self.hold(&task, e.to_string());
                     continue;
                 }
             };
-            if !automaton_workflow::progress::has_work(state)
-                || idle.is_empty()
-                || self.live_of(&task).is_some()
-            {
+            if work != state && !self.move_on(&task, state, work).await {
                 continue;
             }
-            for i in choose(&task, state, &idle) {
+            for i in choose(&task, work, &idle) {
                 let slot = idle[i].clone();
-                match self.offer(&task, state, &slot).await {
+                match self.offer(&task, work, &slot).await {
                     Ok(true) => {
                         idle[i].free -= 1;
                         break;
@@ -282,12 +288,17 @@ impl Coordinator {
         self.touch(task).await
     }
 
-    /// Moves a task on where no agent is needed: `new` starts research; an approved gate
-    /// goes to the declared (`Next:`) or default next phase. Returns the state after.
-    async fn move_on(self: &Arc<Self>, task: &TaskName, state: State) -> Result<State, Error> {
+    /// The state whose work a worker would do next on `task`: an open phase with a
+    /// deliverable as it is; `new` → `research`; an approved gate → the phase its artifact
+    /// declares (`Next:`) or the default path. `None`: nothing to do (awaiting approval,
+    /// terminal, an approved decomposition waiting for its sub-tasks).
+    async fn next_work(&self, task: &TaskName, state: State) -> Result<Option<State>, Error> {
         use automaton_workflow::{Gate, Phase};
-        let target = match (state.phase, state.gate) {
-            (Phase::New, _) => State::open(Phase::Research),
+        if automaton_workflow::progress::has_work(state) {
+            return Ok(Some(state));
+        }
+        match (state.phase, state.gate) {
+            (Phase::New, _) => Ok(Some(State::open(Phase::Research))),
             (p, Gate::Approved) => {
                 let text = match p.artifact() {
                     Some(a) => {
@@ -299,14 +310,16 @@ impl Coordinator {
                     }
                     None => None,
                 };
-                match automaton_workflow::progress::after_approval(state, text.as_deref()) {
-                    Ok(Some(t)) => t,
-                    Ok(None) => return Ok(state),
-                    Err(bad) => return Err(Error::Refused(bad.to_string())),
-                }
+                automaton_workflow::progress::after_approval(state, text.as_deref())
+                    .map_err(|bad| Error::Refused(bad.to_string()))
             }
-            _ => return Ok(state),
-        };
+            _ => Ok(None),
+        }
+    }
+
+    /// Moves `task` from `state` to `target` where no agent is needed (a start, an approved
+    /// gate). Whether it moved (someone else may have moved it meanwhile).
+    async fn move_on(self: &Arc<Self>, task: &TaskName, state: State, target: State) -> bool {
         match self.transition(task, target, &Presented::default()).await {
             Ok(_) => {
                 self.emit(
@@ -316,12 +329,11 @@ impl Coordinator {
                     0,
                     format!("{state} → {target} (no agent needed)"),
                 );
-                Ok(target)
+                true
             }
-            // Someone else moved it meanwhile: look again next round.
             Err(e) => {
                 tracing::debug!(task = %task, error = %e, "could not move the task on");
-                Ok(self.state_now(task).await.unwrap_or(state))
+                false
             }
         }
     }

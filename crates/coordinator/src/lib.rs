@@ -181,7 +181,9 @@ pub async fn serve(
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
     coord.spawn_reconciler();
-    coord.spawn_dispatcher(stop_rx.clone());
+    if cfg.dispatch {
+        coord.spawn_dispatcher(stop_rx.clone());
+    }
     let sweeper = {
         let coord = coord.clone();
         let mut stop = stop_rx.clone();

@@ -49,6 +49,9 @@ struct Flags {
     /// How long an agent run may take before it is stopped `timed_out` (default 1h).
     #[arg(long, value_name = "DURATION", value_parser = |s: &str| parse_duration(s).ok_or("write e.g. 1h or 90s"))]
     max_phase_time: Option<std::time::Duration>,
+    /// Offer no work to workers: sessions and leases only (agents claim tasks themselves).
+    #[arg(long)]
+    no_dispatch: bool,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -91,6 +94,7 @@ fn run() -> anyhow::Result<()> {
         session_timeout: flags.session_timeout,
         heartbeat_interval: flags.heartbeat_interval,
         max_phase_time: flags.max_phase_time,
+        no_dispatch: flags.no_dispatch,
     })?;
     if flags.print_config {
         print!("{}", cfg.to_toml());

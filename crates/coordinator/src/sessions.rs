@@ -40,7 +40,7 @@ const MAX_CAPACITY: u32 = 1024;
 /// What the coordinator pushes on a session's stream.
 #[derive(Debug)]
 pub enum Push {
-    Msg(pb::CoordinatorMessage),
+    Msg(Box<pb::CoordinatorMessage>),
     /// End the stream with this status.
     End(Status),
 }
@@ -354,8 +354,9 @@ impl Sessions {
     pub(crate) fn push(&self, id: &str, msg: pb::coordinator_message::Msg) {
         let inner = self.inner();
         if let Some(a) = inner.by_id.get(id).and_then(|s| s.attached.as_ref()) {
-            let _ =
-                a.tx.send(Push::Msg(pb::CoordinatorMessage { msg: Some(msg) }));
+            let _ = a.tx.send(Push::Msg(Box::new(pb::CoordinatorMessage {
+                msg: Some(msg),
+            })));
         }
     }
 

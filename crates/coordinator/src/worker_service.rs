@@ -37,7 +37,7 @@ impl Stream for Outbound {
             return Poll::Ready(None);
         }
         match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Push::Msg(m))) => return Poll::Ready(Some(Ok(m))),
+            Poll::Ready(Some(Push::Msg(m))) => return Poll::Ready(Some(Ok(*m))),
             Poll::Ready(Some(Push::End(s))) => {
                 self.done = true;
                 return if s.code() == tonic::Code::Ok {
@@ -60,7 +60,7 @@ impl Stream for Outbound {
 }
 
 fn msg(m: Out) -> Push {
-    Push::Msg(pb::CoordinatorMessage { msg: Some(m) })
+    Push::Msg(Box::new(pb::CoordinatorMessage { msg: Some(m) }))
 }
 
 #[tonic::async_trait]
