@@ -6,5 +6,8 @@
 //! It must not decide policy: which task runs where, who may review what, when a lease ends
 //! are the coordinator's calls. The worker reports and obeys.
 
+pub mod agent;
 pub mod probe;
+pub mod scripted;
 pub mod session;
+pub mod workspace;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use automaton_worker::{probe, session};
+use automaton_worker::{probe, scripted, session};
 
 #[derive(Parser)]
 #[command(
@@ -45,6 +45,8 @@ struct Cli {
     detect: probe::DetectArgs,
 }
 
+// Parsed once at start: the size difference between the variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Report what this machine can hold: GPUs, RAM, CPUs, the model's context window and
@@ -56,6 +58,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The built-in deterministic agent, run by the worker itself for `--agent scripted`.
+    #[command(hide = true)]
+    ScriptedAgent,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -66,6 +71,15 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = match cli.cmd {
         Some(Cmd::Probe { ref detect, json }) => probe::run(detect, json),
+        Some(Cmd::ScriptedAgent) => {
+            return match scripted::run_from_env() {
+                Ok(code) => ExitCode::from(code),
+                Err(e) => {
+                    eprintln!("automaton-worker scripted-agent: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
         None => join(cli),
     };
     match out {

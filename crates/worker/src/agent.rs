@@ -1,0 +1,1032 @@
+//! Running the agent for one phase of a task: a shell command from a template (or the
+//! built-in scripted agent) in the assignment's workspace, in its own process group, with a
+//! time limit and a stop signal from the session. How a run ended is a value (`Outcome`),
+//! never a log line; its states (seed 003 §5: requested → starting → active → stopping →
+//! stopped) are reported through a callback as they happen.
+//!
+//! The worker, not the shell, owns the agent's lifetime: on a timeout or a stop the whole
+//! process group gets SIGTERM, then SIGKILL after a grace period, and the group is killed
+//! once more after the leader exits, so nothing the agent started outlives the run (a process
+//! that leaves the group with `setsid` is the one way out, and is outside our reach).
+
+use std::future::Future;
+use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use automaton_workflow::{Artifact, Phase};
+use rustix::process::{Pid, Signal, kill_process_group, test_kill_process_group};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+
+use crate::workspace::TASK_DIR;
+
+/// Between SIGTERM and SIGKILL, unless told otherwise.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
+/// How much of the agent's output `agent.log` keeps, unless told otherwise.
+pub const DEFAULT_LOG_CAP: u64 = 4 * 1024 * 1024;
+/// The log's name inside `.automaton-task/`.
+pub const LOG_FILE: &str = "agent.log";
+/// seed 002's MAX_PHASE_TIME default.
+pub const DEFAULT_MAX_PHASE_TIME: Duration = Duration::from_secs(60 * 60);
+/// The worker's own credential; never handed to the agent.
+const WORKER_TOKEN_VAR: &str = "AUTOMATON_TOKEN";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("phase {0} produces no artifact: there is nothing for an agent to do")]
+    NoArtifact(Phase),
+    #[error(
+        "the agent command is empty: give a template such as 'aider --yes --message-file {{prompt_file}}'"
+    )]
+    EmptyCommand,
+    #[error("cannot locate the worker binary for the scripted agent: {0}")]
+    CurrentExe(std::io::Error),
+    #[error("cannot open the agent log {path}: {source}")]
+    Log {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the agent in {dir}: {source}")]
+    Spawn {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentSpec {
+    /// A template run with `sh -c` in the workspace, placeholders substituted shell-quoted.
+    Command(String),
+    /// The built-in deterministic agent: this binary's hidden `scripted-agent` subcommand.
+    Scripted,
+}
+
+/// Everything one run needs; the `AUTOMATON_*` environment is built from it.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    pub agent: AgentSpec,
+    /// The workspace directory (`Workspace::dir`).
+    pub workspace: PathBuf,
+    pub task: String,
+    pub phase: Phase,
+    pub lease_id: String,
+    pub fencing_token: u64,
+    pub budget_tokens: u64,
+    /// The model server's URL, if the worker knows one.
+    pub model_server: Option<String>,
+    /// The context window the model server must be sent (Ollama's `num_ctx`).
+    pub num_ctx: Option<u64>,
+    /// Between SIGTERM and SIGKILL.
+    pub grace: Duration,
+    /// How much output `agent.log` keeps; the rest is read and dropped.
+    pub log_cap: u64,
+}
+
+impl RunSpec {
+    /// A spec with no model server, a zero budget and the default grace and log cap.
+    pub fn new(
+        agent: AgentSpec,
+        workspace: &Path,
+        task: &str,
+        phase: Phase,
+        lease_id: &str,
+        fencing_token: u64,
+    ) -> RunSpec {
+        RunSpec {
+            agent,
+            workspace: workspace.to_path_buf(),
+            task: task.to_string(),
+            phase,
+            lease_id: lease_id.to_string(),
+            fencing_token,
+            budget_tokens: 0,
+            model_server: None,
+            num_ctx: None,
+            grace: DEFAULT_GRACE,
+            log_cap: DEFAULT_LOG_CAP,
+        }
+    }
+
+    fn artifact(&self) -> Result<Artifact, Error> {
+        self.phase.artifact().ok_or(Error::NoArtifact(self.phase))
+    }
+
+    fn task_dir(&self) -> PathBuf {
+        self.workspace.join(TASK_DIR)
+    }
+
+    /// `{ws}/.automaton-task/prompt.md`.
+    pub fn prompt_file(&self) -> PathBuf {
+        self.task_dir().join("prompt.md")
+    }
+
+    /// The artifact's full path, or `None` for a phase without one.
+    pub fn artifact_path(&self) -> Option<PathBuf> {
+        self.phase
+            .artifact()
+            .map(|a| self.task_dir().join(a.file_name()))
+    }
+
+    /// The variables the agent sees (besides the worker's own environment, less
+    /// `AUTOMATON_TOKEN`).
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let path = |p: PathBuf| p.to_string_lossy().into_owned();
+        vec![
+            ("AUTOMATON_TASK", self.task.clone()),
+            ("AUTOMATON_PHASE", self.phase.name().to_string()),
+            ("AUTOMATON_LEASE_ID", self.lease_id.clone()),
+            ("AUTOMATON_FENCING_TOKEN", self.fencing_token.to_string()),
+            (
+                "AUTOMATON_ARTIFACT",
+                self.artifact_path().map(path).unwrap_or_default(),
+            ),
+            ("AUTOMATON_WORKSPACE", path(self.workspace.clone())),
+            ("AUTOMATON_PROMPT_FILE", path(self.prompt_file())),
+            ("AUTOMATON_BUDGET_TOKENS", self.budget_tokens.to_string()),
+            (
+                "AUTOMATON_MODEL_SERVER",
+                self.model_server.clone().unwrap_or_default(),
+            ),
+            (
+                "AUTOMATON_NUM_CTX",
+                self.num_ctx.map(|n| n.to_string()).unwrap_or_default(),
+            ),
+        ]
+    }
+
+    /// The command line for `sh -c`: `template` with `{workspace}`, `{prompt_file}`,
+    /// `{task}`, `{phase}` and `{artifact}` replaced by their shell-quoted values. Other
+    /// braces (`${HOME}`, `{x}`) are left alone.
+    pub fn render(&self, template: &str) -> String {
+        let path = |p: PathBuf| p.to_string_lossy().into_owned();
+        let value = |name: &str| -> Option<String> {
+            Some(match name {
+                "workspace" => path(self.workspace.clone()),
+                "prompt_file" => path(self.prompt_file()),
+                "task" => self.task.clone(),
+                "phase" => self.phase.name().to_string(),
+                "artifact" => self.artifact_path().map(path).unwrap_or_default(),
+                _ => return None,
+            })
+        };
+        let mut out = String::with_capacity(template.len());
+        let mut rest = template;
+        while let Some(open) = rest.find('{') {
+            out.push_str(&rest[..open]);
+            let after = &rest[open + 1..];
+            match after
+                .find('}')
+                .and_then(|close| value(&after[..close]).map(|v| (close, v)))
+            {
+                Some((close, v)) => {
+                    out.push_str(&shell_quote(&v));
+                    rest = &after[close + 1..];
+                }
+                None => {
+                    out.push('{');
+                    rest = after;
+                }
+            }
+        }
+        out.push_str(rest);
+        out
+    }
+}
+
+/// `value` as one POSIX shell word: single-quoted, each `'` written `'\''`.
+pub fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', r"'\''"))
+}
+
+/// Where a run stands (seed 003 §5's Agent Run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RunState {
+    Requested,
+    Starting,
+    Active,
+    Stopping,
+    Stopped,
+}
+
+impl RunState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Requested => "requested",
+            RunState::Starting => "starting",
+            RunState::Active => "active",
+            RunState::Stopping => "stopping",
+            RunState::Stopped => "stopped",
+        }
+    }
+}
+
+/// Why a run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StopReason {
+    /// Exit 0 and the phase's artifact written, non-blank.
+    Completed,
+    /// A non-zero exit, or exit 0 without the artifact.
+    AgentError,
+    /// Killed by a signal nobody here sent.
+    Crashed,
+    /// MAX_PHASE_TIME passed.
+    TimedOut,
+    /// The coordinator ended the lease: nothing of the run may be kept.
+    LeaseLost,
+    OperatorStopped,
+    /// The worker itself is stopping.
+    Shutdown,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Completed => "completed",
+            StopReason::AgentError => "agent_error",
+            StopReason::Crashed => "crashed",
+            StopReason::TimedOut => "timed_out",
+            StopReason::LeaseLost => "lease_lost",
+            StopReason::OperatorStopped => "operator_stopped",
+            StopReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub reason: StopReason,
+    /// For a person: `exit status 3`, `no VERDICT.md written`, `killed by signal 9`, ….
+    pub detail: String,
+    /// The leader's exit code, when it exited rather than being killed.
+    pub exit_code: Option<i32>,
+    pub elapsed: Duration,
+}
+
+type OnState = Box<dyn FnMut(RunState) + Send>;
+
+/// The agent's output, appended to `agent.log` up to a cap; past it, read and dropped so the
+/// agent never blocks on a full pipe.
+struct Log {
+    file: std::fs::File,
+    kept: u64,
+    cap: u64,
+    truncated: bool,
+}
+
+impl Log {
+    fn write(&mut self, buf: &[u8]) {
+        let room = self.cap.saturating_sub(self.kept);
+        let take = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        if take > 0 && self.file.write_all(&buf[..take]).is_ok() {
+            self.kept += take as u64;
+        }
+        if take < buf.len() && !self.truncated {
+            self.truncated = true;
+            let _ = writeln!(
+                self.file,
+                "\n[automaton-worker: log cap of {} bytes reached; the rest is dropped]",
+                self.cap
+            );
+        }
+    }
+}
+
+fn pump(mut from: impl AsyncRead + Unpin + Send + 'static, log: Arc<Mutex<Log>>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if let Ok(mut log) = log.lock() {
+                        log.write(&buf[..n]);
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// A started agent. Dropping it without `wait` kills its process group (a backstop).
+pub struct Running {
+    spec: RunSpec,
+    child: Child,
+    pgid: Pid,
+    started: Instant,
+    pumps: Vec<JoinHandle<()>>,
+    on_state: OnState,
+    /// The group has been dealt with: `Drop` must not signal a group id that may be reused.
+    finished: bool,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("task", &self.spec.task)
+            .field("phase", &self.spec.phase)
+            .field("pgid", &self.pgid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Running {
+    /// Reports `requested` and `starting`, starts the agent in its own process group in the
+    /// workspace (stdin null, output to `.automaton-task/agent.log`), reports `active`. On an
+    /// error nothing runs and `stopped` is reported. Must be called inside a tokio runtime.
+    pub fn start(
+        spec: RunSpec,
+        on_state: impl FnMut(RunState) + Send + 'static,
+    ) -> Result<Running, Error> {
+        let mut on_state: OnState = Box::new(on_state);
+        on_state(RunState::Requested);
+        on_state(RunState::Starting);
+        match Self::spawn(&spec) {
+            Ok((child, pgid, pumps)) => {
+                tracing::info!(task = %spec.task, phase = %spec.phase, pgid = pgid.as_raw_pid(), "agent started");
+                on_state(RunState::Active);
+                Ok(Running {
+                    spec,
+                    child,
+                    pgid,
+                    started: Instant::now(),
+                    pumps,
+                    on_state,
+                    finished: false,
+                })
+            }
+            Err(e) => {
+                on_state(RunState::Stopped);
+                Err(e)
+            }
+        }
+    }
+
+    fn spawn(spec: &RunSpec) -> Result<(Child, Pid, Vec<JoinHandle<()>>), Error> {
+        spec.artifact()?;
+        let mut cmd = match &spec.agent {
+            AgentSpec::Command(template) => {
+                if template.trim().is_empty() {
+                    return Err(Error::EmptyCommand);
+                }
+                let mut c = Command::new("sh");
+                c.arg("-c").arg(spec.render(template));
+                c
+            }
+            AgentSpec::Scripted => {
+                let exe = std::env::current_exe().map_err(Error::CurrentExe)?;
+                let mut c = Command::new(exe);
+                c.arg("scripted-agent");
+                c
+            }
+        };
+        let log_path = spec.task_dir().join(LOG_FILE);
+        let log_err = |source| Error::Log {
+            path: log_path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(spec.task_dir()).map_err(log_err)?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(log_err)?;
+        cmd.current_dir(&spec.workspace)
+            .env_remove(WORKER_TOKEN_VAR)
+            .envs(spec.env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|source| Error::Spawn {
+            dir: spec.workspace.clone(),
+            source,
+        })?;
+        // process_group(0): the group id is the leader's pid.
+        let pgid = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .and_then(Pid::from_raw)
+            .expect("a just-spawned child has a pid");
+        let log = Arc::new(Mutex::new(Log {
+            file,
+            kept: 0,
+            cap: spec.log_cap,
+            truncated: false,
+        }));
+        let mut pumps = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            pumps.push(pump(out, log.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(pump(err, log));
+        }
+        Ok((child, pgid, pumps))
+    }
+
+    /// The process group id (= the leader's pid).
+    pub fn pgid(&self) -> i32 {
+        self.pgid.as_raw_pid()
+    }
+
+    /// Runs until the agent exits, `max_phase_time` passes, or `stop` resolves with a reason
+    /// (`lease_lost`, `operator_stopped`, `shutdown`). On a timeout or a stop the group gets
+    /// SIGTERM, then SIGKILL after the grace; in every case the group is SIGKILLed once the
+    /// leader is gone, so no process of it survives. Reports `stopping`, then `stopped`.
+    pub async fn wait(
+        mut self,
+        max_phase_time: Duration,
+        stop: impl Future<Output = StopReason>,
+    ) -> Outcome {
+        let exited = tokio::select! {
+            status = self.child.wait() => Some(status),
+            () = tokio::time::sleep(max_phase_time) => None,
+            reason = stop => {
+                (self.on_state)(RunState::Stopping);
+                let detail = format!("stopped: {reason}");
+                return self.terminate(reason, detail).await;
+            }
+        };
+        (self.on_state)(RunState::Stopping);
+        let Some(status) = exited else {
+            let detail = format!(
+                "no result after {}",
+                humantime::format_duration(max_phase_time)
+            );
+            return self.terminate(StopReason::TimedOut, detail).await;
+        };
+        self.reap_group().await;
+        let (reason, detail, exit_code) = match status {
+            Ok(status) => self.judge(status),
+            Err(e) => (
+                StopReason::Crashed,
+                format!("cannot wait for the agent: {e}"),
+                None,
+            ),
+        };
+        self.finish(reason, detail, exit_code)
+    }
+
+    /// SIGTERM the group, give it the grace, SIGKILL it, wait for the leader.
+    async fn terminate(mut self, reason: StopReason, detail: String) -> Outcome {
+        tracing::info!(task = %self.spec.task, reason = %reason, "stopping the agent");
+        signal_group(self.pgid, Signal::TERM);
+        let status = match tokio::time::timeout(self.spec.grace, self.child.wait()).await {
+            Ok(status) => status.ok(),
+            Err(_) => {
+                tracing::warn!(task = %self.spec.task, "agent still running after the grace: SIGKILL");
+                signal_group(self.pgid, Signal::KILL);
+                self.child.wait().await.ok()
+            }
+        };
+        self.reap_group().await;
+        let exit_code = status.and_then(|s| s.code());
+        self.finish(reason, detail, exit_code)
+    }
+
+    /// The leader is gone: kill whatever of its group is left (background children, a
+    /// grandchild ignoring SIGTERM) and wait, briefly, for the kernel to say the group is
+    /// empty and for the output pipes to close.
+    async fn reap_group(&mut self) {
+        if test_kill_process_group(self.pgid).is_ok() {
+            if group_alive(self.pgid) {
+                tracing::warn!(task = %self.spec.task, "the agent left processes behind: killing its group");
+            }
+            signal_group(self.pgid, Signal::KILL);
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while group_alive(self.pgid) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        self.finished = true;
+        for pump in self.pumps.drain(..) {
+            // A process that escaped the group (setsid) may hold the pipe open: stop reading.
+            let abort = pump.abort_handle();
+            if tokio::time::timeout(Duration::from_secs(2), pump)
+                .await
+                .is_err()
+            {
+                abort.abort();
+            }
+        }
+    }
+
+    fn judge(&self, status: ExitStatus) -> (StopReason, String, Option<i32>) {
+        if let Some(code) = status.code() {
+            if code != 0 {
+                return (
+                    StopReason::AgentError,
+                    format!("exit status {code}"),
+                    Some(code),
+                );
+            }
+            let name = self
+                .spec
+                .artifact()
+                .map(|a| a.file_name())
+                .unwrap_or("artifact");
+            let written = self
+                .spec
+                .artifact_path()
+                .and_then(|p| std::fs::read(p).ok())
+                .is_some_and(|b| !String::from_utf8_lossy(&b).trim().is_empty());
+            return if written {
+                (StopReason::Completed, format!("{name} written"), Some(0))
+            } else {
+                (
+                    StopReason::AgentError,
+                    format!("no {name} written"),
+                    Some(0),
+                )
+            };
+        }
+        let signal = status.signal().unwrap_or(0);
+        (
+            StopReason::Crashed,
+            format!("killed by signal {signal}"),
+            None,
+        )
+    }
+
+    fn finish(mut self, reason: StopReason, detail: String, exit_code: Option<i32>) -> Outcome {
+        (self.on_state)(RunState::Stopped);
+        let outcome = Outcome {
+            reason,
+            detail,
+            exit_code,
+            elapsed: self.started.elapsed(),
+        };
+        tracing::info!(task = %self.spec.task, phase = %self.spec.phase, reason = %outcome.reason, detail = %outcome.detail, "agent stopped");
+        outcome
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.finished {
+            signal_group(self.pgid, Signal::KILL);
+        }
+    }
+}
+
+/// Whether a process of the group still runs. Zombies do not count: they are dead, only not
+/// yet reaped by their new parent (init, which in some containers never reaps), yet
+/// `kill(-pgid, 0)` still finds them. Reads `/proc`; without it, asks the kernel.
+fn group_alive(pgid: Pid) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return test_kill_process_group(pgid).is_ok();
+    };
+    let want = pgid.as_raw_pid().to_string();
+    entries.flatten().any(|e| {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else {
+            return false;
+        };
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            return false;
+        };
+        // "pid (comm) state ppid pgrp …": comm may hold spaces and ')', so split after the last.
+        let mut fields = stat
+            .rsplit_once(')')
+            .map(|(_, r)| r)
+            .unwrap_or("")
+            .split_whitespace();
+        let state = fields.next().unwrap_or("Z");
+        let pgrp = fields.nth(1).unwrap_or("");
+        pgrp == want && !state.starts_with(['Z', 'X'])
+    })
+}
+
+/// Signals every process of the group; a group already empty is not an error.
+fn signal_group(pgid: Pid, sig: Signal) {
+    if let Err(e) = kill_process_group(pgid, sig)
+        && e != rustix::io::Errno::SRCH
+    {
+        tracing::warn!(pgid = pgid.as_raw_pid(), error = %e, "cannot signal the agent's process group");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn spec(ws: &Path, phase: Phase, template: &str) -> RunSpec {
+        let mut s = RunSpec::new(
+            AgentSpec::Command(template.to_string()),
+            ws,
+            "fix-login",
+            phase,
+            "lease-1",
+            42,
+        );
+        s.grace = Duration::from_millis(300);
+        s
+    }
+
+    fn never() -> impl Future<Output = StopReason> {
+        std::future::pending()
+    }
+
+    async fn run(s: RunSpec, max: Duration) -> (Outcome, Vec<RunState>) {
+        let states = Arc::new(Mutex::new(vec![]));
+        let seen = states.clone();
+        let r = Running::start(s, move |st| seen.lock().unwrap().push(st)).unwrap();
+        let out = r.wait(max, never()).await;
+        let states = states.lock().unwrap().clone();
+        (out, states)
+    }
+
+    /// Alive and not a zombie: a zombie is dead, only not yet reaped by its new parent.
+    fn alive(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => {
+                let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+                !state.starts_with('Z') && !state.starts_with('X')
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn pids_in(dir: &Path) -> Vec<i32> {
+        let mut pids = vec![];
+        for name in ["child", "grandchild", "leader"] {
+            let s = std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+            pids.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap()));
+        }
+        pids
+    }
+
+    /// A leader and children that ignore SIGTERM, and a grandchild in its own shell.
+    const STUBBORN: &str = "trap '' TERM; echo $$ > .automaton-task/leader; \
+         sleep 1000 & echo $! > .automaton-task/child; \
+         sh -c 'sleep 1000 & echo $! > .automaton-task/grandchild; wait' & \
+         sleep 1000";
+
+    async fn wait_for_pids(dir: &Path) -> Vec<i32> {
+        for _ in 0..200 {
+            let pids = pids_in(dir);
+            if pids.len() == 3 {
+                return pids;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the agent did not write its pids: {:?}", pids_in(dir));
+    }
+
+    fn assert_all_gone(pids: &[i32], pgid: i32) {
+        for &pid in pids {
+            assert!(!alive(pid), "process {pid} survived the stop");
+        }
+        // And nothing else of the group either.
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let fields: Vec<&str> = stat
+                .rsplit(')')
+                .next()
+                .unwrap()
+                .split_whitespace()
+                .collect();
+            // fields: state ppid pgrp …
+            if fields.get(2) == Some(&pgid.to_string().as_str()) {
+                assert!(
+                    !alive(pid),
+                    "process {pid} of group {pgid} survived: {stat}"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn exit_zero_with_artifact_completes() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(
+            ws.path(),
+            Phase::Referee,
+            "echo hello; printf 'Verdict: PASS\\n' > {artifact}",
+        );
+        let (out, states) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed, "{out:?}");
+        assert_eq!(out.exit_code, Some(0));
+        assert_eq!(
+            states,
+            vec![
+                RunState::Requested,
+                RunState::Starting,
+                RunState::Active,
+                RunState::Stopping,
+                RunState::Stopped
+            ]
+        );
+        let log = std::fs::read_to_string(ws.path().join(".automaton-task/agent.log")).unwrap();
+        assert_eq!(log, "hello\n");
+    }
+
+    #[tokio::test]
+    async fn exit_zero_without_artifact_is_agent_error() {
+        let ws = tempfile::tempdir().unwrap();
+        let (out, _) = run(
+            spec(ws.path(), Phase::Referee, "true"),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(out.reason, StopReason::AgentError);
+        assert_eq!(out.detail, "no VERDICT.md written");
+        // A blank artifact is no artifact.
+        let s = spec(ws.path(), Phase::Design, "printf '  \\n' > {artifact}");
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::AgentError);
+        assert_eq!(out.detail, "no DESIGN.md written");
+    }
+
+    #[tokio::test]
+    async fn non_zero_exit_is_agent_error_with_status() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(
+            ws.path(),
+            Phase::Design,
+            "echo x > {artifact}; echo oops >&2; exit 3",
+        );
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::AgentError);
+        assert_eq!(out.detail, "exit status 3");
+        assert_eq!(out.exit_code, Some(3));
+        let log = std::fs::read_to_string(ws.path().join(".automaton-task/agent.log")).unwrap();
+        assert_eq!(log, "oops\n");
+    }
+
+    #[tokio::test]
+    async fn killed_by_a_signal_is_crashed() {
+        let ws = tempfile::tempdir().unwrap();
+        let (out, _) = run(
+            spec(ws.path(), Phase::Design, "kill -9 $$"),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(out.reason, StopReason::Crashed);
+        assert_eq!(out.detail, "killed by signal 9");
+        assert_eq!(out.exit_code, None);
+    }
+
+    #[tokio::test]
+    async fn timeout_kills_the_whole_group_even_processes_ignoring_sigterm() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(ws.path(), Phase::Implement, STUBBORN);
+        let r = Running::start(s, |_| {}).unwrap();
+        let pgid = r.pgid();
+        let task = ws.path().join(".automaton-task");
+        let wait = tokio::spawn(r.wait(Duration::from_millis(500), never()));
+        let pids = wait_for_pids(&task).await;
+        assert!(pids.iter().all(|&p| alive(p)));
+        let out = wait.await.unwrap();
+        assert_eq!(out.reason, StopReason::TimedOut, "{out:?}");
+        assert!(
+            out.elapsed >= Duration::from_millis(800),
+            "SIGTERM was ignored: the grace passed"
+        );
+        assert_all_gone(&pids, pgid);
+    }
+
+    #[tokio::test]
+    async fn lease_lost_stops_the_whole_group() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(ws.path(), Phase::Implement, STUBBORN);
+        let states = Arc::new(Mutex::new(vec![]));
+        let seen = states.clone();
+        let r = Running::start(s, move |st| seen.lock().unwrap().push(st)).unwrap();
+        let pgid = r.pgid();
+        let (tx, rx) = tokio::sync::oneshot::channel::<StopReason>();
+        let stop = async move { rx.await.unwrap_or(StopReason::Shutdown) };
+        let wait = tokio::spawn(r.wait(Duration::from_secs(60), stop));
+        let pids = wait_for_pids(&ws.path().join(".automaton-task")).await;
+        tx.send(StopReason::LeaseLost).unwrap();
+        let out = wait.await.unwrap();
+        assert_eq!(out.reason, StopReason::LeaseLost);
+        assert!(out.elapsed < Duration::from_secs(10));
+        assert_all_gone(&pids, pgid);
+        assert_eq!(
+            states.lock().unwrap().last().copied(),
+            Some(RunState::Stopped)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_polite_agent_ends_at_sigterm_without_waiting_the_grace() {
+        let ws = tempfile::tempdir().unwrap();
+        let mut s = spec(ws.path(), Phase::Implement, "sleep 1000");
+        s.grace = Duration::from_secs(30);
+        let r = Running::start(s, |_| {}).unwrap();
+        let out = r
+            .wait(Duration::from_secs(60), async {
+                StopReason::OperatorStopped
+            })
+            .await;
+        assert_eq!(out.reason, StopReason::OperatorStopped);
+        assert!(out.elapsed < Duration::from_secs(5), "{out:?}");
+    }
+
+    #[tokio::test]
+    async fn children_left_behind_after_a_normal_exit_are_killed() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(
+            ws.path(),
+            Phase::Design,
+            "sleep 1000 > /dev/null 2>&1 & echo $! > .automaton-task/child; echo d > {artifact}",
+        );
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed);
+        let pids = pids_in(&ws.path().join(".automaton-task"));
+        assert_eq!(pids.len(), 1);
+        assert!(!alive(pids[0]), "the background child survived");
+    }
+
+    #[tokio::test]
+    async fn placeholders_are_shell_quoted() {
+        let root = tempfile::tempdir().unwrap();
+        let ws = root.path().join("a dir with 'quotes' and $(spaces)");
+        std::fs::create_dir_all(&ws).unwrap();
+        let evil = "x'; touch pwned; echo '\"$(touch pwned2)\"";
+        let mut s = spec(
+            &ws,
+            Phase::Research,
+            "printf '%s\\n' {task} {workspace} {phase} > {artifact}",
+        );
+        s.task = evil.to_string();
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed, "{out:?}");
+        let got = std::fs::read_to_string(ws.join(".automaton-task/SPEC.md")).unwrap();
+        assert_eq!(got, format!("{evil}\n{}\nresearch\n", ws.display()));
+        assert!(!ws.join("pwned").exists() && !ws.join("pwned2").exists());
+        // Unknown braces are left alone.
+        assert_eq!(
+            spec(&ws, Phase::Research, "${HOME} {x} {").render("${HOME} {x} {"),
+            "${HOME} {x} {"
+        );
+    }
+
+    const ENV_AGENT: &str = "env | grep '^AUTOMATON_' | sort > {artifact}; \
+         echo \"token=${AUTOMATON_TOKEN-unset}\" >> {artifact}";
+
+    fn env_spec(ws: &Path) -> RunSpec {
+        let mut s = spec(ws, Phase::CodeReview, ENV_AGENT);
+        s.model_server = Some("http://127.0.0.1:11434".into());
+        s.num_ctx = Some(32768);
+        s.budget_tokens = 24000;
+        s
+    }
+
+    #[tokio::test]
+    async fn environment_is_set_for_the_agent() {
+        let ws = tempfile::tempdir().unwrap();
+        let (out, _) = run(env_spec(ws.path()), Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed, "{out:?}");
+        let got =
+            std::fs::read_to_string(ws.path().join(".automaton-task/CODE_REVIEW.md")).unwrap();
+        let ws_s = ws.path().display().to_string();
+        for line in [
+            "AUTOMATON_TASK=fix-login".to_string(),
+            "AUTOMATON_PHASE=code_review".into(),
+            "AUTOMATON_LEASE_ID=lease-1".into(),
+            "AUTOMATON_FENCING_TOKEN=42".into(),
+            format!("AUTOMATON_ARTIFACT={ws_s}/.automaton-task/CODE_REVIEW.md"),
+            format!("AUTOMATON_WORKSPACE={ws_s}"),
+            format!("AUTOMATON_PROMPT_FILE={ws_s}/.automaton-task/prompt.md"),
+            "AUTOMATON_BUDGET_TOKENS=24000".into(),
+            "AUTOMATON_MODEL_SERVER=http://127.0.0.1:11434".into(),
+            "AUTOMATON_NUM_CTX=32768".into(),
+        ] {
+            assert!(got.lines().any(|l| l == line), "missing {line} in:\n{got}");
+        }
+    }
+
+    /// Run by `worker_token_is_not_passed_to_the_agent` in a copy of this test binary whose
+    /// environment holds `AUTOMATON_TOKEN`: setting it here would take `unsafe`.
+    #[tokio::test]
+    #[ignore = "a helper: run through worker_token_is_not_passed_to_the_agent"]
+    async fn token_helper_runs_an_agent_in_dir_from_env() {
+        let dir = std::env::var("AUTOMATON_TEST_WS").expect("set by the outer test");
+        assert_eq!(
+            std::env::var("AUTOMATON_TOKEN").as_deref(),
+            Ok("worker-secret")
+        );
+        let (out, _) = run(env_spec(Path::new(&dir)), Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed, "{out:?}");
+    }
+
+    #[test]
+    fn worker_token_is_not_passed_to_the_agent() {
+        let ws = tempfile::tempdir().unwrap();
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "agent::tests::token_helper_runs_an_agent_in_dir_from_env",
+                "--ignored",
+                "--quiet",
+            ])
+            .env("AUTOMATON_TOKEN", "worker-secret")
+            .env("AUTOMATON_TEST_WS", ws.path())
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "the helper failed: {status}");
+        let got =
+            std::fs::read_to_string(ws.path().join(".automaton-task/CODE_REVIEW.md")).unwrap();
+        assert!(got.contains("AUTOMATON_FENCING_TOKEN=42"), "{got}");
+        assert!(got.lines().any(|l| l == "token=unset"), "{got}");
+        assert!(!got.contains("worker-secret"), "{got}");
+    }
+
+    #[test]
+    fn reasons_and_states_have_their_wire_names() {
+        let reasons = [
+            StopReason::Completed,
+            StopReason::AgentError,
+            StopReason::Crashed,
+            StopReason::TimedOut,
+            StopReason::LeaseLost,
+            StopReason::OperatorStopped,
+            StopReason::Shutdown,
+        ]
+        .map(StopReason::as_str);
+        assert_eq!(
+            reasons,
+            [
+                "completed",
+                "agent_error",
+                "crashed",
+                "timed_out",
+                "lease_lost",
+                "operator_stopped",
+                "shutdown"
+            ]
+        );
+        let states = [
+            RunState::Requested,
+            RunState::Starting,
+            RunState::Active,
+            RunState::Stopping,
+            RunState::Stopped,
+        ]
+        .map(RunState::as_str);
+        assert_eq!(
+            states,
+            ["requested", "starting", "active", "stopping", "stopped"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_phase_without_artifact_or_an_empty_command_is_refused() {
+        let ws = tempfile::tempdir().unwrap();
+        let states = Arc::new(Mutex::new(vec![]));
+        let seen = states.clone();
+        let e = Running::start(spec(ws.path(), Phase::Complete, "true"), move |st| {
+            seen.lock().unwrap().push(st)
+        })
+        .unwrap_err();
+        assert!(matches!(e, Error::NoArtifact(Phase::Complete)), "{e}");
+        assert_eq!(
+            states.lock().unwrap().last().copied(),
+            Some(RunState::Stopped)
+        );
+        let e = Running::start(spec(ws.path(), Phase::Design, "  "), |_| {}).unwrap_err();
+        assert!(matches!(e, Error::EmptyCommand), "{e}");
+    }
+
+    #[tokio::test]
+    async fn log_keeps_at_most_the_cap() {
+        let ws = tempfile::tempdir().unwrap();
+        let mut s = spec(
+            ws.path(),
+            Phase::Design,
+            "head -c 100000 /dev/zero | tr '\\0' x; echo d > {artifact}",
+        );
+        s.log_cap = 1000;
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed);
+        let log = std::fs::read_to_string(ws.path().join(".automaton-task/agent.log")).unwrap();
+        assert!(log.starts_with(&"x".repeat(1000)));
+        assert!(log.len() < 1200, "{}", log.len());
+        assert!(log.contains("log cap of 1000 bytes reached"));
+    }
+}

@@ -1,0 +1,390 @@
+//! The built-in deterministic agent (`--agent scripted`): the worker's hidden
+//! `scripted-agent` subcommand, run as a real child so the same machinery (process group,
+//! timeout, kill) is exercised as with a real agent CLI. It reads the `AUTOMATON_*`
+//! environment and writes a plausible artifact for the phase; in a phase that allows code
+//! edits it also appends a line to `AUTOMATON_SCRIPTED.md` at the workspace root.
+//!
+//! `AUTOMATON_SCRIPTED_BEHAVIOUR` picks a failure for tests: `exit-1`, `hang` (sleeps for
+//! ever, ignoring SIGTERM), `no-artifact` (exit 0, nothing written), `slow=<ms>` (sleeps,
+//! then behaves normally). The referee's verdict is FAIL when any task input under
+//! `.automaton-task/` contains `SCRIPTED: FAIL`, else PASS.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use automaton_workflow::Phase;
+
+use crate::workspace::TASK_DIR;
+
+/// The marker in a task input that makes the scripted referee say FAIL.
+pub const FAIL_MARKER: &str = "SCRIPTED: FAIL";
+/// The file a code-editing phase appends to.
+pub const CODE_FILE: &str = "AUTOMATON_SCRIPTED.md";
+/// How much of each input file is read when looking for the marker.
+const MAX_INPUT_READ: u64 = 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0} is not set: the scripted agent runs under automaton-worker")]
+    MissingVar(&'static str),
+    #[error("{var} is '{value}': {why}")]
+    BadVar {
+        var: &'static str,
+        value: String,
+        why: &'static str,
+    },
+    #[error(
+        "unknown AUTOMATON_SCRIPTED_BEHAVIOUR '{0}': use exit-1, hang, no-artifact or slow=<ms>"
+    )]
+    BadBehaviour(String),
+    #[error("phase {0} produces no artifact")]
+    NoArtifact(Phase),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot wait: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// What `AUTOMATON_SCRIPTED_BEHAVIOUR` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Behaviour {
+    Normal,
+    Exit1,
+    Hang,
+    NoArtifact,
+    Slow(Duration),
+}
+
+impl Behaviour {
+    pub fn parse(s: &str) -> Result<Behaviour, Error> {
+        Ok(match s.trim() {
+            "" | "normal" => Behaviour::Normal,
+            "exit-1" => Behaviour::Exit1,
+            "hang" => Behaviour::Hang,
+            "no-artifact" => Behaviour::NoArtifact,
+            other => match other.strip_prefix("slow=").map(str::parse::<u64>) {
+                Some(Ok(ms)) => Behaviour::Slow(Duration::from_millis(ms)),
+                _ => return Err(Error::BadBehaviour(other.to_string())),
+            },
+        })
+    }
+}
+
+/// The `scripted-agent` subcommand: reads the environment, behaves, returns the exit code.
+pub fn run_from_env() -> Result<u8, Error> {
+    let var = |k: &'static str| std::env::var(k).map_err(|_| Error::MissingVar(k));
+    let behaviour =
+        Behaviour::parse(&std::env::var("AUTOMATON_SCRIPTED_BEHAVIOUR").unwrap_or_default())?;
+    let phase_s = var("AUTOMATON_PHASE")?;
+    let phase: Phase = phase_s.parse().map_err(|_| Error::BadVar {
+        var: "AUTOMATON_PHASE",
+        value: phase_s.clone(),
+        why: "not a phase",
+    })?;
+    let task = var("AUTOMATON_TASK")?;
+    let token_s = var("AUTOMATON_FENCING_TOKEN")?;
+    let token: u64 = token_s.parse().map_err(|_| Error::BadVar {
+        var: "AUTOMATON_FENCING_TOKEN",
+        value: token_s.clone(),
+        why: "not a number",
+    })?;
+    let workspace = PathBuf::from(var("AUTOMATON_WORKSPACE")?);
+    let artifact = match std::env::var("AUTOMATON_ARTIFACT") {
+        Ok(a) if !a.is_empty() => PathBuf::from(a),
+        _ => artifact_path(phase, &workspace)?,
+    };
+    match behaviour {
+        Behaviour::Exit1 => return Ok(1),
+        Behaviour::NoArtifact => return Ok(0),
+        Behaviour::Hang => hang()?,
+        Behaviour::Slow(d) => std::thread::sleep(d),
+        Behaviour::Normal => {}
+    }
+    let inputs = inputs_text(&workspace, &artifact);
+    write_to(phase, &workspace, &artifact, &task, token, &inputs)?;
+    Ok(0)
+}
+
+/// Sleeps for ever; SIGTERM is caught and ignored, so only SIGKILL ends it.
+fn hang() -> Result<(), Error> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(Error::Runtime)?;
+    rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).map_err(Error::Runtime)?;
+        loop {
+            term.recv().await;
+        }
+    })
+}
+
+/// The text of every input under `.automaton-task/` (but the log and the artifact itself),
+/// each file's first MiB.
+fn inputs_text(workspace: &Path, artifact: &Path) -> String {
+    fn visit(dir: &Path, skip: &[PathBuf], out: &mut String) {
+        let Ok(entries) = fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let Ok(meta) = fs::symlink_metadata(&path) else {
+                continue;
+            };
+            if meta.is_dir() {
+                visit(&path, skip, out);
+            } else if meta.is_file()
+                && !skip.contains(&path)
+                && let Ok(f) = fs::File::open(&path)
+            {
+                let mut buf = Vec::new();
+                let _ = std::io::Read::read_to_end(
+                    &mut std::io::Read::take(f, MAX_INPUT_READ),
+                    &mut buf,
+                );
+                out.push_str(&String::from_utf8_lossy(&buf));
+                out.push('\n');
+            }
+        }
+    }
+    let task_dir = workspace.join(TASK_DIR);
+    let skip = [
+        task_dir.join(crate::agent::LOG_FILE),
+        artifact.to_path_buf(),
+    ];
+    let mut out = String::new();
+    visit(&task_dir, &skip, &mut out);
+    out
+}
+
+fn artifact_path(phase: Phase, workspace: &Path) -> Result<PathBuf, Error> {
+    let a = phase.artifact().ok_or(Error::NoArtifact(phase))?;
+    Ok(workspace.join(TASK_DIR).join(a.file_name()))
+}
+
+/// Writes `phase`'s artifact at `{workspace}/.automaton-task/{ARTIFACT}` and, in a phase that
+/// allows code edits, appends a line naming the task, phase and fencing token to
+/// `{workspace}/AUTOMATON_SCRIPTED.md`. `inputs_text` decides the referee's verdict: FAIL if
+/// it contains `SCRIPTED: FAIL`.
+pub fn write(
+    phase: Phase,
+    workspace: &Path,
+    task: &str,
+    token: u64,
+    inputs_text: &str,
+) -> Result<(), Error> {
+    let artifact = artifact_path(phase, workspace)?;
+    write_to(phase, workspace, &artifact, task, token, inputs_text)
+}
+
+fn write_to(
+    phase: Phase,
+    workspace: &Path,
+    artifact: &Path,
+    task: &str,
+    token: u64,
+    inputs_text: &str,
+) -> Result<(), Error> {
+    let text = artifact_text(phase, task, token, inputs_text.contains(FAIL_MARKER))?;
+    let err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Write { path, source }
+    };
+    if phase.allows_code_edits() {
+        let code = workspace.join(CODE_FILE);
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&code)
+            .map_err(err(&code))?;
+        writeln!(f, "- task {task}, phase {phase}, fencing token {token}").map_err(err(&code))?;
+    }
+    if let Some(parent) = artifact.parent() {
+        fs::create_dir_all(parent).map_err(err(parent))?;
+    }
+    fs::write(artifact, text).map_err(err(artifact))
+}
+
+/// The artifact's markdown.
+pub fn artifact_text(phase: Phase, task: &str, token: u64, fail: bool) -> Result<String, Error> {
+    let artifact = phase.artifact().ok_or(Error::NoArtifact(phase))?;
+    let title = format!(
+        "# {} — {task}\n\n",
+        artifact.file_name().trim_end_matches(".md")
+    );
+    let origin = format!(
+        "_Written by the scripted agent (phase {phase}, fencing token {token}); deterministic, for tests and demos._\n"
+    );
+    let body = match phase {
+        Phase::Research => format!(
+            "## Problem\n\nTask `{task}` asks for a small, testable change.\n\n\
+             ## Requirements\n\n- The change is covered by a test.\n- Existing behaviour is kept.\n\n\
+             ## Out of scope\n\n- Anything not named above.\n"
+        ),
+        Phase::Decomposition => format!(
+            "## Sub-tasks\n\n\
+             | sub-task | depends on | estimated peak context (k tokens) | scope / acceptance |\n\
+             | --- | --- | --- | --- |\n\
+             | {task}-core | — | 12 | the core change; its unit tests pass |\n\
+             | {task}-api | {task}-core | 8 | expose the change; an API test passes |\n\
+             | {task}-docs | {task}-api | 4 | document the change; the docs build |\n"
+        ),
+        Phase::Design => "## Approach\n\nOne module, one public function, errors as values.\n\n\
+             ## Alternatives\n\n- A new crate: rejected, too much for the change.\n"
+            .to_string(),
+        Phase::TestDesign => "## Tests\n\n| test | checks |\n| --- | --- |\n\
+             | happy_path | the change works on a plain input |\n\
+             | bad_input_refused | a malformed input is an error, nothing written |\n"
+            .to_string(),
+        Phase::Implement => format!(
+            "## What changed\n\n- `{CODE_FILE}`: one line naming the task, phase and fencing token.\n\n\
+             ## How to test\n\n- Read `{CODE_FILE}`.\n"
+        ),
+        Phase::CodeReview => "## Findings\n\nNo blocking findings.\n\n\
+             ## Summary\n\nThe change is small and tested. Approve.\n"
+            .to_string(),
+        Phase::BugFind => {
+            "## Bugs found\n\nNone.\n\n## Checked\n\n- Empty input.\n- Repeated runs.\n".to_string()
+        }
+        Phase::AdversarialBugFind => "## Attacks tried\n\n- Paths with `..`: refused.\n\
+             - Oversized input: refused.\n\n## Bugs found\n\nNone.\n"
+            .to_string(),
+        Phase::DocReview => {
+            "## Documentation\n\nThe change is documented; no edits needed.\n".to_string()
+        }
+        Phase::Referee => {
+            let (verdict, why) = if fail {
+                (
+                    "FAIL",
+                    format!("The task inputs carry the marker `{FAIL_MARKER}`."),
+                )
+            } else {
+                (
+                    "PASS",
+                    "Every phase's artifact is present and no bug is open.".to_string(),
+                )
+            };
+            format!("Verdict: {verdict}\n\n## Reasons\n\n{why}\n")
+        }
+        Phase::New | Phase::Complete | Phase::HumanIntervention => {
+            return Err(Error::NoArtifact(phase));
+        }
+    };
+    Ok(format!("{title}{body}\n{origin}"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use automaton_workflow::{Verdict, parse_verdict};
+
+    #[test]
+    fn every_phase_with_an_artifact_gets_a_non_blank_one() {
+        for phase in Phase::ALL {
+            let ws = tempfile::tempdir().unwrap();
+            let r = write(phase, ws.path(), "fix-login", 7, "");
+            let Some(a) = phase.artifact() else {
+                assert!(matches!(r, Err(Error::NoArtifact(_))), "{phase}");
+                continue;
+            };
+            r.unwrap();
+            let text =
+                fs::read_to_string(ws.path().join(".automaton-task").join(a.file_name())).unwrap();
+            assert!(text.starts_with("# "), "{phase}: {text}");
+            assert!(text.contains("fix-login"), "{phase}");
+            assert!(text.trim().len() > 50, "{phase}");
+            assert_eq!(
+                ws.path().join(CODE_FILE).exists(),
+                phase.allows_code_edits(),
+                "{phase}: code edits only where allowed"
+            );
+        }
+    }
+
+    #[test]
+    fn verdict_parses_as_pass_and_as_fail_with_the_marker() {
+        let ws = tempfile::tempdir().unwrap();
+        write(Phase::Referee, ws.path(), "t", 1, "# Spec\nall good\n").unwrap();
+        let text = fs::read_to_string(ws.path().join(".automaton-task/VERDICT.md")).unwrap();
+        assert_eq!(parse_verdict(&text), Some(Verdict::Pass), "{text}");
+        write(
+            Phase::Referee,
+            ws.path(),
+            "t",
+            1,
+            "# Spec\nSCRIPTED: FAIL\n",
+        )
+        .unwrap();
+        let text = fs::read_to_string(ws.path().join(".automaton-task/VERDICT.md")).unwrap();
+        assert_eq!(parse_verdict(&text), Some(Verdict::Fail), "{text}");
+    }
+
+    #[test]
+    fn decomposition_has_the_table() {
+        let text = artifact_text(Phase::Decomposition, "big", 3, false).unwrap();
+        let header =
+            "| sub-task | depends on | estimated peak context (k tokens) | scope / acceptance |";
+        let lines: Vec<&str> = text.lines().collect();
+        let at = lines.iter().position(|l| *l == header).expect("the header");
+        let rows: Vec<&str> = lines[at + 2..]
+            .iter()
+            .take_while(|l| l.starts_with('|'))
+            .copied()
+            .collect();
+        assert_eq!(rows.len(), 3, "{text}");
+        for row in rows {
+            assert_eq!(row.matches('|').count(), 5, "{row}");
+        }
+    }
+
+    #[test]
+    fn implement_appends_a_line_naming_task_phase_and_token() {
+        let ws = tempfile::tempdir().unwrap();
+        write(Phase::Implement, ws.path(), "fix-login", 41, "").unwrap();
+        write(Phase::Implement, ws.path(), "fix-login", 42, "").unwrap();
+        let code = fs::read_to_string(ws.path().join(CODE_FILE)).unwrap();
+        assert_eq!(
+            code,
+            "- task fix-login, phase implement, fencing token 41\n\
+             - task fix-login, phase implement, fencing token 42\n"
+        );
+        assert!(ws.path().join(".automaton-task/IMPLEMENTATION.md").exists());
+    }
+
+    #[test]
+    fn inputs_are_read_for_the_marker_but_not_the_log() {
+        let ws = tempfile::tempdir().unwrap();
+        let task = ws.path().join(".automaton-task");
+        fs::create_dir_all(task.join("contracts")).unwrap();
+        fs::write(task.join("agent.log"), "SCRIPTED: FAIL in a log").unwrap();
+        let art = task.join("VERDICT.md");
+        assert!(!inputs_text(ws.path(), &art).contains(FAIL_MARKER));
+        fs::write(task.join("contracts/c.md"), "SCRIPTED: FAIL").unwrap();
+        assert!(inputs_text(ws.path(), &art).contains(FAIL_MARKER));
+    }
+
+    #[test]
+    fn behaviours_parse() {
+        assert_eq!(Behaviour::parse("").unwrap(), Behaviour::Normal);
+        assert_eq!(Behaviour::parse("exit-1").unwrap(), Behaviour::Exit1);
+        assert_eq!(Behaviour::parse("hang").unwrap(), Behaviour::Hang);
+        assert_eq!(
+            Behaviour::parse("no-artifact").unwrap(),
+            Behaviour::NoArtifact
+        );
+        assert_eq!(
+            Behaviour::parse("slow=250").unwrap(),
+            Behaviour::Slow(Duration::from_millis(250))
+        );
+        for bad in ["slow=", "slow=x", "crash"] {
+            assert!(Behaviour::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
