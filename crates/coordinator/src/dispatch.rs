@@ -420,6 +420,9 @@ impl Coordinator {
             let taken = self.work.inner().offers.remove(&id);
             if let Some(o) = taken {
                 tracing::warn!(task = %o.task, worker = %o.name, "offer not answered in time: taken back");
+                if let Some(l) = self.live_of(&o.task).filter(|l| l.lease_id == id) {
+                    self.record_run(&o.task, &o.name, l.state, l.token, "stopped", "no answer", "", -1);
+                }
                 let _ = self.release(&id, None, None).await;
             }
         }
@@ -441,6 +444,12 @@ impl Coordinator {
             return;
         }
         tracing::info!(task = %o.task, worker = %worker, reason = %a.reason, "offer refused");
+        if let Some(l) = self.live_of(&o.task).filter(|l| l.lease_id == a.lease_id) {
+            let reason = format!("refused: {}", automaton_workflow::excerpt(&a.reason));
+            self.record_run(
+                &o.task, worker, l.state, l.token, "stopped", &reason, "", -1,
+            );
+        }
         self.work
             .inner()
             .paused

@@ -202,7 +202,6 @@ fn check_register(bound: BoundName<'_>, r: &mut pb::Register) -> Result<AgentId,
             r.capacity
         )));
     }
-    r.capacity = r.capacity.max(1);
     if r.leases.len() > MAX_CAPACITY as usize * 4 {
         return Err(Error::Invalid(format!(
             "a register lists {} held leases: at most {}",
@@ -400,7 +399,8 @@ impl Sessions {
             .filter(|s| s.attached.is_some() && !s.awaiting && !inner.drained.contains(&s.name))
             .filter_map(|s| {
                 let held = table.of_session(&s.id, now).len();
-                let cap = s.reg.capacity.max(1);
+                // Capacity 0: a worker without an agent, offered no work.
+                let cap = s.reg.capacity;
                 (held < cap as usize).then(|| crate::dispatch::Slot {
                     session: s.id.clone(),
                     name: s.name.clone(),

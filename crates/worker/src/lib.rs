@@ -10,4 +10,5 @@ pub mod agent;
 pub mod probe;
 pub mod scripted;
 pub mod session;
+pub mod work;
 pub mod workspace;

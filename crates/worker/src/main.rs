@@ -38,6 +38,22 @@ struct Cli {
     /// The longest wait between reconnection attempts.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     max_backoff: Duration,
+    /// The agent to run for each assignment: `scripted` (the built-in deterministic agent)
+    /// or a command template run with `sh -c` in the workspace, e.g.
+    /// `aider --yes-always --message-file {prompt_file}` (placeholders: {workspace},
+    /// {prompt_file}, {task}, {phase}, {artifact}; see docs/worker.md). Without it the worker
+    /// holds its session but takes no work.
+    #[arg(long, value_name = "AGENT")]
+    agent: Option<String>,
+    /// Where fresh workspaces are made (default: a folder under the system's temp dir).
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<std::path::PathBuf>,
+    /// Where code trees are cached by commit (default: ~/.cache/automaton-worker).
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<std::path::PathBuf>,
+    /// Between SIGTERM and SIGKILL of a stopped agent's process group.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+    kill_grace: Duration,
     /// Log format on stderr: text (default) or json.
     #[arg(long, value_name = "FORMAT", default_value = "text")]
     log_format: String,
@@ -143,10 +159,54 @@ fn join(cli: Cli) -> anyhow::Result<()> {
     let opts = session::Options {
         coordinator,
         name,
-        token,
+        token: token.clone(),
         capacity: cli.capacity,
         replace: cli.replace,
         max_backoff: cli.max_backoff.max(Duration::from_millis(100)),
+    };
+    let runner = match cli.agent.as_deref() {
+        None => {
+            tracing::info!("no --agent: this worker holds its session and takes no work");
+            None
+        }
+        Some(a) if a.trim().is_empty() => {
+            anyhow::bail!("--agent is empty: give `scripted` or a command template")
+        }
+        Some(a) => {
+            let agent = if a == "scripted" {
+                automaton_worker::agent::AgentSpec::Scripted
+            } else {
+                automaton_worker::agent::AgentSpec::Command(a.to_string())
+            };
+            let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
+            let cache_dir = cli
+                .cache_dir
+                .or_else(|| home.map(|h| h.join(".cache/automaton-worker")))
+                .unwrap_or_else(|| std::env::temp_dir().join("automaton-worker-cache"));
+            let work_dir = cli.work_dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("automaton-worker-{}", std::process::id()))
+            });
+            std::fs::create_dir_all(&work_dir)
+                .with_context(|| format!("cannot create the work dir {}", work_dir.display()))?;
+            let cache = automaton_worker::workspace::Cache::open(&cache_dir)
+                .with_context(|| format!("cannot open the cache {}", cache_dir.display()))?;
+            let bearer = match &token {
+                Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| {
+                    anyhow::anyhow!("--token holds characters a header cannot carry")
+                })?),
+                None => None,
+            };
+            Some(std::sync::Arc::new(automaton_worker::work::Runner {
+                agent,
+                work_dir,
+                cache,
+                budget_tokens: probe.budget.max_peak_context_kb,
+                model_server: cli.detect.model_server.clone(),
+                num_ctx: probe.budget.num_ctx,
+                grace: cli.kill_grace,
+                bearer,
+            }))
+        }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -156,7 +216,7 @@ fn join(cli: Cli) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         install_signals(stop_tx)?;
-        session::run(probe, opts, stop).await?;
+        session::run(probe, opts, session::Work::new(runner), stop).await?;
         Ok(())
     })
 }

@@ -7,8 +7,9 @@
 //! at once (same session id, the leases it still holds listed), and a session the
 //! coordinator no longer knows is replaced by a fresh one, its leases reported lost.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use automaton_proto::v1 as pb;
@@ -19,7 +20,9 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::agent::StopReason;
 use crate::probe::Probe;
+use crate::work::Runner;
 
 /// How a session ends for good.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +53,8 @@ pub struct Options {
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 /// How long a goodbye may take at shutdown.
 const DEREGISTER_WAIT: Duration = Duration::from_secs(2);
+/// How long the runs may take to stop at shutdown (the agent's grace is within it).
+const RUNS_STOP_WAIT: Duration = Duration::from_secs(10);
 
 /// What this worker knows of its session.
 #[derive(Debug, Default)]
@@ -59,6 +64,52 @@ struct State {
     joined: bool,
     /// lease id → token, as the coordinator last said.
     leases: BTreeMap<String, u64>,
+    /// The runs in progress, by lease id: they outlive a broken stream (the session is
+    /// resumed with their leases).
+    runs: HashMap<String, RunHandle>,
+    /// Run updates not yet sent (the stream broke): sent first on the next stream.
+    pending: VecDeque<pb::RunUpdate>,
+    draining: bool,
+}
+
+#[derive(Debug)]
+struct RunHandle {
+    task: String,
+    token: u64,
+    stop: watch::Sender<Option<StopReason>>,
+    /// Set by the run once all it sends is sent but the phase's completion: from then on the
+    /// coordinator may offer this worker new work before the run has said it stopped.
+    finishing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl State {
+    /// Tells every run matching `which` to stop with `reason`.
+    fn stop_runs(&self, reason: StopReason, which: impl Fn(&RunHandle) -> bool) {
+        for r in self.runs.values().filter(|r| which(r)) {
+            let _ = r.stop.send(Some(reason));
+        }
+    }
+}
+
+/// What running work needs: the agent runner (none: this worker takes no work), a channel for
+/// the `Work` calls, and the runs' updates on their way to the session.
+pub struct Work {
+    pub runner: Option<Arc<Runner>>,
+    channel: Option<Channel>,
+    updates_tx: mpsc::UnboundedSender<pb::RunUpdate>,
+    updates_rx: mpsc::UnboundedReceiver<pb::RunUpdate>,
+}
+
+impl Work {
+    pub fn new(runner: Option<Arc<Runner>>) -> Work {
+        let (updates_tx, updates_rx) = mpsc::unbounded_channel();
+        Work {
+            runner,
+            channel: None,
+            updates_tx,
+            updates_rx,
+        }
+    }
 }
 
 /// Why one connection ended.
@@ -71,7 +122,7 @@ enum Ended {
     Fatal(String),
 }
 
-fn register(probe: &Probe, opts: &Options, state: &State) -> pb::Register {
+fn register(probe: &Probe, opts: &Options, state: &State, work_enabled: bool) -> pb::Register {
     pb::Register {
         name: opts.name.clone(),
         host: probe.host.clone(),
@@ -97,7 +148,8 @@ fn register(probe: &Probe, opts: &Options, state: &State) -> pb::Register {
             context_source: probe.budget.context_source.clone(),
             num_ctx: probe.budget.num_ctx.unwrap_or(0),
         }),
-        capacity: opts.capacity,
+        // A worker without an agent holds its session but is offered no work.
+        capacity: if work_enabled { opts.capacity } else { 0 },
         version: env!("CARGO_PKG_VERSION").into(),
         simulated: probe.simulated,
         ram_bytes: probe.ram_bytes,
@@ -139,6 +191,7 @@ fn fatal(s: &tonic::Status) -> bool {
 pub async fn run(
     probe: Probe,
     opts: Options,
+    mut work: Work,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Error> {
     let endpoint = Endpoint::from_shared(opts.coordinator.clone())
@@ -151,6 +204,8 @@ pub async fn run(
         Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| Error::Token)?),
         None => None,
     };
+    // The `Work` calls reconnect on their own, across session streams.
+    work.channel = Some(endpoint.connect_lazy());
     let mut state = State::default();
     let mut backoff = FIRST_BACKOFF;
     loop {
@@ -165,6 +220,7 @@ pub async fn run(
                     &probe,
                     &opts,
                     &mut state,
+                    &mut work,
                     &mut stop,
                 )
                 .await
@@ -185,7 +241,12 @@ pub async fn run(
         backoff = (backoff * 2).min(opts.max_backoff);
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
-            _ = stop.changed() => return Ok(()),
+            _ = stop.changed() => {
+                // No stream to say goodbye on: stop the runs; their leases end with the
+                // session.
+                state.stop_runs(StopReason::Shutdown, |_| true);
+                return Ok(());
+            }
         }
     }
 }
@@ -197,9 +258,10 @@ async fn session(
     probe: &Probe,
     opts: &Options,
     state: &mut State,
+    work: &mut Work,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
-    match stream(channel, bearer, probe, opts, state, stop).await {
+    match stream(channel, bearer, probe, opts, state, work, stop).await {
         Ok(e) | Err(e) => e,
     }
 }
@@ -210,13 +272,19 @@ async fn stream(
     probe: &Probe,
     opts: &Options,
     state: &mut State,
+    work: &mut Work,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<Ended, Ended> {
-    let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(16);
+    let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(64);
     let send = |m: Out| pb::WorkerMessage { msg: Some(m) };
-    tx.send(send(Out::Register(register(probe, opts, state))))
-        .await
-        .map_err(|_| Ended::Broken("the outbound queue closed".into()))?;
+    tx.send(send(Out::Register(register(
+        probe,
+        opts,
+        state,
+        work.runner.is_some(),
+    ))))
+    .await
+    .map_err(|_| Ended::Broken("the outbound queue closed".into()))?;
     let mut req = tonic::Request::new(ReceiverStream::new(rx));
     if let Some(b) = bearer {
         req.metadata_mut().insert("authorization", b.clone());
@@ -259,13 +327,23 @@ async fn stream(
             );
         }
         state.leases.clear();
+        // Their leases are gone with the old session: stop them.
+        state.stop_runs(StopReason::LeaseLost, |_| true);
         println!(
             "joined {} as {} (session {})",
             opts.coordinator, granted.name, granted.session_id
         );
     }
+    state.draining = granted.draining;
     if granted.draining {
         tracing::warn!("this worker is drained: it takes no new work");
+    }
+    // Updates a broken stream could not carry.
+    while let Some(u) = state.pending.pop_front() {
+        if tx.send(send(Out::Run(u.clone()))).await.is_err() {
+            state.pending.push_front(u);
+            return Err(Ended::Broken("the outbound stream closed".into()));
+        }
     }
     let interval = Duration::from_millis(granted.heartbeat_interval_ms.max(10));
     let timeout = Duration::from_millis(granted.session_timeout_ms.max(30));
@@ -293,9 +371,28 @@ async fn stream(
                     heard = Instant::now();
                     state.leases.retain(|_, t| *t != l.token);
                     tracing::warn!(task = %l.task, token = l.token, reason = %l.reason, "lease lost: stop its work");
+                    state.stop_runs(StopReason::LeaseLost, |r| r.token == l.token && r.task == l.task);
+                }
+                Some(Ok(pb::CoordinatorMessage { msg: Some(In::Stop(s)) })) => {
+                    heard = Instant::now();
+                    let reason = if s.reason == "operator_stopped" {
+                        StopReason::OperatorStopped
+                    } else {
+                        StopReason::LeaseLost
+                    };
+                    tracing::warn!(task = %s.task, reason = %s.reason, "told to stop a run");
+                    state.stop_runs(reason, |r| r.task == s.task);
+                }
+                Some(Ok(pb::CoordinatorMessage { msg: Some(In::Assign(a)) })) => {
+                    heard = Instant::now();
+                    let answer = take(a, opts, state, work);
+                    if tx.send(send(Out::Answer(answer))).await.is_err() {
+                        return Err(Ended::Broken("the outbound stream closed".into()));
+                    }
                 }
                 Some(Ok(pb::CoordinatorMessage { msg: Some(In::Drain(d)) })) => {
                     heard = Instant::now();
+                    state.draining = d.draining;
                     if d.draining {
                         tracing::warn!("drained by an operator: taking no new work");
                     } else {
@@ -315,9 +412,31 @@ async fn stream(
                 }
                 None => return Err(Ended::Broken("the coordinator closed the stream".into())),
             },
+            u = work.updates_rx.recv() => {
+                let Some(u) = u else { continue };
+                if u.state == "stopped" {
+                    state.runs.remove(&u.lease_id);
+                }
+                if tx.send(send(Out::Run(u.clone()))).await.is_err() {
+                    state.pending.push_back(u);
+                    return Err(Ended::Broken("the outbound stream closed".into()));
+                }
+            }
             _ = stop.changed() => {
-                // Goodbye: the session ends now and its leases are released at once, rather
+                // Stop the runs (their agents killed, nothing sent), report them, then say
+                // goodbye: the session ends now and its leases are released at once, rather
                 // than after the session timeout.
+                state.stop_runs(StopReason::Shutdown, |_| true);
+                let _ = tokio::time::timeout(RUNS_STOP_WAIT, async {
+                    while !state.runs.is_empty() {
+                        let Some(u) = work.updates_rx.recv().await else { break };
+                        if u.state == "stopped" {
+                            state.runs.remove(&u.lease_id);
+                        }
+                        let _ = tx.send(send(Out::Run(u))).await;
+                    }
+                })
+                .await;
                 let _ = tx.send(send(Out::Deregister(pb::Deregister {}))).await;
                 let _ = tokio::time::timeout(DEREGISTER_WAIT, async {
                     while let Some(Ok(_)) = inbound.next().await {}
@@ -327,5 +446,61 @@ async fn stream(
                 return Ok(Ended::Shutdown);
             }
         }
+    }
+}
+
+/// Takes an assignment (starting its run) or refuses it, saying why.
+fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb::AssignmentAnswer {
+    let lease_id = a
+        .lease
+        .as_ref()
+        .map(|l| l.lease_id.clone())
+        .unwrap_or_default();
+    let refuse = |reason: &str| pb::AssignmentAnswer {
+        lease_id: lease_id.clone(),
+        accepted: false,
+        reason: reason.into(),
+    };
+    let (Some(runner), Some(channel), Some(lease)) =
+        (work.runner.clone(), work.channel.clone(), a.lease.clone())
+    else {
+        return refuse("this worker has no agent (start it with --agent)");
+    };
+    if state.draining {
+        return refuse("draining");
+    }
+    let busy = state
+        .runs
+        .values()
+        .filter(|r| !r.finishing.load(std::sync::atomic::Ordering::Acquire))
+        .count();
+    if busy >= opts.capacity as usize {
+        return refuse("busy");
+    }
+    tracing::info!(task = %a.task, phase = %a.phase, token = lease.token, why = %a.why, "assignment taken");
+    let (stop_tx, stop_rx) = watch::channel(None);
+    let finishing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    state.runs.insert(
+        lease.lease_id.clone(),
+        RunHandle {
+            task: a.task.clone(),
+            token: lease.token,
+            stop: stop_tx,
+            finishing: finishing.clone(),
+        },
+    );
+    state.leases.insert(lease.lease_id.clone(), lease.token);
+    tokio::spawn(crate::work::run(
+        runner,
+        channel,
+        a,
+        stop_rx,
+        work.updates_tx.clone(),
+        finishing,
+    ));
+    pb::AssignmentAnswer {
+        lease_id,
+        accepted: true,
+        reason: String::new(),
     }
 }

@@ -1,0 +1,404 @@
+//! One assignment, from offer to report: fetch the inputs and the code under the lease, build
+//! a fresh workspace, run the agent, upload its artifact and the code it changed, complete the
+//! phase — reporting each step of the run (seed 003) on the session.
+//!
+//! The lease is the only authority: when it is lost (the session's `LeaseLost`, an operator's
+//! stop, the worker shutting down), the agent's process group is killed and the workspace is
+//! discarded; anything sent after the lease ended is refused by its fencing token anyway.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use automaton_proto::v1 as pb;
+use automaton_workflow::State;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+use crate::agent::{AgentSpec, Outcome, RunSpec, RunState, Running, StopReason};
+use crate::workspace::{Cache, InputFile, TreeFile, Workspace};
+
+/// Bytes per upload message.
+const CHUNK: usize = 1 << 20;
+
+/// What every run of this worker shares.
+pub struct Runner {
+    pub agent: AgentSpec,
+    /// Fresh workspaces are made under here.
+    pub work_dir: PathBuf,
+    pub cache: Cache,
+    pub budget_tokens: u64,
+    pub model_server: Option<String>,
+    pub num_ctx: Option<u64>,
+    /// Between SIGTERM and SIGKILL of the agent's group.
+    pub grace: Duration,
+    pub bearer: Option<tonic::metadata::AsciiMetadataValue>,
+}
+
+/// Why a step failed: the lease ended (nothing more to do) or something else went wrong.
+enum Failed {
+    LeaseLost(String),
+    Error(String),
+}
+
+impl From<tonic::Status> for Failed {
+    fn from(s: tonic::Status) -> Self {
+        match s.code() {
+            // Ended, or superseded: the fencing token says so.
+            tonic::Code::NotFound | tonic::Code::FailedPrecondition
+                if s.message().contains("lease") || s.message().contains("token") =>
+            {
+                Failed::LeaseLost(s.message().to_string())
+            }
+            _ => Failed::Error(format!("{:?}: {}", s.code(), s.message())),
+        }
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+impl Runner {
+    fn req<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Some(b) = &self.bearer {
+            r.metadata_mut().insert("authorization", b.clone());
+        }
+        r
+    }
+}
+
+/// A run's reporter: every state change goes to the session as a `RunUpdate`.
+#[derive(Clone)]
+struct Report {
+    tx: mpsc::UnboundedSender<pb::RunUpdate>,
+    lease_id: String,
+    token: u64,
+    task: String,
+    phase: String,
+}
+
+impl Report {
+    fn send(&self, state: RunState, reason: Option<StopReason>, detail: &str, code: Option<i32>) {
+        let _ = self.tx.send(pb::RunUpdate {
+            lease_id: self.lease_id.clone(),
+            token: self.token,
+            task: self.task.clone(),
+            phase: self.phase.clone(),
+            state: state.as_str().into(),
+            stop_reason: reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
+            detail: detail.into(),
+            exit_code: code.unwrap_or(-1),
+        });
+    }
+}
+
+/// Waits for a stop reason from the session.
+async fn stopped(mut stop: watch::Receiver<Option<StopReason>>) -> StopReason {
+    loop {
+        if let Some(r) = *stop.borrow() {
+            return r;
+        }
+        if stop.changed().await.is_err() {
+            return StopReason::Shutdown;
+        }
+    }
+}
+
+/// Runs one assignment to its end; the last update sent is `stopped`.
+pub async fn run(
+    runner: Arc<Runner>,
+    channel: Channel,
+    a: pb::Assignment,
+    stop: watch::Receiver<Option<StopReason>>,
+    updates: mpsc::UnboundedSender<pb::RunUpdate>,
+    finishing: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let Some(lease) = a.lease.clone() else {
+        return;
+    };
+    let report = Report {
+        tx: updates,
+        lease_id: lease.lease_id.clone(),
+        token: lease.token,
+        task: a.task.clone(),
+        phase: a.phase.clone(),
+    };
+    report.send(RunState::Starting, None, "", None);
+    let (reason, detail, code) =
+        match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
+            Ok(o) => (o.reason, o.detail, o.exit_code),
+            Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None),
+            Err(Failed::Error(why)) => (StopReason::AgentError, why, None),
+        };
+    tracing::info!(task = %a.task, phase = %a.phase, reason = %reason, detail = %detail, "run stopped");
+    report.send(RunState::Stopped, Some(reason), &detail, code);
+}
+
+async fn attempt(
+    runner: &Arc<Runner>,
+    channel: &Channel,
+    a: &pb::Assignment,
+    lease: &pb::Lease,
+    stop: watch::Receiver<Option<StopReason>>,
+    report: &Report,
+    finishing: &std::sync::atomic::AtomicBool,
+) -> Result<Outcome, Failed> {
+    let phase: State = a
+        .phase
+        .parse()
+        .map_err(|_| Failed::Error(format!("unknown phase '{}'", a.phase)))?;
+    let mut work =
+        pb::work_client::WorkClient::new(channel.clone()).max_decoding_message_size(8 << 20);
+    let (manifest, inputs, code) = fetch(runner, &mut work, lease).await?;
+    let commit = (!manifest.commit.is_empty()).then_some(manifest.commit.clone());
+    if let (Some(c), Some(files)) = (&commit, code) {
+        runner
+            .cache
+            .store(c, files)
+            .map_err(|e| Failed::Error(format!("cannot cache the code: {e}")))?;
+    }
+    let name = format!("{}-{}", a.task.replace('/', "--"), lease.token);
+    let ws = Workspace::create(
+        &runner.work_dir,
+        &name,
+        &runner.cache,
+        commit.as_deref().filter(|c| runner.cache.has(c)),
+        inputs,
+    )
+    .map_err(|e| Failed::Error(format!("cannot make the workspace: {e}")))?;
+    let mut spec = RunSpec::new(
+        runner.agent.clone(),
+        ws.dir(),
+        &a.task,
+        phase.phase,
+        &lease.lease_id,
+        lease.token,
+    );
+    spec.budget_tokens = runner.budget_tokens;
+    spec.model_server = runner.model_server.clone();
+    spec.num_ctx = runner.num_ctx;
+    spec.grace = runner.grace;
+    let r2 = report.clone();
+    let running = match Running::start(spec, move |s| {
+        // `starting` was sent already; `stopped` is sent once uploads are done.
+        if matches!(s, RunState::Active | RunState::Stopping) {
+            r2.send(s, None, "", None);
+        }
+    }) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = ws.discard();
+            return Err(Failed::Error(format!("cannot start the agent: {e}")));
+        }
+    };
+    let max = Duration::from_millis(a.max_phase_time_ms.max(1));
+    let outcome = running.wait(max, stopped(stop.clone())).await;
+    if outcome.reason != StopReason::Completed {
+        // Nothing of a run that did not complete is kept or sent.
+        let _ = ws.discard();
+        return Ok(outcome);
+    }
+    // The lease may have been lost while the agent finished: send nothing then.
+    if let Some(r) = *stop.borrow() {
+        let _ = ws.discard();
+        return Ok(Outcome {
+            reason: r,
+            detail: "the lease ended as the agent finished: nothing sent".into(),
+            ..outcome
+        });
+    }
+    let result = report_back(
+        runner,
+        &mut work,
+        a,
+        lease,
+        &ws,
+        commit.as_deref(),
+        finishing,
+    )
+    .await;
+    let _ = ws.discard();
+    result.map(|()| outcome)
+}
+
+type Fetched = (pb::WorkspaceManifest, Vec<InputFile>, Option<Vec<TreeFile>>);
+
+/// The assignment's inputs and (unless cached) code, checked against the manifest.
+async fn fetch(
+    runner: &Runner,
+    work: &mut pb::work_client::WorkClient<Channel>,
+    lease: &pb::Lease,
+) -> Result<Fetched, Failed> {
+    let mut stream = work
+        .fetch_workspace(runner.req(pb::FetchWorkspaceRequest {
+            lease_id: lease.lease_id.clone(),
+            token: lease.token,
+            cached_commits: runner.cache.commits(),
+        }))
+        .await?
+        .into_inner();
+    let manifest = match stream.next().await {
+        Some(Ok(pb::WorkspaceChunk {
+            part: Some(pb::workspace_chunk::Part::Manifest(m)),
+        })) => m,
+        Some(Err(s)) => return Err(s.into()),
+        _ => {
+            return Err(Failed::Error(
+                "the workspace stream did not start with its manifest".into(),
+            ));
+        }
+    };
+    let mut bodies: std::collections::HashMap<(String, String), Vec<u8>> = manifest
+        .files
+        .iter()
+        .map(|f| {
+            (
+                (f.kind.clone(), f.path.clone()),
+                Vec::with_capacity(f.size as usize),
+            )
+        })
+        .collect();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        if let Some(pb::workspace_chunk::Part::Data(d)) = chunk.part {
+            let Some(body) = bodies.get_mut(&(d.kind.clone(), d.path.clone())) else {
+                return Err(Failed::Error(format!(
+                    "data for {} is not in the manifest",
+                    d.path
+                )));
+            };
+            body.extend_from_slice(&d.data);
+        }
+    }
+    let mut inputs = Vec::new();
+    let mut code = Vec::new();
+    for f in &manifest.files {
+        let content = bodies
+            .remove(&(f.kind.clone(), f.path.clone()))
+            .unwrap_or_default();
+        if content.len() as u64 != f.size || sha256_hex(&content) != f.sha256 {
+            return Err(Failed::Error(format!(
+                "{} arrived damaged (size or sha256 differs from the manifest)",
+                f.path
+            )));
+        }
+        if f.kind == "code" {
+            code.push(TreeFile {
+                path: f.path.clone(),
+                executable: f.executable,
+                content,
+            });
+        } else {
+            inputs.push(InputFile {
+                kind: f.kind.clone(),
+                path: f.path.clone(),
+                content,
+            });
+        }
+    }
+    let code = manifest.code_included.then_some(code);
+    Ok((manifest, inputs, code))
+}
+
+/// Uploads the artifact and (in phases that may edit code) the changed files, then completes
+/// the phase.
+async fn report_back(
+    runner: &Runner,
+    work: &mut pb::work_client::WorkClient<Channel>,
+    a: &pb::Assignment,
+    lease: &pb::Lease,
+    ws: &Workspace,
+    commit: Option<&str>,
+    finishing: &std::sync::atomic::AtomicBool,
+) -> Result<(), Failed> {
+    let path = ws.artifact_path(&a.artifact);
+    let bytes = std::fs::read(&path)
+        .map_err(|e| Failed::Error(format!("cannot read {}: {e}", path.display())))?;
+    let sha = sha256_hex(&bytes);
+    let size = bytes.len() as u64;
+    let mut chunks: Vec<pb::ArtifactChunk> = bytes
+        .chunks(CHUNK)
+        .map(|c| pb::ArtifactChunk {
+            data: c.to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    if chunks.is_empty() {
+        chunks.push(pb::ArtifactChunk::default());
+    }
+    chunks[0].lease_id = lease.lease_id.clone();
+    chunks[0].token = lease.token;
+    chunks[0].name = a.artifact.clone();
+    chunks[0].sha256 = sha;
+    chunks[0].size = size;
+    work.upload_artifact(runner.req(tokio_stream::iter(chunks)))
+        .await?;
+    if a.can_edit
+        && let Some(base) = commit
+    {
+        let tree = runner
+            .cache
+            .load(base)
+            .map_err(|e| Failed::Error(format!("cannot read the cached code: {e}")))?;
+        let changes = ws
+            .changes(&tree)
+            .map_err(|e| Failed::Error(format!("cannot diff the workspace: {e}")))?;
+        if !changes.is_empty() {
+            let mut msgs = Vec::new();
+            for c in changes {
+                if c.deleted || c.content.is_empty() {
+                    msgs.push(pb::FileChange {
+                        path: c.path,
+                        deleted: c.deleted,
+                        executable: c.executable,
+                        data: vec![],
+                        last: true,
+                    });
+                    continue;
+                }
+                let parts: Vec<&[u8]> = c.content.chunks(CHUNK).collect();
+                let n = parts.len();
+                for (i, p) in parts.into_iter().enumerate() {
+                    msgs.push(pb::FileChange {
+                        path: c.path.clone(),
+                        deleted: false,
+                        executable: c.executable,
+                        data: p.to_vec(),
+                        last: i + 1 == n,
+                    });
+                }
+            }
+            let mut chunks: Vec<pb::PatchChunk> = msgs
+                .into_iter()
+                .map(|c| pb::PatchChunk {
+                    change: Some(c),
+                    ..Default::default()
+                })
+                .collect();
+            chunks[0].lease_id = lease.lease_id.clone();
+            chunks[0].token = lease.token;
+            chunks[0].base_commit = base.to_string();
+            let out = work
+                .upload_patch(runner.req(tokio_stream::iter(chunks)))
+                .await?
+                .into_inner();
+            tracing::info!(task = %a.task, commit = %out.commit, files = out.files_changed, "code committed");
+        }
+    }
+    // Completing ends the lease, and the coordinator may offer new work at once.
+    finishing.store(true, std::sync::atomic::Ordering::Release);
+    work.complete_phase(runner.req(pb::CompletePhaseRequest {
+        lease_id: lease.lease_id.clone(),
+        token: lease.token,
+        target: String::new(),
+    }))
+    .await?;
+    Ok(())
+}
