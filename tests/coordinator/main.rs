@@ -11,4 +11,5 @@ mod leases;
 mod limits;
 mod restart;
 mod service;
+mod work;
 mod workers;

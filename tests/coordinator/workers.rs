@@ -32,6 +32,8 @@ fn fleet_args() -> Vec<&'static str> {
 /// A running `automaton-worker`.
 pub struct Worker {
     pub child: Child,
+    /// Its HOME (the probe's cache, the code cache, the workspaces): never the real one.
+    _home: tempfile::TempDir,
     stdout: Arc<Mutex<String>>,
     stderr: Arc<Mutex<String>>,
 }
@@ -66,13 +68,17 @@ impl Worker {
     }
 
     pub fn spawn(url: &str, args: &[&str], envs: &[(&str, &str)]) -> Worker {
+        let home = tempfile::tempdir().expect("worker home");
         let mut c = Command::new(worker_bin());
         c.args(["--coordinator", url, "--max-backoff", "200ms"]);
+        c.arg("--work-dir").arg(home.path().join("work"));
         c.args(args);
         for k in SCRUBBED_ENV {
             c.env_remove(k);
         }
-        c.env("RUST_LOG", "info").envs(envs.iter().copied());
+        c.env("RUST_LOG", "info")
+            .env("HOME", home.path())
+            .envs(envs.iter().copied());
         c.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -83,6 +89,7 @@ impl Worker {
         pump(child.stderr.take().expect("stderr"), stderr.clone());
         Worker {
             child,
+            _home: home,
             stdout,
             stderr,
         }
@@ -122,6 +129,11 @@ impl Worker {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Where its workspaces are made (`--work-dir`).
+    pub fn work_dir(&self) -> std::path::PathBuf {
+        self._home.path().join("work")
     }
 
     pub fn kill9(&mut self) {

@@ -421,7 +421,16 @@ impl Coordinator {
             if let Some(o) = taken {
                 tracing::warn!(task = %o.task, worker = %o.name, "offer not answered in time: taken back");
                 if let Some(l) = self.live_of(&o.task).filter(|l| l.lease_id == id) {
-                    self.record_run(&o.task, &o.name, l.state, l.token, "stopped", "no answer", "", -1);
+                    self.record_run(
+                        &o.task,
+                        &o.name,
+                        l.state,
+                        l.token,
+                        "stopped",
+                        "no answer",
+                        "",
+                        -1,
+                    );
                 }
                 let _ = self.release(&id, None, None).await;
             }
