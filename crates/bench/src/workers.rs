@@ -260,7 +260,9 @@ async fn session(
             msg: Some(In::Register(pb::Register {
                 name: worker_name(index),
                 host: "bench".into(),
-                capacity: 1,
+                // Sessions only: these workers run no agent, so the coordinator offers them
+                // no work (the bench claims in their sessions itself).
+                capacity: 0,
                 version: "bench".into(),
                 simulated: true,
                 replace: true,
