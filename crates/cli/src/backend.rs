@@ -309,6 +309,31 @@ impl Backend {
         }
     }
 
+    /// Every task as the coordinator sees it (with waiting reasons, waves, estimates); on the
+    /// files, the listing alone.
+    pub fn task_summaries(&self) -> Result<Vec<pb::TaskSummary>, Failure> {
+        match self {
+            Backend::Remote(r) => Ok(r.run(r.tasks().list_tasks(pb::ListTasksRequest {}))?.tasks),
+            Backend::Local(p) => {
+                fn row(e: &ListEntry) -> pb::TaskSummary {
+                    pb::TaskSummary {
+                        task: e.task.to_string(),
+                        state: e.state.map(|s| s.to_string()).unwrap_or_default(),
+                        tracked: e.tracked,
+                        lease_holder: e
+                            .lease_holder
+                            .as_ref()
+                            .map(|a| a.to_string())
+                            .unwrap_or_default(),
+                        subtasks: e.subtasks.iter().map(row).collect(),
+                        ..Default::default()
+                    }
+                }
+                Ok(p.list(SystemTime::now())?.iter().map(row).collect())
+            }
+        }
+    }
+
     pub fn stop_run(&self, task: &TaskName, resume: bool) -> Result<pb::StopRunResponse, Failure> {
         let r = self.remote_only("automaton stop")?;
         r.run(r.workers().stop_run(pb::StopRunRequest {

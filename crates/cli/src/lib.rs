@@ -42,6 +42,10 @@ pub enum Command {
     /// Stop the agent run on a task (`operator_stopped`) and hold the task from dispatch;
     /// `--resume` lets it be dispatched again.
     Stop(workers::StopArgs),
+    /// Approve the artifact a task awaits sign-off on (as `status --task T --approve`).
+    Approve(workers::ApproveArgs),
+    /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
+    Tasks(workers::TasksArgs),
 }
 
 /// Flags are spelled as seed 004 spells them, so `status.py` prompts keep working.
@@ -208,6 +212,35 @@ pub fn run(cli: Cli) -> i32 {
     match cli.command {
         Command::Workers(args) => workers::run(&args),
         Command::Stop(args) => workers::stop(&args),
+        Command::Approve(args) => {
+            let mut argv: Vec<std::ffi::OsString> = vec![
+                "automaton".into(),
+                "status".into(),
+                "--task".into(),
+                args.task.into(),
+                "--approve".into(),
+            ];
+            if let Some(a) = args.approver {
+                argv.extend(["--approver".into(), a.into()]);
+            }
+            if let Some(p) = args.project {
+                argv.extend(["--project".into(), p.into_os_string()]);
+            }
+            if let Some(c) = args.coordinator {
+                argv.extend(["--coordinator".into(), c.into()]);
+            }
+            if args.json {
+                argv.push("--json".into());
+            }
+            match Cli::try_parse_from(argv) {
+                Ok(cli) => run(cli),
+                Err(e) => {
+                    eprintln!("ERROR: {}", e.to_string().lines().next().unwrap_or(""));
+                    2
+                }
+            }
+        }
+        Command::Tasks(args) => workers::tasks(&args),
         Command::Status(args) => {
             let json = args.json;
             let warning = misplaced_agent_md_warning(&args);

@@ -38,6 +38,95 @@ pub struct StopArgs {
     pub json: bool,
 }
 
+#[derive(Debug, Args)]
+pub struct ApproveArgs {
+    /// The task (`name` or `parent/sub`).
+    pub task: String,
+    /// Who approves (default: the token's name, or `user`).
+    #[arg(long)]
+    pub approver: Option<String>,
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TasksArgs {
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn task_json(t: &pb::TaskSummary) -> serde_json::Value {
+    serde_json::json!({
+        "task": t.task,
+        "state": t.state,
+        "holder": t.lease_holder,
+        "wave": t.wave,
+        "estimated_tokens": t.estimated_tokens,
+        "waiting": t.waiting,
+        "held": t.held,
+        "subtasks": t.subtasks.iter().map(task_json).collect::<Vec<_>>(),
+    })
+}
+
+fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
+    if tasks.is_empty() {
+        return "No tasks: create one with automaton status --create-task NAME.\n".into();
+    }
+    let mut out = String::new();
+    let mut line = |t: &pb::TaskSummary, indent: &str| {
+        let mut l = format!("{indent}{}  {}", t.task, if t.state.is_empty() { "?" } else { &t.state });
+        if t.wave > 0 {
+            l.push_str(&format!("  wave {}", t.wave));
+        }
+        if t.estimated_tokens > 0 {
+            l.push_str(&format!("  ~{}k tokens", t.estimated_tokens / 1000));
+        }
+        if !t.lease_holder.is_empty() {
+            l.push_str(&format!("  held by {}", t.lease_holder));
+        }
+        if !t.held.is_empty() {
+            l.push_str(&format!("  HELD: {}", t.held));
+        } else if !t.waiting.is_empty() {
+            l.push_str(&format!("  ({})", t.waiting));
+        }
+        out.push_str(&l);
+        out.push('\n');
+    };
+    for t in tasks {
+        line(t, "");
+        for s in &t.subtasks {
+            line(s, "  └ ");
+        }
+    }
+    out
+}
+
+fn tasks_act(args: &TasksArgs) -> Result<String, Failure> {
+    let backend = backend_of(args.project.as_deref(), args.coordinator.as_deref())?;
+    let tasks = backend.task_summaries()?;
+    Ok(if args.json {
+        format!(
+            "{}\n",
+            serde_json::Value::Array(tasks.iter().map(task_json).collect())
+        )
+    } else {
+        tasks_text(&tasks)
+    })
+}
+
+/// Runs `automaton tasks`; prints and returns the exit code.
+pub fn tasks(args: &TasksArgs) -> i32 {
+    finish(tasks_act(args), args.json)
+}
+
 #[derive(Debug, Subcommand)]
 pub enum WorkersAction {
     /// Stop new work for a worker (it keeps what it holds).

@@ -44,6 +44,10 @@ pub(crate) struct Slot {
     pub name: AgentId,
     pub free: usize,
     pub capacity: u32,
+    /// The largest estimated peak context (tokens) the worker takes.
+    pub budget: u64,
+    /// Its GPU memory, for people (`24 GiB`).
+    pub gpu: String,
 }
 
 struct Offer {
@@ -68,6 +72,8 @@ struct Inner {
     runs: HashMap<TaskName, VecDeque<pb::Run>>,
     /// Workers that refused work lately.
     paused: HashMap<AgentId, Instant>,
+    /// Why each task with work waits (as of the last round).
+    waiting: HashMap<TaskName, String>,
 }
 
 pub(crate) struct Work {
@@ -110,6 +116,11 @@ impl Work {
         self.poke();
     }
 
+    /// Why `task` waits for a worker (as of the last dispatch round), if it does.
+    pub(crate) fn waiting(&self, task: &TaskName) -> Option<String> {
+        self.inner().waiting.get(task).cloned()
+    }
+
     /// Why `task` is held from dispatch, if it is.
     pub(crate) fn held(&self, task: &TaskName) -> Option<String> {
         self.inner().held.get(task).cloned()
@@ -141,20 +152,53 @@ impl Work {
     }
 }
 
-/// The dispatcher's one decision: which of the idle workers should get `state` of `task`,
-/// in order of preference (the grant may still refuse one, e.g. reviewer ≠ implementer).
-/// Deliberately simple: every idle worker, the one with the most free room first, then by
-/// name. (The next step makes this fit-aware: a sub-task's estimated peak context against
-/// each worker's budget, best fit first.)
-pub(crate) fn choose(_task: &TaskName, _state: State, idle: &[Slot]) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..idle.len()).filter(|&i| idle[i].free > 0).collect();
+/// The dispatcher's one decision: which of the idle workers should get a phase whose work
+/// needs `need` tokens of context (its estimated peak; `None`: unsized), in order of
+/// preference (the grant may still refuse one, e.g. reviewer ≠ implementer). Only workers
+/// whose budget holds the need; **best fit**: the smallest budget that holds it first, so
+/// large GPUs stay free for large work; then the most free room, then by name.
+pub(crate) fn choose(need: Option<u64>, idle: &[Slot]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..idle.len())
+        .filter(|&i| idle[i].free > 0 && need.is_none_or(|n| idle[i].budget >= n))
+        .collect();
     order.sort_by(|&a, &b| {
-        idle[b]
-            .free
-            .cmp(&idle[a].free)
+        let fit = match need {
+            Some(_) => idle[a].budget.cmp(&idle[b].budget),
+            None => std::cmp::Ordering::Equal,
+        };
+        fit.then_with(|| idle[b].free.cmp(&idle[a].free))
             .then_with(|| idle[a].name.cmp(&idle[b].name))
     });
     order
+}
+
+/// Why a phase needing `need` tokens waits, given the idle workers and the fleet's largest
+/// budget: e.g. `needs 90k tokens; largest idle worker holds 38k (gpu-b, 24 GiB)`.
+pub(crate) fn waiting_reason(
+    need: Option<u64>,
+    idle: &[Slot],
+    largest: Option<&(u64, AgentId, String)>,
+) -> String {
+    let k = |t: u64| format!("{}k", t / 1000);
+    match (need, largest) {
+        (_, None) => "waiting: no worker that takes work is connected".into(),
+        (Some(n), Some((max, who, gpu))) if *max < n => format!(
+            "waiting: needs {} tokens; the largest worker holds {} ({who}, {gpu}): no worker fits — split it",
+            k(n),
+            k(*max)
+        ),
+        (Some(n), Some(_)) => match idle.iter().filter(|s| s.free > 0).max_by_key(|s| s.budget) {
+            Some(s) => format!(
+                "waiting: needs {} tokens; largest idle worker holds {} ({}, {})",
+                k(n),
+                k(s.budget),
+                s.name,
+                s.gpu
+            ),
+            None => format!("waiting: needs {} tokens; every worker that fits is busy", k(n)),
+        },
+        (None, Some(_)) => "waiting: every worker is busy".into(),
+    }
 }
 
 impl Coordinator {
@@ -233,10 +277,9 @@ impl Coordinator {
         };
         tasks.sort();
         let mut idle = self.idle_slots();
+        let largest = self.sessions.largest_budget();
+        let mut waiting: HashMap<TaskName, String> = HashMap::new();
         for (_, task) in tasks {
-            if idle.is_empty() {
-                break;
-            }
             if self.live_of(&task).is_some() {
                 continue;
             }
@@ -247,6 +290,13 @@ impl Coordinator {
                     continue;
                 }
             };
+            // A decomposed parent: its sub-tasks are made, and it ends when they have.
+            if state == State::approved(automaton_workflow::Phase::Decomposition) {
+                if let Err(e) = self.advance_parent(&task).await {
+                    self.hold(&task, e.to_string());
+                }
+                continue;
+            }
             // Where the work is: the state itself, or the phase a start or an approved gate
             // leads to (moved there only when a worker is about to take it).
             let work = match self.next_work(&task, state).await {
@@ -257,12 +307,23 @@ impl Coordinator {
                     continue;
                 }
             };
+            // A sub-task waits for its wave, and needs a worker whose budget holds it.
+            let sizing = self.sizing(&task).await;
+            if let Some(why) = sizing.blocked {
+                waiting.insert(task.clone(), why);
+                continue;
+            }
+            let order = choose(sizing.need, &idle);
+            if order.is_empty() {
+                waiting.insert(task.clone(), waiting_reason(sizing.need, &idle, largest.as_ref()));
+                continue;
+            }
             if work != state && !self.move_on(&task, state, work).await {
                 continue;
             }
-            for i in choose(&task, work, &idle) {
+            for i in order {
                 let slot = idle[i].clone();
-                match self.offer(&task, work, &slot).await {
+                match self.offer(&task, work, &slot, sizing.need).await {
                     Ok(true) => {
                         idle[i].free -= 1;
                         break;
@@ -276,6 +337,7 @@ impl Coordinator {
             }
             idle.retain(|s| s.free > 0);
         }
+        self.work.inner().waiting = waiting;
         Ok(())
     }
 
@@ -340,7 +402,13 @@ impl Coordinator {
 
     /// Grants `task` to the worker of `slot` in its session and sends the assignment.
     /// `Ok(false)`: the grant was refused for this worker (try another).
-    async fn offer(&self, task: &TaskName, state: State, slot: &Slot) -> Result<bool, Error> {
+    async fn offer(
+        &self,
+        task: &TaskName,
+        state: State,
+        slot: &Slot,
+        need: Option<u64>,
+    ) -> Result<bool, Error> {
         let granted = match self
             .claim_in(task, &slot.name, None, Some(&slot.session))
             .await
@@ -363,10 +431,19 @@ impl Coordinator {
             .copied()
             .unwrap_or(0)
             + 1;
-        let why = format!(
-            "oldest waiting task; {} is idle ({} of {} slots free)",
-            slot.name, slot.free, slot.capacity
-        );
+        let why = match need {
+            Some(n) => format!(
+                "best fit: needs {}k tokens; {} holds {}k ({}), the smallest idle budget that does",
+                n / 1000,
+                slot.name,
+                slot.budget / 1000,
+                slot.gpu
+            ),
+            None => format!(
+                "oldest waiting task; {} is idle ({} of {} slots free)",
+                slot.name, slot.free, slot.capacity
+            ),
+        };
         let live = granted.live;
         self.work.inner().offers.insert(
             live.lease_id.clone(),
@@ -377,7 +454,7 @@ impl Coordinator {
                 at: Instant::now(),
             },
         );
-        self.record_run(task, &slot.name, state, live.token, "requested", "", "", -1);
+        self.record_run(task, &slot.name, state, live.token, "requested", "", &why, -1);
         self.sessions.push(
             &slot.session,
             pb::coordinator_message::Msg::Assign(pb::Assignment {
@@ -393,6 +470,7 @@ impl Coordinator {
                 max_phase_time_ms: self.work.max_phase_time.as_millis() as u64,
                 attempt,
                 why: why.clone(),
+                estimated_tokens: need.unwrap_or(0),
             }),
         );
         self.emit(

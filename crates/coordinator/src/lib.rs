@@ -28,6 +28,7 @@ mod state;
 mod table;
 mod task_changes;
 mod views;
+mod waves;
 mod wal;
 #[cfg(test)]
 mod wal_fuzz;

@@ -142,6 +142,10 @@ pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {
 
 fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
     pb::TaskSummary {
+        waiting: String::new(),
+        held: String::new(),
+        wave: 0,
+        estimated_tokens: 0,
         task: e.task.to_string(),
         state: e.state.map(|s| s.to_string()).unwrap_or_default(),
         tracked: e.tracked,
@@ -226,6 +230,10 @@ impl pb::tasks_server::Tasks for Service {
                     .map(|l| l.agent.to_string())
                     .unwrap_or_default(),
                 subtasks: vec![],
+                waiting: self.coord.work.waiting(&task).unwrap_or_default(),
+                held: self.coord.work.held(&task).unwrap_or_default(),
+                wave: 0,
+                estimated_tokens: 0,
             }),
             lease,
             implementers: view.implementers.iter().map(|a| a.to_string()).collect(),
@@ -243,8 +251,21 @@ impl pb::tasks_server::Tasks for Service {
                 s.lease_holder = self.coord.lease_of(&s.task).map(|l| l.agent);
             }
         }
+        let annotate = |s: &mut pb::TaskSummary| {
+            if let Ok(t) = s.task.parse::<TaskName>() {
+                s.waiting = self.coord.work.waiting(&t).unwrap_or_default();
+                s.held = self.coord.work.held(&t).unwrap_or_default();
+            }
+        };
+        let mut tasks: Vec<pb::TaskSummary> = entries.iter().map(summary).collect();
+        for t in &mut tasks {
+            annotate(t);
+            for s in &mut t.subtasks {
+                annotate(s);
+            }
+        }
         Ok(Response::new(pb::ListTasksResponse {
-            tasks: entries.iter().map(summary).collect(),
+            tasks,
             list_json: json(&entries)?,
         }))
     }

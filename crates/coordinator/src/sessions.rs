@@ -406,9 +406,38 @@ impl Sessions {
                     name: s.name.clone(),
                     free: cap as usize - held,
                     capacity: cap,
+                    budget: budget_of(&s.reg),
+                    gpu: gpu_label(&s.reg),
                 })
             })
             .collect()
+    }
+
+    /// The largest budget among the live workers that take work (busy or not): its tokens,
+    /// the worker and its GPU memory.
+    pub(crate) fn largest_budget(&self) -> Option<(u64, AgentId, String)> {
+        let inner = self.inner();
+        inner
+            .by_id
+            .values()
+            .filter(|s| s.reg.capacity > 0 && !s.awaiting)
+            .map(|s| (budget_of(&s.reg), s.name.clone(), gpu_label(&s.reg)))
+            .max_by(|a, b| a.0.cmp(&b.0).then_with(|| b.1.cmp(&a.1)))
+    }
+}
+
+/// A worker's budget: the largest sub-task (estimated peak context, tokens) it takes.
+fn budget_of(reg: &pb::Register) -> u64 {
+    reg.budget.as_ref().map_or(0, |b| b.max_peak_context_kb)
+}
+
+/// A worker's GPU memory for people, e.g. `24 GiB` (`no GPU` without one).
+pub(crate) fn gpu_label(reg: &pb::Register) -> String {
+    let total: u64 = reg.gpus.iter().map(|g| g.total_bytes).sum();
+    if total == 0 {
+        "no GPU".into()
+    } else {
+        format!("{:.0} GiB", total as f64 / GIB)
     }
 }
 

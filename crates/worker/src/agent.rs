@@ -31,6 +31,20 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 pub const DEFAULT_LOG_CAP: u64 = 4 * 1024 * 1024;
 /// The log's name inside `.automaton-task/`.
 pub const LOG_FILE: &str = "agent.log";
+/// Where an agent may report what it used, inside `.automaton-task/`: JSON
+/// `{"peak_context_tokens": N}` (the scripted agent always does).
+pub const USAGE_FILE: &str = "usage.json";
+
+/// The peak context (tokens) an agent reported in `{workspace}/.automaton-task/usage.json`,
+/// if it wrote a readable one (at most 4 KiB is read).
+pub fn reported_peak(workspace: &Path) -> Option<u64> {
+    use std::io::Read;
+    let f = std::fs::File::open(workspace.join(TASK_DIR).join(USAGE_FILE)).ok()?;
+    let mut text = String::new();
+    f.take(4096).read_to_string(&mut text).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v.get("peak_context_tokens")?.as_u64().filter(|n| *n > 0)
+}
 /// seed 002's MAX_PHASE_TIME default.
 pub const DEFAULT_MAX_PHASE_TIME: Duration = Duration::from_secs(60 * 60);
 /// The worker's own credential; never handed to the agent.
@@ -82,6 +96,8 @@ pub struct RunSpec {
     pub model_server: Option<String>,
     /// The context window the model server must be sent (Ollama's `num_ctx`).
     pub num_ctx: Option<u64>,
+    /// The phase's estimated peak context (tokens), from the decomposition, if sized.
+    pub estimated_tokens: Option<u64>,
     /// Between SIGTERM and SIGKILL.
     pub grace: Duration,
     /// How much output `agent.log` keeps; the rest is read and dropped.
@@ -108,6 +124,7 @@ impl RunSpec {
             budget_tokens: 0,
             model_server: None,
             num_ctx: None,
+            estimated_tokens: None,
             grace: DEFAULT_GRACE,
             log_cap: DEFAULT_LOG_CAP,
         }
@@ -149,6 +166,14 @@ impl RunSpec {
             ("AUTOMATON_WORKSPACE", path(self.workspace.clone())),
             ("AUTOMATON_PROMPT_FILE", path(self.prompt_file())),
             ("AUTOMATON_BUDGET_TOKENS", self.budget_tokens.to_string()),
+            (
+                "AUTOMATON_ESTIMATED_TOKENS",
+                self.estimated_tokens.map(|n| n.to_string()).unwrap_or_default(),
+            ),
+            (
+                "AUTOMATON_USAGE_FILE",
+                path(self.task_dir().join(USAGE_FILE)),
+            ),
             (
                 "AUTOMATON_MODEL_SERVER",
                 self.model_server.clone().unwrap_or_default(),

@@ -107,7 +107,25 @@ pub fn run_from_env() -> Result<u8, Error> {
     }
     let inputs = inputs_text(&workspace, &artifact);
     write_to(phase, &workspace, &artifact, &task, token, &inputs)?;
+    report_usage(&workspace);
     Ok(0)
+}
+
+/// Reports the peak context used (`.automaton-task/usage.json`): the estimate it was given
+/// times `AUTOMATON_SCRIPTED_PEAK_FACTOR` (default 0.9), else 3,000 tokens. Deterministic,
+/// so tests and the demo can watch the coordinator learn from it.
+fn report_usage(workspace: &Path) {
+    let estimate = std::env::var("AUTOMATON_ESTIMATED_TOKENS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok());
+    let factor = std::env::var("AUTOMATON_SCRIPTED_PEAK_FACTOR")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|f| f.is_finite() && *f > 0.0 && *f < 100.0)
+        .unwrap_or(0.9);
+    let peak = estimate.map_or(3000, |e| ((e as f64) * factor).round() as u64);
+    let path = workspace.join(TASK_DIR).join(crate::agent::USAGE_FILE);
+    let _ = fs::write(path, format!("{{\"peak_context_tokens\": {peak}}}\n"));
 }
 
 /// Sleeps for ever; SIGTERM is caught and ignored, so only SIGKILL ends it.
@@ -191,7 +209,18 @@ fn write_to(
     token: u64,
     inputs_text: &str,
 ) -> Result<(), Error> {
-    let text = artifact_text(phase, task, token, inputs_text.contains(FAIL_MARKER))?;
+    let spec = fs::read_to_string(workspace.join(TASK_DIR).join("SPEC.md")).unwrap_or_default();
+    let text = match (phase, planned_table(&spec)) {
+        // A plan a person wrote into SPEC.md is what the decomposition becomes.
+        (Phase::Decomposition, Some(table)) => format!(
+            "# DECOMPOSITION — {task}\n\n## Sub-tasks\n\n{table}\n_Written by the scripted agent (phase {phase}, fencing token {token}) from the plan in SPEC.md._\n"
+        ),
+        (Phase::Research, Some(_)) => {
+            // Keep the person's spec (with its plan) and say decomposition comes next.
+            format!("{}\n\nNext: decomposition\n", spec.trim_end())
+        }
+        _ => artifact_text(phase, task, token, inputs_text.contains(FAIL_MARKER))?,
+    };
     let err = |path: &Path| {
         let path = path.to_path_buf();
         move |source| Error::Write { path, source }
@@ -277,6 +306,24 @@ pub fn artifact_text(phase: Phase, task: &str, token: u64, fail: bool) -> Result
         }
     };
     Ok(format!("{title}{body}\n{origin}"))
+}
+
+/// The header a planned decomposition table starts with.
+const PLAN_HEADER: &str = "| sub-task |";
+
+/// A decomposition table planned in the task's SPEC.md (its header row starts with
+/// `| sub-task |`), with its rows.
+fn planned_table(spec: &str) -> Option<String> {
+    let lines: Vec<&str> = spec.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.trim_start().to_ascii_lowercase().starts_with(PLAN_HEADER))?;
+    let table: Vec<&str> = lines[at..]
+        .iter()
+        .take_while(|l| l.trim_start().starts_with('|'))
+        .copied()
+        .collect();
+    (table.len() > 2).then(|| table.join("\n") + "\n")
 }
 
 #[cfg(test)]

@@ -86,6 +86,17 @@ struct Report {
 
 impl Report {
     fn send(&self, state: RunState, reason: Option<StopReason>, detail: &str, code: Option<i32>) {
+        self.send_peak(state, reason, detail, code, None);
+    }
+
+    fn send_peak(
+        &self,
+        state: RunState,
+        reason: Option<StopReason>,
+        detail: &str,
+        code: Option<i32>,
+        peak: Option<u64>,
+    ) {
         let _ = self.tx.send(pb::RunUpdate {
             lease_id: self.lease_id.clone(),
             token: self.token,
@@ -95,6 +106,7 @@ impl Report {
             stop_reason: reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
             detail: detail.into(),
             exit_code: code.unwrap_or(-1),
+            peak_context_tokens: peak.unwrap_or(0),
         });
     }
 }
@@ -131,14 +143,14 @@ pub async fn run(
         phase: a.phase.clone(),
     };
     report.send(RunState::Starting, None, "", None);
-    let (reason, detail, code) =
+    let (reason, detail, code, peak) =
         match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
-            Ok(o) => (o.reason, o.detail, o.exit_code),
-            Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None),
-            Err(Failed::Error(why)) => (StopReason::AgentError, why, None),
+            Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
+            Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
+            Err(Failed::Error(why)) => (StopReason::AgentError, why, None, None),
         };
     tracing::info!(task = %a.task, phase = %a.phase, reason = %reason, detail = %detail, "run stopped");
-    report.send(RunState::Stopped, Some(reason), &detail, code);
+    report.send_peak(RunState::Stopped, Some(reason), &detail, code, peak);
 }
 
 async fn attempt(
@@ -149,7 +161,7 @@ async fn attempt(
     stop: watch::Receiver<Option<StopReason>>,
     report: &Report,
     finishing: &std::sync::atomic::AtomicBool,
-) -> Result<Outcome, Failed> {
+) -> Result<(Outcome, Option<u64>), Failed> {
     let phase: State = a
         .phase
         .parse()
@@ -184,6 +196,7 @@ async fn attempt(
     spec.budget_tokens = runner.budget_tokens;
     spec.model_server = runner.model_server.clone();
     spec.num_ctx = runner.num_ctx;
+    spec.estimated_tokens = (a.estimated_tokens > 0).then_some(a.estimated_tokens);
     spec.grace = runner.grace;
     let r2 = report.clone();
     let running = match Running::start(spec, move |s| {
@@ -200,19 +213,23 @@ async fn attempt(
     };
     let max = Duration::from_millis(a.max_phase_time_ms.max(1));
     let outcome = running.wait(max, stopped(stop.clone())).await;
+    let peak = crate::agent::reported_peak(ws.dir());
     if outcome.reason != StopReason::Completed {
         // Nothing of a run that did not complete is kept or sent.
         let _ = ws.discard();
-        return Ok(outcome);
+        return Ok((outcome, peak));
     }
     // The lease may have been lost while the agent finished: send nothing then.
     if let Some(r) = *stop.borrow() {
         let _ = ws.discard();
-        return Ok(Outcome {
-            reason: r,
-            detail: "the lease ended as the agent finished: nothing sent".into(),
-            ..outcome
-        });
+        return Ok((
+            Outcome {
+                reason: r,
+                detail: "the lease ended as the agent finished: nothing sent".into(),
+                ..outcome
+            },
+            peak,
+        ));
     }
     let result = report_back(
         runner,
@@ -225,7 +242,7 @@ async fn attempt(
     )
     .await;
     let _ = ws.discard();
-    result.map(|()| outcome)
+    result.map(|()| (outcome, peak))
 }
 
 type Fetched = (pb::WorkspaceManifest, Vec<InputFile>, Option<Vec<TreeFile>>);
