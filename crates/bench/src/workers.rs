@@ -38,7 +38,7 @@ const TIMEOUT_FACTOR: u32 = 5;
 /// The lease-end target: within the session timeout plus this, at p99.
 const TARGET_EXCESS_MS: f64 = 100.0;
 /// Linux's USER_HZ, the unit of /proc/PID/stat's times.
-const CLK_TCK: f64 = 100.0;
+pub(crate) const CLK_TCK: f64 = 100.0;
 
 #[derive(clap::Args)]
 pub struct WorkersArgs {
@@ -77,15 +77,15 @@ pub struct WorkersArgs {
 }
 
 #[derive(Serialize, Clone, Default)]
-struct Percentiles {
-    count: usize,
-    p50_ms: f64,
-    p99_ms: f64,
-    max_ms: f64,
+pub(crate) struct Percentiles {
+    pub count: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
 }
 
 impl Percentiles {
-    fn of(mut v: Vec<Duration>) -> Percentiles {
+    pub(crate) fn of(mut v: Vec<Duration>) -> Percentiles {
         v.sort_unstable();
         let n = v.len();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -144,7 +144,7 @@ struct Report {
 }
 
 /// utime+stime (clock ticks) of a process, from /proc/PID/stat.
-fn cpu_ticks(pid: &str) -> Option<u64> {
+pub(crate) fn cpu_ticks(pid: &str) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command (which may hold spaces) in parentheses.
     let rest = &stat[stat.rfind(')')? + 2..];
