@@ -15,18 +15,20 @@ const BENCH: &str = env!("CARGO_BIN_EXE_automaton-bench");
 
 /// The coordinator binary, built next to the bench by `cargo test --workspace`.
 fn coordinator_bin() -> PathBuf {
+    sibling_bin("automaton-coordinator")
+}
+
+/// A binary of the workspace in target/<profile>/, next to the bench.
+fn sibling_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("the test binary lives in target/<profile>/deps");
-    let bin = dir.join(format!(
-        "automaton-coordinator{}",
-        std::env::consts::EXE_SUFFIX
-    ));
+    let bin = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.is_file(),
-        "the coordinator binary is missing at {}: run `cargo test --workspace` (or `cargo build --workspace`) first",
+        "the {name} binary is missing at {}: run `cargo test --workspace` (or `cargo build --workspace`) first",
         bin.display()
     );
     bin
@@ -312,4 +314,59 @@ fn workers_bench_ends_every_killed_lease() {
         "no lease ends well before the session timeout: {r}"
     );
     assert!(run.stdout.contains("lease end"), "{}", run.stdout);
+}
+
+/// `automaton-bench phases`: real workers with the scripted agent take every task through
+/// every phase, the bench approving each gate, and every ungated hand-off is measured.
+#[test]
+fn phases_bench_drives_every_task_to_complete() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("phases.json");
+    let coordinator = coordinator_bin();
+    let worker = sibling_bin("automaton-worker");
+    let started = std::time::Instant::now();
+    let run = bench(&[
+        "phases",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--worker",
+        worker.to_str().expect("utf8 path"),
+        "--workers",
+        "2",
+        "--tasks",
+        "2",
+        "--uploads",
+        "2",
+        "--timeout",
+        "60s",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("JSON");
+    assert_eq!(r["completed"], 2, "{r}");
+    // Eight phases each, three gates each.
+    assert_eq!(r["phases_assigned"], 16, "{r}");
+    assert_eq!(r["approvals"], 6, "{r}");
+    // implement -> code_review, bug_find -> adversarial_bug_find -> doc_review -> referee.
+    assert_eq!(r["turnaround_all"]["count"], 8, "{r}");
+    assert!(
+        r["turnaround_all"]["p99_ms"].as_f64().expect("p99") > 0.0,
+        "{r}"
+    );
+    assert!(r["tasks_per_min"].as_f64().expect("rate") > 0.0, "{r}");
+    let upload = &r["upload"];
+    assert_eq!(upload["size"], 8 * 1024 * 1024 - 1, "{r}");
+    assert!(upload["p50_mb_per_s"].as_f64().expect("MB/s") > 0.0, "{r}");
+    assert!(
+        run.stdout.contains("artifact_uploaded -> assigned"),
+        "{}",
+        run.stdout
+    );
 }

@@ -24,6 +24,7 @@ mod coord;
 mod echo;
 mod etcd;
 mod inline;
+mod phases;
 mod restart;
 mod rpc;
 mod spawn;
@@ -65,6 +66,9 @@ enum Cmd {
     /// Many worker sessions (one connection each) heartbeating one coordinator: its CPU and
     /// memory, the heartbeat round trip, and how soon a silent session's leases end.
     Workers(workers::WorkersArgs),
+    /// Tasks driven through every phase by `automaton-worker --agent scripted` processes,
+    /// gates approved at once: phase turnaround, artifact upload throughput, tasks/minute.
+    Phases(phases::PhasesArgs),
     /// The coordinator's API with no work behind it (no leases, no disk): what tonic and the
     /// kernel cost here, the ceiling for `leases --coordinator URL`.
     EchoServer {
@@ -571,6 +575,7 @@ async fn main() -> Result<()> {
         Cmd::Leases(args) => leases(args).await,
         Cmd::Restart(args) => restart::run(args).await,
         Cmd::Workers(args) => workers::run(args).await,
+        Cmd::Phases(args) => phases::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
     }
 }

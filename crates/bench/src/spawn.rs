@@ -189,6 +189,24 @@ pub fn coordinator_with(
     }
 }
 
+/// Starts `cmd` (stdin closed, stdout and stderr to `log`); stopped like the others.
+pub fn process(name: &'static str, mut cmd: Command, log: PathBuf) -> Result<Spawned> {
+    let out = File::create(&log).with_context(|| format!("create {}", log.display()))?;
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("start {name}"))?;
+    Ok(Spawned {
+        name,
+        child,
+        url: String::new(),
+        log,
+        stopped: false,
+    })
+}
+
 /// `listening on 127.0.0.1:PORT` (also with a scheme, or trailing punctuation) → the address.
 pub fn listening_addr(line: &str) -> Option<String> {
     let at = line.find("listening on ")?;

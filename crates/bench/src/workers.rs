@@ -14,7 +14,9 @@
 //! latency, set against the session timeout.
 //!
 //! A spawned coordinator (`--spawn-coordinator`, fresh per session count) gets
-//! `--heartbeat-interval` = `--heartbeat` and `--session-timeout` = 5× it.
+//! `--heartbeat-interval` = `--heartbeat`, `--session-timeout` = 5× it and `--no-dispatch`
+//! (sessions only: the dispatcher would otherwise offer the bench's own tasks to its
+//! sessions before it claims them).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -38,7 +40,7 @@ const TIMEOUT_FACTOR: u32 = 5;
 /// The lease-end target: within the session timeout plus this, at p99.
 const TARGET_EXCESS_MS: f64 = 100.0;
 /// Linux's USER_HZ, the unit of /proc/PID/stat's times.
-const CLK_TCK: f64 = 100.0;
+pub(crate) const CLK_TCK: f64 = 100.0;
 
 #[derive(clap::Args)]
 pub struct WorkersArgs {
@@ -77,15 +79,15 @@ pub struct WorkersArgs {
 }
 
 #[derive(Serialize, Clone, Default)]
-struct Percentiles {
-    count: usize,
-    p50_ms: f64,
-    p99_ms: f64,
-    max_ms: f64,
+pub(crate) struct Percentiles {
+    pub count: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
 }
 
 impl Percentiles {
-    fn of(mut v: Vec<Duration>) -> Percentiles {
+    pub(crate) fn of(mut v: Vec<Duration>) -> Percentiles {
         v.sort_unstable();
         let n = v.len();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -144,7 +146,7 @@ struct Report {
 }
 
 /// utime+stime (clock ticks) of a process, from /proc/PID/stat.
-fn cpu_ticks(pid: &str) -> Option<u64> {
+pub(crate) fn cpu_ticks(pid: &str) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command (which may hold spaces) in parentheses.
     let rest = &stat[stat.rfind(')')? + 2..];
@@ -737,6 +739,9 @@ pub async fn run(args: WorkersArgs) -> Result<()> {
                     format!("{hb_ms}ms"),
                     "--session-timeout".to_string(),
                     format!("{}ms", hb_ms * TIMEOUT_FACTOR as u64),
+                    // Sessions only: the bench's sessions take no work, and the tasks it
+                    // claims in them must not be offered to them first.
+                    "--no-dispatch".to_string(),
                 ];
                 let mut s = spawn::coordinator_with(bin, &project, &scratch, &extra)?;
                 eprintln!("spawned coordinator at {} (pid {})", s.url, s.pid());
