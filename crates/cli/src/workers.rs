@@ -82,7 +82,11 @@ fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
     }
     let mut out = String::new();
     let mut line = |t: &pb::TaskSummary, indent: &str| {
-        let mut l = format!("{indent}{}  {}", t.task, if t.state.is_empty() { "?" } else { &t.state });
+        let mut l = format!(
+            "{indent}{}  {}",
+            t.task,
+            if t.state.is_empty() { "?" } else { &t.state }
+        );
         if t.wave > 0 {
             l.push_str(&format!("  wave {}", t.wave));
         }

@@ -195,7 +195,10 @@ pub(crate) fn waiting_reason(
                 s.name,
                 s.gpu
             ),
-            None => format!("waiting: needs {} tokens; every worker that fits is busy", k(n)),
+            None => format!(
+                "waiting: needs {} tokens; every worker that fits is busy",
+                k(n)
+            ),
         },
         (None, Some(_)) => "waiting: every worker is busy".into(),
     }
@@ -315,7 +318,10 @@ impl Coordinator {
             }
             let order = choose(sizing.need, &idle);
             if order.is_empty() {
-                waiting.insert(task.clone(), waiting_reason(sizing.need, &idle, largest.as_ref()));
+                waiting.insert(
+                    task.clone(),
+                    waiting_reason(sizing.need, &idle, largest.as_ref()),
+                );
                 continue;
             }
             if work != state && !self.move_on(&task, state, work).await {
@@ -454,7 +460,16 @@ impl Coordinator {
                 at: Instant::now(),
             },
         );
-        self.record_run(task, &slot.name, state, live.token, "requested", "", &why, -1);
+        self.record_run(
+            task,
+            &slot.name,
+            state,
+            live.token,
+            "requested",
+            "",
+            &why,
+            -1,
+        );
         self.sessions.push(
             &slot.session,
             pb::coordinator_message::Msg::Assign(pb::Assignment {

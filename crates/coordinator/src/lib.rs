@@ -28,11 +28,11 @@ mod state;
 mod table;
 mod task_changes;
 mod views;
-mod waves;
 mod wal;
 #[cfg(test)]
 mod wal_fuzz;
 mod watchers;
+mod waves;
 mod work_service;
 mod worker_service;
 

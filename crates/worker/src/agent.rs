@@ -168,7 +168,9 @@ impl RunSpec {
             ("AUTOMATON_BUDGET_TOKENS", self.budget_tokens.to_string()),
             (
                 "AUTOMATON_ESTIMATED_TOKENS",
-                self.estimated_tokens.map(|n| n.to_string()).unwrap_or_default(),
+                self.estimated_tokens
+                    .map(|n| n.to_string())
+                    .unwrap_or_default(),
             ),
             (
                 "AUTOMATON_USAGE_FILE",

@@ -370,8 +370,18 @@ async fn stream(
                 Some(Ok(pb::CoordinatorMessage { msg: Some(In::Lost(l)) })) => {
                     heard = Instant::now();
                     state.leases.retain(|_, t| *t != l.token);
-                    tracing::warn!(task = %l.task, token = l.token, reason = %l.reason, "lease lost: stop its work");
-                    state.stop_runs(StopReason::LeaseLost, |r| r.token == l.token && r.task == l.task);
+                    // A run that completed its phase ended its own lease: nothing to stop.
+                    let working = state.runs.values().any(|r| {
+                        r.token == l.token
+                            && r.task == l.task
+                            && !r.finishing.load(std::sync::atomic::Ordering::Acquire)
+                    });
+                    if working {
+                        tracing::warn!(task = %l.task, token = l.token, reason = %l.reason, "lease lost: stop its work");
+                        state.stop_runs(StopReason::LeaseLost, |r| r.token == l.token && r.task == l.task);
+                    } else {
+                        tracing::debug!(task = %l.task, token = l.token, reason = %l.reason, "lease ended");
+                    }
                 }
                 Some(Ok(pb::CoordinatorMessage { msg: Some(In::Stop(s)) })) => {
                     heard = Instant::now();
