@@ -74,6 +74,17 @@ struct Inner {
     paused: HashMap<AgentId, Instant>,
     /// Why each task with work waits (as of the last round).
     waiting: HashMap<TaskName, String>,
+    /// Decomposed parents' plans, as last read.
+    plans: HashMap<TaskName, crate::waves::Plan>,
+    /// Sub-tasks reported orphaned.
+    orphans: std::collections::HashSet<TaskName>,
+    /// (estimate, reported peak) of completed sub-task runs.
+    samples: Vec<(u64, u64)>,
+    /// The need a sub-task was first dispatched with: corrections apply only to sub-tasks
+    /// not yet dispatched.
+    fixed: HashMap<TaskName, u64>,
+    /// Each sub-task's wave, for listings.
+    waves: HashMap<TaskName, (usize, u64)>,
 }
 
 pub(crate) struct Work {
@@ -114,6 +125,53 @@ impl Work {
             .entry(task.clone())
             .or_insert_with(SystemTime::now);
         self.poke();
+    }
+
+    pub(crate) fn plan(&self, parent: &TaskName) -> Option<crate::waves::Plan> {
+        self.inner().plans.get(parent).cloned()
+    }
+
+    pub(crate) fn set_plan(&self, parent: &TaskName, plan: crate::waves::Plan) {
+        self.inner().plans.insert(parent.clone(), plan);
+    }
+
+    /// Whether `task` is newly known as orphaned.
+    pub(crate) fn mark_orphan(&self, task: &TaskName) -> bool {
+        self.inner().orphans.insert(task.clone())
+    }
+
+    /// The need of a sub-task estimated at `estimate` tokens: fixed once dispatched, else
+    /// corrected by what runs reported.
+    pub(crate) fn need_of(&self, task: &TaskName, estimate: u64) -> u64 {
+        let inner = self.inner();
+        if let Some(n) = inner.fixed.get(task) {
+            return *n;
+        }
+        match crate::waves::ratio(&inner.samples) {
+            Some(r) => ((estimate as f64) * r).ceil() as u64,
+            None => estimate,
+        }
+    }
+
+    /// Records a completed run's estimate and reported peak; the new ratio when it moved.
+    pub(crate) fn learn(&self, _task: &TaskName, estimate: u64, actual: u64) -> Option<f64> {
+        let mut inner = self.inner();
+        let before = crate::waves::ratio(&inner.samples);
+        inner.samples.push((estimate, actual));
+        let after = crate::waves::ratio(&inner.samples);
+        (before.map(|b| (b * 100.0).round()) != after.map(|a| (a * 100.0).round()))
+            .then_some(after)
+            .flatten()
+    }
+
+    /// The learned ratio (Σ reported / Σ estimated), if any run reported.
+    pub(crate) fn learned_ratio(&self) -> Option<f64> {
+        crate::waves::ratio(&self.inner().samples)
+    }
+
+    /// A sub-task's wave and current estimate, as of the last dispatch round.
+    pub(crate) fn wave_of(&self, task: &TaskName) -> Option<(usize, u64)> {
+        self.inner().waves.get(task).copied()
     }
 
     /// Why `task` waits for a worker (as of the last dispatch round), if it does.
@@ -311,7 +369,13 @@ impl Coordinator {
                 }
             };
             // A sub-task waits for its wave, and needs a worker whose budget holds it.
-            let sizing = self.sizing(&task).await;
+            let sizing = self.sizing(&task, work).await;
+            if let Some(w) = sizing.wave {
+                self.work
+                    .inner()
+                    .waves
+                    .insert(task.clone(), (w, sizing.need.unwrap_or(0)));
+            }
             if let Some(why) = sizing.blocked {
                 waiting.insert(task.clone(), why);
                 continue;
@@ -451,6 +515,11 @@ impl Coordinator {
             ),
         };
         let live = granted.live;
+        if let Some(n) = need
+            && task.parent().is_some()
+        {
+            self.work.inner().fixed.entry(task.clone()).or_insert(n);
+        }
         self.work.inner().offers.insert(
             live.lease_id.clone(),
             Offer {
@@ -460,16 +529,17 @@ impl Coordinator {
                 at: Instant::now(),
             },
         );
-        self.record_run(
-            task,
-            &slot.name,
-            state,
-            live.token,
-            "requested",
-            "",
-            &why,
-            -1,
-        );
+        self.record_run(task, &slot.name, state, live.token, "requested", "", "", -1);
+        if let Some(r) = self
+            .work
+            .inner()
+            .runs
+            .get_mut(task)
+            .and_then(|r| r.iter_mut().rev().find(|r| r.token == live.token))
+        {
+            r.estimated_tokens = need.unwrap_or(0);
+            r.why = why.clone();
+        }
         self.sessions.push(
             &slot.session,
             pb::coordinator_message::Msg::Assign(pb::Assignment {
@@ -597,6 +667,9 @@ impl Coordinator {
                     exit_code,
                     started_at: now,
                     ended_at: String::new(),
+                    estimated_tokens: 0,
+                    peak_context_tokens: 0,
+                    why: String::new(),
                 });
                 while runs.len() > RUNS_KEPT {
                     runs.pop_front();
@@ -644,6 +717,23 @@ impl Coordinator {
                 state.to_string(),
             ),
             "stopped" => {
+                if u.peak_context_tokens > 0 {
+                    let estimate = {
+                        let mut inner = self.work.inner();
+                        let run = inner
+                            .runs
+                            .get_mut(&task)
+                            .and_then(|r| r.iter_mut().rev().find(|r| r.token == u.token));
+                        run.map(|r| {
+                            r.peak_context_tokens = u.peak_context_tokens;
+                            r.estimated_tokens
+                        })
+                        .unwrap_or(0)
+                    };
+                    if reason == "completed" && task.parent().is_some() {
+                        self.learned(&task, estimate, u.peak_context_tokens);
+                    }
+                }
                 self.emit(
                     "run_stopped",
                     &task.to_string(),

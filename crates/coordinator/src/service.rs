@@ -232,8 +232,8 @@ impl pb::tasks_server::Tasks for Service {
                 subtasks: vec![],
                 waiting: self.coord.work.waiting(&task).unwrap_or_default(),
                 held: self.coord.work.held(&task).unwrap_or_default(),
-                wave: 0,
-                estimated_tokens: 0,
+                wave: self.coord.work.wave_of(&task).map_or(0, |w| w.0 as u32),
+                estimated_tokens: self.coord.work.wave_of(&task).map_or(0, |w| w.1),
             }),
             lease,
             implementers: view.implementers.iter().map(|a| a.to_string()).collect(),
@@ -255,6 +255,10 @@ impl pb::tasks_server::Tasks for Service {
             if let Ok(t) = s.task.parse::<TaskName>() {
                 s.waiting = self.coord.work.waiting(&t).unwrap_or_default();
                 s.held = self.coord.work.held(&t).unwrap_or_default();
+                if let Some((w, e)) = self.coord.work.wave_of(&t) {
+                    s.wave = w as u32;
+                    s.estimated_tokens = e;
+                }
             }
         };
         let mut tasks: Vec<pb::TaskSummary> = entries.iter().map(summary).collect();

@@ -413,6 +413,46 @@ impl Sessions {
             .collect()
     }
 
+    /// The VRAM figures a sub-task needing `need` tokens is written against: the
+    /// best-fitting live worker's (the smallest budget that holds it), else the largest's.
+    pub(crate) fn vram_config_for(&self, need: u64) -> automaton_workflow::VramConfig {
+        let inner = self.inner();
+        let mut live: Vec<&Session> = inner
+            .by_id
+            .values()
+            .filter(|s| s.reg.capacity > 0 && !s.awaiting)
+            .collect();
+        live.sort_by_key(|s| budget_of(&s.reg));
+        let pick = live
+            .iter()
+            .find(|s| budget_of(&s.reg) >= need)
+            .or(live.last());
+        let Some(s) = pick else {
+            return automaton_workflow::VramConfig {
+                auto_detect: true,
+                target_kb: 0,
+                headroom: 0.25,
+                max_peak_context_kb: 0,
+                gpu_vram_gb: None,
+                ram_gb: 0.0,
+                model_context_kb: None,
+                framework_overhead_tokens: 0,
+            };
+        };
+        let b = s.reg.budget.clone().unwrap_or_default();
+        let vram: u64 = s.reg.gpus.iter().map(|g| g.total_bytes).sum();
+        automaton_workflow::VramConfig {
+            auto_detect: !b.source.contains("config.md"),
+            target_kb: b.recommended_kb / 1000,
+            headroom: b.headroom,
+            max_peak_context_kb: b.max_peak_context_kb / 1000,
+            gpu_vram_gb: (vram > 0).then(|| vram as f64 / GIB),
+            ram_gb: s.reg.ram_bytes as f64 / GIB,
+            model_context_kb: (b.model_context_kb > 0).then_some(b.model_context_kb / 1000),
+            framework_overhead_tokens: b.framework_overhead_tokens,
+        }
+    }
+
     /// The largest budget among the live workers that take work (busy or not): its tokens,
     /// the worker and its GPU memory.
     pub(crate) fn largest_budget(&self) -> Option<(u64, AgentId, String)> {

@@ -1,10 +1,33 @@
 //! Decomposed tasks: the sub-tasks a parent's `DECOMPOSITION.md` names, the waves they run
-//! in, and how large each is.
+//! in, how large each is, and how the parent ends.
+//!
+//! - When a parent reaches `decomposition:approved`, each sub-task of its decomposition is
+//!   created (`parent/sub`, with `PARENT_SPEC.md` and `VRAM_CONFIG.md`, "Fits within VRAM"
+//!   judged against the fleet registered at that moment). Running it again changes nothing;
+//!   an edited decomposition creates the new sub-tasks and reports the orphans.
+//! - A sub-task is ready when everything it depends on is terminal; it needs a worker whose
+//!   budget holds its estimated peak context (its separated phases — by default code review,
+//!   which its implementer may not take — need half, so a sub-task only one worker can hold
+//!   can still be reviewed).
+//! - Sizing learns: the peak context agents report against their sub-task's estimate gives a
+//!   ratio (bounded to 0.5–2) that corrects the estimates of the sub-tasks not yet dispatched.
+//! - The parent completes when every sub-task passed; any FAIL or NEEDS_REVIEW makes it
+//!   `human_intervention` with seed 002's counts.
 
-use automaton_workflow::TaskName;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use automaton_workflow::{Decomposition, ParentOutcome, Phase, State, TaskName};
 
 use crate::Error;
+use crate::lease_ops::Presented;
 use crate::state::Coordinator;
+
+/// What a separated phase (its implementer may not take it) needs of the sub-task's estimate.
+const SEPARATED_SHARE: f64 = 0.5;
+/// Bounds of the learned correction.
+const RATIO_MIN: f64 = 0.5;
+const RATIO_MAX: f64 = 2.0;
 
 /// What stands between a task and a worker besides its state.
 #[derive(Debug, Default, Clone)]
@@ -13,16 +36,299 @@ pub(crate) struct Sizing {
     pub need: Option<u64>,
     /// Why it may not start yet (its wave's predecessors), if so.
     pub blocked: Option<String>,
+    /// Its wave (1, 2, …), for a sub-task.
+    pub wave: Option<usize>,
+}
+
+/// A parent's decomposition as last read, with the file's identity (size, mtime).
+#[derive(Clone)]
+pub(crate) struct Plan {
+    stamp: (u64, Option<SystemTime>),
+    pub decomposition: Arc<Decomposition>,
+}
+
+fn sub_of(parent: &TaskName, leaf: &str) -> Result<TaskName, Error> {
+    format!("{parent}/{leaf}")
+        .parse()
+        .map_err(|e: automaton_workflow::NameError| Error::Invalid(format!("sub-task name: {e}")))
 }
 
 impl Coordinator {
-    /// A task's size and readiness.
-    pub(crate) async fn sizing(&self, _task: &TaskName) -> Sizing {
-        Sizing::default()
+    /// `parent`'s decomposition, parsed (again only when the file changed).
+    pub(crate) async fn plan_of(&self, parent: &TaskName) -> Result<Plan, Error> {
+        let path = self
+            .project
+            .task_dir(parent)
+            .join(automaton_workflow::Artifact::Decomposition.file_name());
+        let meta = std::fs::metadata(&path).ok();
+        let stamp = (
+            meta.as_ref().map_or(0, |m| m.len()),
+            meta.as_ref().and_then(|m| m.modified().ok()),
+        );
+        if let Some(p) = self.work.plan(parent)
+            && p.stamp == stamp
+        {
+            return Ok(p);
+        }
+        let text = tokio::task::spawn_blocking(move || std::fs::read_to_string(path))
+            .await
+            .map_err(|e| Error::Internal(format!("reading a decomposition failed: {e}")))?
+            .map_err(|e| {
+                Error::Refused(format!(
+                    "{parent}: cannot read DECOMPOSITION.md ({e}): write it, then approve again"
+                ))
+            })?;
+        let d = automaton_workflow::parse_decomposition(&text)
+            .map_err(|e| Error::Refused(format!("{parent}: DECOMPOSITION.md: {e}")))?;
+        let plan = Plan {
+            stamp,
+            decomposition: Arc::new(d),
+        };
+        self.work.set_plan(parent, plan.clone());
+        Ok(plan)
     }
 
-    /// A parent at `decomposition:approved`: makes its sub-tasks; ends it once they all have.
-    pub(crate) async fn advance_parent(&self, _task: &TaskName) -> Result<(), Error> {
+    /// A task's size and readiness for the work `state`.
+    pub(crate) async fn sizing(&self, task: &TaskName, state: State) -> Sizing {
+        let Some(parent) = task.parent() else {
+            return Sizing::default();
+        };
+        let plan = match self.plan_of(&parent).await {
+            Ok(p) => p,
+            Err(e) => {
+                return Sizing {
+                    blocked: Some(format!("waiting: the parent's decomposition: {e}")),
+                    ..Sizing::default()
+                };
+            }
+        };
+        let d = &plan.decomposition;
+        let leaf = task.leaf().to_string();
+        let Some(spec) = d.get(&leaf) else {
+            return Sizing {
+                blocked: Some(
+                    "orphaned: no longer in the parent's DECOMPOSITION.md (not dispatched)".into(),
+                ),
+                ..Sizing::default()
+            };
+        };
+        let wave = d.wave_of(&leaf);
+        let mut open = Vec::new();
+        for dep in &spec.depends_on {
+            let Ok(sub) = sub_of(&parent, dep) else {
+                continue;
+            };
+            let terminal = self
+                .states()
+                .get(&sub)
+                .is_some_and(|s| s.phase.is_terminal());
+            let terminal = terminal
+                || (!self.states().contains_key(&sub)
+                    && self
+                        .project
+                        .read_state(&sub)
+                        .ok()
+                        .flatten()
+                        .is_some_and(|s| s.phase.is_terminal()));
+            if !terminal {
+                open.push(dep.clone());
+            }
+        }
+        if !open.is_empty() {
+            return Sizing {
+                blocked: Some(format!(
+                    "waiting: wave {} starts when {} {} terminal",
+                    wave.unwrap_or(0),
+                    open.join(", "),
+                    if open.len() == 1 { "is" } else { "are" }
+                )),
+                wave,
+                ..Sizing::default()
+            };
+        }
+        let base = self.work.need_of(task, spec.peak_context_tokens);
+        let need = if self.policy.separated.contains(&state.phase) {
+            ((base as f64) * SEPARATED_SHARE).ceil() as u64
+        } else {
+            base
+        };
+        Sizing {
+            need: Some(need),
+            blocked: None,
+            wave,
+        }
+    }
+
+    /// A parent at `decomposition:approved`: makes its sub-tasks (idempotent), reports
+    /// orphans, and ends it once its sub-tasks have.
+    pub(crate) async fn advance_parent(self: &Arc<Self>, parent: &TaskName) -> Result<(), Error> {
+        let plan = self.plan_of(parent).await?;
+        let d = plan.decomposition.clone();
+        let largest = self.sessions.largest_budget();
+        let mut planned = Vec::new();
+        for spec in &d.subtasks {
+            let sub = sub_of(parent, &spec.name)?;
+            planned.push(sub.clone());
+            if self.project.task_dir(&sub).is_dir() {
+                continue;
+            }
+            self.create_task(&sub).await?;
+            let wave = d.wave_of(&spec.name).unwrap_or(1);
+            let fits = largest
+                .as_ref()
+                .is_some_and(|(b, _, _)| *b >= spec.peak_context_tokens);
+            let config = self.sessions.vram_config_for(spec.peak_context_tokens);
+            let vram = automaton_workflow::vram_config_md(
+                &config,
+                spec.peak_context_tokens,
+                fits,
+                largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
+            );
+            let parent_spec = automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
+            let s2 = sub.clone();
+            self.read(move |p| {
+                p.write_subtask_file(&s2, "PARENT_SPEC.md", parent_spec.as_bytes())?;
+                p.write_subtask_file(&s2, "VRAM_CONFIG.md", vram.as_bytes())
+            })
+            .await?;
+            self.emit(
+                "subtask_created",
+                &sub.to_string(),
+                "",
+                0,
+                format!(
+                    "wave {wave}, estimated peak context {}k tokens{}",
+                    spec.peak_context_tokens / 1000,
+                    if fits { "" } else { ", fits no registered worker" }
+                ),
+            );
+            if !fits {
+                self.emit(
+                    "subtask_too_large",
+                    &sub.to_string(),
+                    "",
+                    0,
+                    format!(
+                        "needs {}k tokens; the largest worker holds {}: split it (seed 002's VRAM-aware splitting) or add a larger worker",
+                        spec.peak_context_tokens / 1000,
+                        largest
+                            .as_ref()
+                            .map_or("nothing (no worker)".to_string(), |(b, w, g)| format!(
+                                "{}k ({w}, {g})",
+                                b / 1000
+                            ))
+                    ),
+                );
+            }
+        }
+        // Folders the decomposition no longer names: reported once, left out of the end.
+        let on_disk = self
+            .read({
+                let parent = parent.clone();
+                move |p| {
+                    Ok(p.list(SystemTime::now())?
+                        .into_iter()
+                        .find(|e| e.task == parent)
+                        .map(|e| e.subtasks.into_iter().map(|s| s.task).collect::<Vec<_>>())
+                        .unwrap_or_default())
+                }
+            })
+            .await?;
+        for orphan in on_disk.iter().filter(|s| !planned.contains(s)) {
+            if self.work.mark_orphan(orphan) {
+                self.emit(
+                    "subtask_orphaned",
+                    &orphan.to_string(),
+                    "",
+                    0,
+                    "no longer in the parent's DECOMPOSITION.md: left out of the parent's completion"
+                        .into(),
+                );
+            }
+        }
+        // The parent ends when its sub-tasks have.
+        let mut verdicts = Vec::new();
+        for sub in &planned {
+            let state = self.state_of(sub).await;
+            let verdict = if state.is_some_and(|s| s.phase.is_terminal()) {
+                let path = self
+                    .project
+                    .task_dir(sub)
+                    .join(automaton_workflow::Artifact::Verdict.file_name());
+                std::fs::read_to_string(path)
+                    .ok()
+                    .and_then(|t| automaton_workflow::parse_verdict(&t))
+            } else {
+                None
+            };
+            verdicts.push((sub.leaf().to_string(), verdict));
+        }
+        let agg = automaton_workflow::aggregate(&verdicts);
+        let own = std::fs::read_to_string(
+            self.project
+                .task_dir(parent)
+                .join(automaton_workflow::Artifact::Verdict.file_name()),
+        )
+        .ok()
+        .and_then(|t| automaton_workflow::parse_verdict(&t));
+        let (target, why) = match automaton_workflow::parent_outcome(&agg, own) {
+            ParentOutcome::Waiting => return Ok(()),
+            ParentOutcome::Complete => (Phase::Complete, format!("every sub-task passed ({})", agg.summary())),
+            ParentOutcome::HumanIntervention { reason } => (Phase::HumanIntervention, reason),
+        };
+        self.transition(parent, State::open(target), &Presented::default())
+            .await?;
+        self.emit("parent_ended", &parent.to_string(), "", 0, why);
         Ok(())
+    }
+
+    /// A task's state, read once if not yet known.
+    async fn state_of(&self, task: &TaskName) -> Option<State> {
+        if let Some(s) = self.states().get(task) {
+            return Some(*s);
+        }
+        let _guard = self.guard(task).await;
+        self.touch(task).await.ok()
+    }
+
+    /// A completed run reported the peak context it used: learn from it.
+    pub(crate) fn learned(&self, task: &TaskName, estimate: u64, actual: u64) {
+        if estimate == 0 || actual == 0 {
+            return;
+        }
+        if let Some(ratio) = self.work.learn(task, estimate, actual) {
+            self.emit(
+                "sizing_learned",
+                &task.to_string(),
+                "",
+                0,
+                format!(
+                    "used {}k of an estimated {}k tokens; estimates of sub-tasks not yet dispatched are now scaled by {ratio:.2} (bounded {RATIO_MIN}–{RATIO_MAX})",
+                    actual / 1000,
+                    estimate / 1000
+                ),
+            );
+        }
+    }
+}
+
+/// The learned correction from (estimate, actual) pairs: Σ actual / Σ estimate, bounded.
+pub(crate) fn ratio(samples: &[(u64, u64)]) -> Option<f64> {
+    let (e, a) = samples
+        .iter()
+        .fold((0u128, 0u128), |(e, a), (x, y)| (e + *x as u128, a + *y as u128));
+    (e > 0).then(|| (a as f64 / e as f64).clamp(RATIO_MIN, RATIO_MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_learned_ratio_is_actual_over_estimate_and_bounded() {
+        assert_eq!(ratio(&[]), None);
+        assert_eq!(ratio(&[(10_000, 8_000), (10_000, 10_000)]), Some(0.9));
+        assert_eq!(ratio(&[(10_000, 1)]), Some(RATIO_MIN));
+        assert_eq!(ratio(&[(10, 1_000_000)]), Some(RATIO_MAX));
     }
 }

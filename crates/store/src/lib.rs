@@ -49,7 +49,7 @@ pub use records::{Approval, Lease, MAX_TOKEN, format_time, parse_time};
 pub use view::{
     ApprovalView, FolderReport, ListEntry, Listing, ProjectFolders, TaskError, TaskView,
 };
-pub use work::InputFile;
+pub use work::{InputFile, SUBTASK_FILES};
 
 /// Broad classes of failure; the CLI maps them to exit codes, the coordinator to gRPC codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use crate::fsx::io_err;
 use crate::project::Project;
 
 /// Files a sub-task carries besides its artifacts (seed 002).
-const SUBTASK_FILES: [&str; 2] = ["PARENT_SPEC.md", "VRAM_CONFIG.md"];
+pub const SUBTASK_FILES: [&str; 2] = ["PARENT_SPEC.md", "VRAM_CONFIG.md"];
 /// The most bytes of framework files (prompt, rules, contracts) served for one phase.
 const MAX_FRAMEWORK_BYTES: u64 = 16 << 20;
 
@@ -97,6 +97,29 @@ impl Project {
             }
         }
         Ok(out)
+    }
+
+    /// Writes one of a sub-task's own files ([`SUBTASK_FILES`]: `PARENT_SPEC.md`,
+    /// `VRAM_CONFIG.md`) atomically; `false` when it already held exactly these bytes.
+    pub fn write_subtask_file(
+        &self,
+        task: &TaskName,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<bool, Error> {
+        let dir = self.task_dir(task);
+        if task.parent().is_none() || !SUBTASK_FILES.contains(&name) || !dir.is_dir() {
+            return Err(Error::TaskNotFound {
+                task: task.clone(),
+                tasks: self.tasks_display(),
+            });
+        }
+        let target = dir.join(name);
+        if fs::read(&target).is_ok_and(|old| old == bytes) {
+            return Ok(false);
+        }
+        self.write(&target, bytes)?;
+        Ok(true)
     }
 
     /// Writes `artifact` of `task` atomically (temp file, fsync, rename, directory fsync).

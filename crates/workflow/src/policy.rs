@@ -15,6 +15,10 @@ pub struct Policy {
     pub lock_timeout: Duration,
     /// Phases the implementer may neither claim nor approve (default: `code_review`).
     pub separated: Vec<Phase>,
+    /// Seed 002's `Autopilot: Enabled` (default): drive every task to `complete` or
+    /// `human_intervention`, and never create fix, review or tie-break tasks on its own.
+    /// Disabled (manual mode): those follow-up tasks are created from verdicts.
+    pub autopilot: bool,
 }
 
 impl Default for Policy {
@@ -23,6 +27,7 @@ impl Default for Policy {
             multi_agent: false,
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             separated: vec![Phase::CodeReview],
+            autopilot: true,
         }
     }
 }
@@ -38,6 +43,10 @@ pub enum PolicyError {
         "key 'Separated phases' names '{0}', which is not a phase: list phase names separated by commas, e.g. 'Separated phases: code_review' (or 'none')"
     )]
     SeparatedPhase(String),
+    #[error(
+        "key 'Autopilot' has the invalid value '{0}': write 'Autopilot: Enabled' or 'Autopilot: Disabled'"
+    )]
+    Autopilot(String),
 }
 
 /// The keys of one `.agent.md`, each `None` when the file does not set it.
@@ -46,6 +55,7 @@ pub struct PolicyFile {
     pub mode: Option<String>,
     pub lock_timeout: Option<Duration>,
     pub separated: Option<Vec<Phase>>,
+    pub autopilot: Option<bool>,
 }
 
 impl PolicyFile {
@@ -75,6 +85,13 @@ impl PolicyFile {
                         .collect::<Result<Vec<_>, _>>()?;
                     out.separated = Some(phases);
                 }
+                "autopilot" => {
+                    out.autopilot = Some(match value.to_ascii_lowercase().as_str() {
+                        "enabled" | "on" | "yes" | "true" => true,
+                        "disabled" | "off" | "no" | "false" => false,
+                        _ => return Err(PolicyError::Autopilot(value)),
+                    });
+                }
                 _ => {}
             }
         }
@@ -100,6 +117,7 @@ impl Policy {
                 .clone()
                 .or_else(|| user.separated.clone())
                 .unwrap_or(d.separated),
+            autopilot: project.autopilot.or(user.autopilot).unwrap_or(d.autopilot),
         }
     }
 }
@@ -182,6 +200,20 @@ mod tests {
             Some(vec![])
         );
         assert!(PolicyFile::parse("Separated phases: reviewing").is_err());
+    }
+
+    #[test]
+    fn agent_md_autopilot_is_enabled_unless_disabled() {
+        let p = |t: &str| {
+            Policy::layered(
+                &PolicyFile::parse(t).expect("valid"),
+                &PolicyFile::default(),
+            )
+        };
+        assert!(p("").autopilot);
+        assert!(!p("- **Autopilot**: Disabled").autopilot);
+        assert!(p("Autopilot: Enabled").autopilot);
+        assert!(PolicyFile::parse("Autopilot: sometimes").is_err());
     }
 
     #[test]
