@@ -7,6 +7,7 @@
 //! clock or the network; `automaton-store` reads the files and hands the facts in.
 
 mod artifact;
+mod decomposition;
 #[cfg(test)]
 mod fuzz;
 #[cfg(test)]
@@ -18,9 +19,14 @@ mod phase;
 mod policy;
 pub mod progress;
 mod rules;
+mod subtasks;
 mod verdict;
 
 pub use artifact::{Artifact, forbidden_in, out_of_order};
+pub use decomposition::{
+    Decomposition, DecompositionError, MAX_ESTIMATE_TOKENS, MAX_SUBTASKS, SubtaskSpec,
+    check_decomposition, parse_decomposition,
+};
 pub use guidance::{Guidance, guidance};
 pub use lease::TtlBounds;
 pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName, excerpt};
@@ -31,6 +37,10 @@ pub use policy::{
 pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
     check_consistency, check_transition, gates_passed, infer_state, required_by,
+};
+pub use subtasks::{
+    Aggregate, FOLLOW_UP_COPY, FollowUp, FollowUpKind, ParentOutcome, VramConfig, aggregate,
+    follow_up_tasks, parent_outcome, parent_spec_md, vram_config_md,
 };
 pub use verdict::{Verdict, parse_verdict};
 
