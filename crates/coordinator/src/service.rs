@@ -269,6 +269,7 @@ impl pb::tasks_server::Tasks for Service {
             }
         }
         Ok(Response::new(pb::ListTasksResponse {
+            sizing_ratio: self.coord.work.learned_ratio().unwrap_or(0.0),
             tasks,
             list_json: json(&entries)?,
         }))
