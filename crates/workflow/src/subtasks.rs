@@ -865,4 +865,34 @@ mod tests {
             "an item with nothing usable"
         );
     }
+
+    #[test]
+    fn fuzz_follow_ups_never_panic_and_names_stay_valid() {
+        use crate::fuzz::{assert_no_panics, iterations, run};
+        let seeds = [
+            FAIL_VERDICT,
+            "NEEDS_REVIEW\n## Remaining Issues\n1. a: b\n## Tie-Breaks\n- **x** y\n",
+        ];
+        let words = [
+            "## Findings\n",
+            "- ",
+            "**",
+            "FAIL\n",
+            "1) ",
+            "## Tasks for Review / Tie-Breaks\n",
+        ];
+        let long = task(&"x".repeat(64));
+        let parent = task("p");
+        assert_no_panics(run("follow-ups", iterations(2_000), &seeds, &words, |b| {
+            let text = String::from_utf8_lossy(b);
+            let mut n = 0;
+            for (t, p) in [(&long, None), (&task("t"), None), (&long, Some(&parent))] {
+                for f in follow_up_tasks(t, &text, p) {
+                    assert!(f.name.leaf().len() <= 64 && !f.name.is_subtask());
+                    n += 1;
+                }
+            }
+            n > 0
+        }));
+    }
 }
