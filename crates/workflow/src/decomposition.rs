@@ -767,6 +767,32 @@ mod tests {
     }
 
     #[test]
+    fn the_documented_example_parses_as_documented() {
+        let doc = include_str!("../../../docs/decomposition.md");
+        let start = doc
+            .find("```markdown\n# DECOMPOSITION")
+            .expect("the example")
+            + 12;
+        let example = &doc[start..start + doc[start..].find("```").expect("its end")];
+        let d = parse_decomposition(example).expect("the documented example parses");
+        assert_eq!(
+            d.waves(),
+            vec![
+                vec!["auth-core", "user-store"],
+                vec!["auth-gateway"],
+                vec!["docs"]
+            ]
+        );
+        let gateway = d.get("auth-gateway").expect("listed");
+        assert_eq!(gateway.line, 11, "PARENT_SPEC.md's example says line 11");
+        assert_eq!(gateway.depends_on, ["auth-core", "user-store"]);
+        assert_eq!(
+            d.get("user-store").expect("listed").peak_context_tokens,
+            8_000
+        );
+    }
+
+    #[test]
     fn diamond_dependencies_make_three_waves() {
         let text = format!(
             "{HEAD}| top | - | 1 | s |\n| left | top | 1 | s |\n| right | top | 1 | s |\n| bottom | left, right | 1 | s |\n| side | - | 1 | s |\n"
@@ -983,11 +1009,19 @@ mod tests {
             assert_eq!(got, want, "seed {seed}\n{text}");
             let waves = d.waves();
             assert_eq!(waves.iter().map(Vec::len).sum::<usize>(), want.len());
+            let wave_of: HashMap<&str, usize> = waves
+                .iter()
+                .enumerate()
+                .flat_map(|(i, w)| w.iter().map(move |n| (n.as_str(), i + 1)))
+                .collect();
+            for s in d.subtasks.iter().step_by(7) {
+                assert_eq!(d.wave_of(&s.name), wave_of.get(s.name.as_str()).copied());
+            }
             for s in &d.subtasks {
-                let w = d.wave_of(&s.name).expect("placed");
+                let w = wave_of[s.name.as_str()];
                 for dep in &s.depends_on {
                     assert!(
-                        d.wave_of(dep).expect("placed") < w,
+                        wave_of[dep.as_str()] < w,
                         "seed {seed}: {dep} before {}",
                         s.name
                     );
@@ -996,7 +1030,7 @@ mod tests {
                 let need = s
                     .depends_on
                     .iter()
-                    .filter_map(|d2| d.wave_of(d2))
+                    .map(|d2| wave_of[d2.as_str()])
                     .max()
                     .unwrap_or(0)
                     + 1;
@@ -1033,11 +1067,13 @@ mod tests {
                 let Ok(d) = parse_decomposition(&text) else {
                     return false;
                 };
+                let placed: usize = d.waves().iter().map(Vec::len).sum();
+                assert_eq!(
+                    placed,
+                    d.subtasks.len(),
+                    "a parsed decomposition has no cycle"
+                );
                 for s in &d.subtasks {
-                    assert!(
-                        d.wave_of(&s.name).is_some(),
-                        "a parsed decomposition has no cycle"
-                    );
                     assert!(s.name.parse::<crate::TaskName>().is_ok());
                 }
                 true

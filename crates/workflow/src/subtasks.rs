@@ -56,7 +56,7 @@ fn yes_no(b: bool) -> &'static str {
     if b { "Yes" } else { "No" }
 }
 
-/// A sub-task's `VRAM_CONFIG.md`: seed 002's block (lines 388-399) field for field, with the
+/// A sub-task's `VRAM_CONFIG.md`: seed 002's block (lines 389-400) field for field, with the
 /// units of its "Important" paragraph (line 403): target and this sub-task's estimate in k
 /// (`16k tokens`), the max peak context as the raw token count (`12000 tokens`). After the
 /// seed's fields, one line of ours: the largest budget among the fleet's workers
@@ -102,9 +102,9 @@ pub fn vram_config_md(
     )
 }
 
-/// A sub-task's `PARENT_SPEC.md` (seed 002 lines 361-366 and 405-412): the sub-task's own
+/// A sub-task's `PARENT_SPEC.md` (seed 002 lines 361-365 and 405-413): the sub-task's own
 /// scope / acceptance from the decomposition and the parent's name. It takes no parent SPEC:
-/// the seed forbids copying it (circular references, line 366). The VRAM figures are in
+/// the seed forbids copying it (circular references, lines 365 and 411). The VRAM figures are in
 /// `VRAM_CONFIG.md` beside it, which this file points to.
 pub fn parent_spec_md(
     parent: &TaskName,
@@ -162,7 +162,7 @@ pub struct Aggregate {
 }
 
 impl Aggregate {
-    /// `PASS: 2, FAIL: 1, NEEDS_REVIEW: 0, no verdict: 1`: the seed's summary (line 453).
+    /// `PASS: 2, FAIL: 1, NEEDS_REVIEW: 0, no verdict: 1`: the seed's summary (lines 453-456).
     pub fn summary(&self) -> String {
         format!(
             "PASS: {}, FAIL: {}, NEEDS_REVIEW: {}, no verdict: {}",
@@ -219,15 +219,15 @@ impl fmt::Display for ParentOutcome {
 /// Seed 002's rules, in this order:
 /// - any FAIL or NEEDS_REVIEW sub-task → human intervention, whatever the parent's own
 ///   verdict says (line 452), even while other sub-tasks have no verdict yet (a failing
-///   sub-task pauses the orchestrator, line 427); when the parent's VERDICT.md says PASS the
+///   sub-task pauses the orchestrator, line 428); when the parent's VERDICT.md says PASS the
 ///   reason is the seed's sentence (line 457);
 /// - the parent's own VERDICT.md says FAIL or NEEDS_REVIEW → human intervention;
-/// - any sub-task without a verdict → waiting (lines 423, 440);
-/// - every sub-task PASS → complete (line 443);
+/// - any sub-task without a verdict → waiting (lines 423, 437);
+/// - every sub-task PASS → complete (line 439);
 /// - no sub-tasks at all → human intervention (a decomposition always has one; something is
 ///   wrong).
 ///
-/// Each reason ends with the counts (line 453).
+/// Each reason ends with the counts (lines 453-456).
 pub fn parent_outcome(agg: &Aggregate, parent_verdict: Option<Verdict>) -> ParentOutcome {
     let counts = format!("Sub-task verdicts: {}.", agg.summary());
     if let Some((first, v)) = agg.failing.first() {
@@ -293,7 +293,7 @@ impl FollowUpKind {
 
 /// Copied from the original task into every follow-up (seed 000 lines 43, 49, 55; seed 002
 /// lines 216, 222, 228, 434, 465); for a sub-task only those that exist (seed 002 lines 434,
-/// 436, 465) — the caller skips the absent ones.
+/// 435, 465) — the caller skips the absent ones.
 pub const FOLLOW_UP_COPY: [&str; 3] = ["SPEC.md", "BUG_REPORT.md", "ADVERSARIAL_BUG_REPORT.md"];
 
 /// A task the orchestrator creates in manual mode from a verdict.
@@ -864,5 +864,35 @@ mod tests {
             "t-fix-item-3",
             "an item with nothing usable"
         );
+    }
+
+    #[test]
+    fn fuzz_follow_ups_never_panic_and_names_stay_valid() {
+        use crate::fuzz::{assert_no_panics, iterations, run};
+        let seeds = [
+            FAIL_VERDICT,
+            "NEEDS_REVIEW\n## Remaining Issues\n1. a: b\n## Tie-Breaks\n- **x** y\n",
+        ];
+        let words = [
+            "## Findings\n",
+            "- ",
+            "**",
+            "FAIL\n",
+            "1) ",
+            "## Tasks for Review / Tie-Breaks\n",
+        ];
+        let long = task(&"x".repeat(64));
+        let parent = task("p");
+        assert_no_panics(run("follow-ups", iterations(2_000), &seeds, &words, |b| {
+            let text = String::from_utf8_lossy(b);
+            let mut n = 0;
+            for (t, p) in [(&long, None), (&task("t"), None), (&long, Some(&parent))] {
+                for f in follow_up_tasks(t, &text, p) {
+                    assert!(f.name.leaf().len() <= 64 && !f.name.is_subtask());
+                    n += 1;
+                }
+            }
+            n > 0
+        }));
     }
 }
