@@ -703,3 +703,85 @@ async fn automaton_stop_kills_the_run_with_operator_stopped_and_holds_the_task()
     assert!(d.held.contains("stopped by an operator"), "{}", d.held);
     assert!(d.lease.is_none(), "held: not dispatched again");
 }
+
+/// Drives `task` until it is terminal, approving every gate as an operator.
+async fn to_the_end(api: &mut Api, task: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let state = api.state(task).await;
+        if state.ends_with(":awaiting_approval") {
+            let _ = api.approve(task, "ops").await;
+        } else if state == "complete" || state == "human_intervention" {
+            return state;
+        }
+        if Instant::now() >= deadline {
+            let d = api.get(task).await.expect("GetTask");
+            panic!(
+                "{task} stuck in {state}; held: {:?}; runs: {:#?}",
+                d.held, d.runs
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_mode_creates_the_fix_task_from_a_fail_verdict_and_autopilot_does_not() {
+    for manual in [true, false] {
+        let env = Env::new();
+        git_init(&env);
+        if manual {
+            std::fs::create_dir_all(env.root().join(".automaton")).expect("meta");
+            std::fs::write(
+                env.root().join(".automaton/.agent.md"),
+                "- **Autopilot**: Disabled\n",
+            )
+            .expect("agent.md");
+        }
+        let coord = Coord::start(&env, &FLEET);
+        let mut api = coord.api().await;
+        let mut events = Events::watch(&api).await;
+        api.claimable_task("login").await;
+        // A person's spec asks the scripted referee to fail.
+        env.artifact("login", "SPEC.md", "# Login\n\nSCRIPTED: FAIL\n");
+        let _a = worker(&coord, "gpu-a", &[]);
+        let _b = worker(&coord, "gpu-b", &[]);
+        assert_eq!(to_the_end(&mut api, "login").await, "human_intervention");
+        let fix = "login-fix-scripted-failure-requested-by-the-task";
+        if manual {
+            let created = events
+                .find("the fix task", Duration::from_secs(10), |e| {
+                    e.kind == "follow_up_created" && e.task == fix
+                })
+                .await;
+            assert!(
+                created
+                    .detail
+                    .contains("fix task for login, starting at bug_find"),
+                "{created:?}"
+            );
+            // Seeded as seeds 000/002 say: the original's artifacts copied, an empty
+            // IMPLEMENTATION.md, starting at bug_find; then dispatched and completed.
+            assert_eq!(
+                env.task_file(fix, "SPEC.md"),
+                env.task_file("login", "SPEC.md")
+            );
+            assert!(
+                env.task_file(fix, "BUG_REPORT.md")
+                    .is_some_and(|b| !b.is_empty())
+            );
+            assert_eq!(env.task_file(fix, "IMPLEMENTATION.md"), Some(vec![]));
+            assert_eq!(to_the_end(&mut api, fix).await, "complete");
+        } else {
+            events
+                .find(
+                    "autopilot's human intervention",
+                    Duration::from_secs(10),
+                    |e| e.kind == "human_intervention" && e.task == "login",
+                )
+                .await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!env.task_dir(fix).exists(), "autopilot creates no fix task");
+        }
+    }
+}

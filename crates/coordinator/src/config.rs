@@ -92,6 +92,11 @@ pub struct Config {
     pub dispatch: bool,
     /// The largest artifact a worker may upload.
     pub max_artifact_bytes: u64,
+    /// Seed 002's MAX_ITERATIONS: completed runs of one task before it is held.
+    pub max_iterations: u32,
+    /// Seed 002's MAX_TOTAL_TIME: from a task's first run until it is held.
+    #[serde(with = "duration")]
+    pub max_total_time: Duration,
     pub tls: Option<Tls>,
     pub tokens: Vec<Token>,
 }
@@ -116,6 +121,8 @@ impl Default for Config {
             max_attempts: 3,
             dispatch: true,
             max_artifact_bytes: 8 << 20,
+            max_iterations: 10,
+            max_total_time: Duration::from_secs(24 * 3600),
             tls: None,
             tokens: Vec::new(),
         }
@@ -270,6 +277,7 @@ impl Config {
             ("AUTOMATON_SESSION_TIMEOUT", &mut self.session_timeout),
             ("AUTOMATON_HEARTBEAT_INTERVAL", &mut self.heartbeat_interval),
             ("AUTOMATON_MAX_PHASE_TIME", &mut self.max_phase_time),
+            ("AUTOMATON_MAX_TOTAL_TIME", &mut self.max_total_time),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = parse_duration(&v).ok_or_else(|| bad(key, &v, "a duration like 30s"))?;
@@ -283,6 +291,11 @@ impl Config {
             if let Some(v) = env_var(key) {
                 *slot = v.parse().map_err(|_| bad(key, &v, "a number"))?;
             }
+        }
+        if let Some(v) = env_var("AUTOMATON_MAX_ITERATIONS") {
+            self.max_iterations = v
+                .parse()
+                .map_err(|_| bad("AUTOMATON_MAX_ITERATIONS", &v, "a number"))?;
         }
         if let Some(v) = env_var("AUTOMATON_MAX_ATTEMPTS") {
             self.max_attempts = v
@@ -384,6 +397,14 @@ impl Config {
             ),
             (self.max_attempts == 0, "max_attempts must be at least 1"),
             (
+                self.max_iterations == 0,
+                "max_iterations must be at least 1",
+            ),
+            (
+                self.max_total_time < Duration::from_secs(1),
+                "max_total_time must be at least 1s",
+            ),
+            (
                 self.max_artifact_bytes == 0 || self.max_artifact_bytes > 1 << 30,
                 "max_artifact_bytes must be between 1 and 1 GiB",
             ),
@@ -423,6 +444,8 @@ impl Config {
             max_phase_time: self.max_phase_time,
             max_attempts: self.max_attempts,
             max_artifact_bytes: self.max_artifact_bytes,
+            max_iterations: self.max_iterations,
+            max_total_time: self.max_total_time,
             failpoints,
         }
     }

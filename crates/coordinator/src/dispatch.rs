@@ -37,6 +37,18 @@ const REFUSAL_PAUSE: Duration = Duration::from_secs(1);
 /// Runs kept per task.
 const RUNS_KEPT: usize = 10;
 
+/// `s` cut to at most `max` bytes (on a character boundary), marked when cut.
+fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
 /// An idle worker: a live, attached, undrained session with room for more leases.
 #[derive(Debug, Clone)]
 pub(crate) struct Slot {
@@ -85,6 +97,11 @@ struct Inner {
     fixed: HashMap<TaskName, u64>,
     /// Each sub-task's wave, for listings.
     waves: HashMap<TaskName, (usize, u64)>,
+    /// Completed runs per task (seed 002's iterations) and when its first run was offered.
+    iterations: HashMap<TaskName, u32>,
+    first_offered: HashMap<TaskName, Instant>,
+    /// Terminal tasks already looked at (follow-ups made in manual mode).
+    settled: std::collections::HashSet<TaskName>,
 }
 
 pub(crate) struct Work {
@@ -93,20 +110,21 @@ pub(crate) struct Work {
     pub(crate) max_phase_time: Duration,
     pub(crate) max_attempts: u32,
     pub(crate) max_artifact_bytes: u64,
+    /// Seed 002's loop limits: completed runs per task, and time from its first run.
+    pub(crate) max_iterations: u32,
+    pub(crate) max_total_time: Duration,
 }
 
 impl Work {
-    pub(crate) fn new(
-        max_phase_time: Duration,
-        max_attempts: u32,
-        max_artifact_bytes: u64,
-    ) -> Work {
+    pub(crate) fn new(o: &crate::Options) -> Work {
         Work {
             inner: Mutex::default(),
             wake: Notify::new(),
-            max_phase_time,
-            max_attempts: max_attempts.max(1),
-            max_artifact_bytes,
+            max_phase_time: o.max_phase_time,
+            max_attempts: o.max_attempts.max(1),
+            max_artifact_bytes: o.max_artifact_bytes,
+            max_iterations: o.max_iterations.max(1),
+            max_total_time: o.max_total_time,
         }
     }
 
@@ -351,6 +369,15 @@ impl Coordinator {
                     continue;
                 }
             };
+            if state.phase.is_terminal() {
+                self.settle(&task, state).await;
+                continue;
+            }
+            // Seed 002's loop limits.
+            if let Some(why) = self.over_limits(&task) {
+                self.hold(&task, why);
+                continue;
+            }
             // A decomposed parent: its sub-tasks are made, and it ends when they have.
             if state == State::approved(automaton_workflow::Phase::Decomposition) {
                 if let Err(e) = self.advance_parent(&task).await {
@@ -463,6 +490,12 @@ impl Coordinator {
                 );
                 true
             }
+            // The lifecycle refuses the move (an artifact out of order, say): nothing a retry
+            // can cure, so the task is held with the reason, for a person to see.
+            Err(Error::Store(e)) if e.kind() == automaton_store::ErrorKind::Refused => {
+                self.hold(task, format!("cannot move {state} → {target}: {e}"));
+                false
+            }
             Err(e) => {
                 tracing::debug!(task = %task, error = %e, "could not move the task on");
                 false
@@ -520,6 +553,11 @@ impl Coordinator {
         {
             self.work.inner().fixed.entry(task.clone()).or_insert(n);
         }
+        self.work
+            .inner()
+            .first_offered
+            .entry(task.clone())
+            .or_insert_with(Instant::now);
         self.work.inner().offers.insert(
             live.lease_id.clone(),
             Offer {
@@ -696,7 +734,7 @@ impl Coordinator {
         if !known {
             return;
         }
-        let detail = automaton_workflow::excerpt(&u.detail);
+        let detail = clip(&u.detail, 400);
         let reason = automaton_workflow::excerpt(&u.stop_reason);
         self.record_run(
             &task,
@@ -748,7 +786,14 @@ impl Coordinator {
                         }
                     ),
                 );
-                if reason != "completed" {
+                if reason == "completed" {
+                    *self
+                        .work
+                        .inner()
+                        .iterations
+                        .entry(task.clone())
+                        .or_insert(0) += 1;
+                } else {
                     self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
                         .await;
                 }
@@ -793,6 +838,90 @@ impl Coordinator {
             let _ = self.release(lease_id, Some(token), Some(worker)).await;
         }
         self.work.poke();
+    }
+
+    /// Why `task` may run no more under seed 002's loop limits, if so.
+    fn over_limits(&self, task: &TaskName) -> Option<String> {
+        let inner = self.work.inner();
+        let n = inner.iterations.get(task).copied().unwrap_or(0);
+        if n >= self.work.max_iterations {
+            return Some(format!(
+                "MAX_ITERATIONS reached: {n} completed runs (max_iterations {}): a person decides how to go on, then `automaton stop {task} --resume`",
+                self.work.max_iterations
+            ));
+        }
+        let first = inner.first_offered.get(task)?;
+        (first.elapsed() >= self.work.max_total_time).then(|| {
+            format!(
+                "MAX_TOTAL_TIME reached: running for {} (max_total_time {}): a person decides how to go on",
+                humantime::format_duration(Duration::from_secs(first.elapsed().as_secs())),
+                humantime::format_duration(self.work.max_total_time)
+            )
+        })
+    }
+
+    /// A task that ended, looked at once: in manual mode (`Autopilot: Disabled`), a task in
+    /// `human_intervention` gets the follow-up tasks its verdict names (seeds 000/002: fix,
+    /// review, tie-break), seeded with the original's artifacts at their starting phase. In
+    /// autopilot none are made: a person decides (an event says so).
+    async fn settle(self: &Arc<Self>, task: &TaskName, state: State) {
+        if !self.work.inner().settled.insert(task.clone()) {
+            return;
+        }
+        if state.phase != automaton_workflow::Phase::HumanIntervention {
+            return;
+        }
+        let dir = self.project.task_dir(task);
+        let verdict = std::fs::read_to_string(dir.join("VERDICT.md")).unwrap_or_default();
+        if self.policy.autopilot {
+            self.emit(
+                "human_intervention",
+                &task.to_string(),
+                "",
+                0,
+                "autopilot creates no fix, review or tie-break tasks: a person decides how to go on"
+                    .into(),
+            );
+            return;
+        }
+        let parent = task.parent();
+        for f in automaton_workflow::follow_up_tasks(task, &verdict, parent.as_ref()) {
+            if self.project.task_dir(&f.name).exists() {
+                continue;
+            }
+            let mut files: Vec<(&str, Vec<u8>)> = f
+                .copy
+                .iter()
+                .filter_map(|n| std::fs::read(dir.join(n)).ok().map(|c| (*n, c)))
+                .collect();
+            if f.empty_implementation {
+                files.push(("IMPLEMENTATION.md", Vec::new()));
+            }
+            let (name, start) = (f.name.clone(), State::open(f.start_phase));
+            match self
+                .read(move |p| p.create_follow_up(&name, start, &files).map(|_| ()))
+                .await
+            {
+                Ok(()) => {
+                    self.work.task_created(&f.name);
+                    self.emit(
+                        "follow_up_created",
+                        &f.name.to_string(),
+                        "",
+                        0,
+                        format!(
+                            "{} task for {task}, starting at {}: {}",
+                            f.kind.word(),
+                            f.start_phase,
+                            automaton_workflow::excerpt(&f.item)
+                        ),
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(task = %f.name, error = %e, "cannot create a follow-up task")
+                }
+            }
+        }
     }
 
     /// Holds `task` from dispatch with `why` (an event says so).

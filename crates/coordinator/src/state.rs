@@ -43,6 +43,10 @@ pub struct Options {
     pub max_attempts: u32,
     /// The largest artifact a worker may upload.
     pub max_artifact_bytes: u64,
+    /// Seed 002's MAX_ITERATIONS: completed runs of one task before it is held.
+    pub max_iterations: u32,
+    /// Seed 002's MAX_TOTAL_TIME: from a task's first run until it is held.
+    pub max_total_time: Duration,
     /// Test hooks that fail the log's disk on purpose (`AUTOMATON_FAILPOINTS`).
     pub failpoints: crate::wal::Failpoints,
 }
@@ -59,6 +63,8 @@ impl Default for Options {
             max_phase_time: Duration::from_secs(3600),
             max_attempts: 3,
             max_artifact_bytes: 8 << 20,
+            max_iterations: 10,
+            max_total_time: Duration::from_secs(24 * 3600),
             failpoints: crate::wal::Failpoints::default(),
         }
     }
@@ -158,11 +164,7 @@ impl Coordinator {
         let (events, _) = broadcast::channel(4096);
         let sessions =
             crate::sessions::Sessions::new(options.session_timeout, options.heartbeat_interval);
-        let work = crate::dispatch::Work::new(
-            options.max_phase_time,
-            options.max_attempts,
-            options.max_artifact_bytes,
-        );
+        let work = crate::dispatch::Work::new(&options);
         let coord = Arc::new_cyclic(|me| Coordinator {
             me: me.clone(),
             project,

@@ -184,7 +184,8 @@ impl Coordinator {
                 fits,
                 largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
             );
-            let parent_spec = automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
+            let parent_spec =
+                automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
             let s2 = sub.clone();
             self.read(move |p| {
                 p.write_subtask_file(&s2, "PARENT_SPEC.md", parent_spec.as_bytes())?;
@@ -199,7 +200,11 @@ impl Coordinator {
                 format!(
                     "wave {wave}, estimated peak context {}k tokens{}",
                     spec.peak_context_tokens / 1000,
-                    if fits { "" } else { ", fits no registered worker" }
+                    if fits {
+                        ""
+                    } else {
+                        ", fits no registered worker"
+                    }
                 ),
             );
             if !fits {
@@ -273,7 +278,10 @@ impl Coordinator {
         .and_then(|t| automaton_workflow::parse_verdict(&t));
         let (target, why) = match automaton_workflow::parent_outcome(&agg, own) {
             ParentOutcome::Waiting => return Ok(()),
-            ParentOutcome::Complete => (Phase::Complete, format!("every sub-task passed ({})", agg.summary())),
+            ParentOutcome::Complete => (
+                Phase::Complete,
+                format!("every sub-task passed ({})", agg.summary()),
+            ),
             ParentOutcome::HumanIntervention { reason } => (Phase::HumanIntervention, reason),
         };
         self.transition(parent, State::open(target), &Presented::default())
@@ -314,9 +322,9 @@ impl Coordinator {
 
 /// The learned correction from (estimate, actual) pairs: Σ actual / Σ estimate, bounded.
 pub(crate) fn ratio(samples: &[(u64, u64)]) -> Option<f64> {
-    let (e, a) = samples
-        .iter()
-        .fold((0u128, 0u128), |(e, a), (x, y)| (e + *x as u128, a + *y as u128));
+    let (e, a) = samples.iter().fold((0u128, 0u128), |(e, a), (x, y)| {
+        (e + *x as u128, a + *y as u128)
+    });
     (e > 0).then(|| (a as f64 / e as f64).clamp(RATIO_MIN, RATIO_MAX))
 }
 

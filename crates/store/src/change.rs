@@ -47,6 +47,55 @@ impl Project {
     /// `status --create-task`: the folder appears whole (with `.state` = `new` and an empty
     /// `.state.approvals`) or not at all.
     pub fn create_task(&self, task: &TaskName) -> Result<PathBuf, Error> {
+        self.create_task_with(task, "new", &[])
+    }
+
+    /// A follow-up task of seeds 000/002 (fix, review, tie-break): created at `start` (e.g.
+    /// `bug_find`) with copies of the original's artifacts (`files`: artifact file names and
+    /// their content; an empty `IMPLEMENTATION.md` where the seeds say so). A copy that the
+    /// starting phase forbids (004 §10: `ADVERSARIAL_BUG_REPORT.md` before its phase) is
+    /// kept as `PREVIOUS_{NAME}` — context for the agent, not an out-of-order artifact that
+    /// would block the task. The folder appears whole or not at all; an existing task is
+    /// `AlreadyExists`.
+    pub fn create_follow_up(
+        &self,
+        task: &TaskName,
+        start: State,
+        files: &[(&str, Vec<u8>)],
+    ) -> Result<PathBuf, Error> {
+        for (name, _) in files {
+            if !automaton_workflow::Artifact::ALL
+                .iter()
+                .any(|a| a.file_name() == *name)
+            {
+                return Err(Error::NotAnArtifact {
+                    name: name.to_string(),
+                });
+            }
+        }
+        let forbidden = automaton_workflow::forbidden_in(start.phase);
+        let renamed: Vec<(String, &[u8])> = files
+            .iter()
+            .map(|(n, c)| {
+                let blocked = forbidden.iter().any(|a| a.file_name() == *n);
+                let name = if blocked {
+                    format!("{}{n}", crate::work::PREVIOUS)
+                } else {
+                    n.to_string()
+                };
+                (name, c.as_slice())
+            })
+            .collect();
+        let files: Vec<(&str, &[u8])> = renamed.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+        self.create_task_with(task, &start.to_string(), &files)
+    }
+
+    fn create_task_with(
+        &self,
+        task: &TaskName,
+        state: &str,
+        files: &[(&str, &[u8])],
+    ) -> Result<PathBuf, Error> {
         let _lock = match task.parent() {
             Some(p) => self.lock(&p).map_err(|e| match e {
                 Error::TaskNotFound { task, tasks } => Error::ParentNotFound {
@@ -86,7 +135,9 @@ impl Project {
             .join(fsx::temp_name(&format!("create-{}", task.leaf())));
         let built = (|| {
             fs::create_dir_all(&staging).map_err(io_err("create", &staging))?;
-            for (name, content) in [(STATE, &b"new\n"[..]), (APPROVALS, &b""[..])] {
+            let state_line = format!("{state}\n");
+            let own = [(STATE, state_line.as_bytes()), (APPROVALS, &b""[..])];
+            for (name, content) in own.into_iter().chain(files.iter().copied()) {
                 let path = staging.join(name);
                 let f = fs::File::create(&path).map_err(io_err("create", &path))?;
                 std::io::Write::write_all(&mut &f, content).map_err(io_err("write", &path))?;

@@ -235,6 +235,8 @@ pub enum Error {
     CorruptFencing { path: PathBuf },
     #[error("{} is not UTF-8 text. Rewrite it as UTF-8.", path.display())]
     NotUtf8 { path: PathBuf },
+    #[error("'{name}' is not an artifact: a follow-up task copies artifacts only.")]
+    NotAnArtifact { name: String },
     #[error("{} is larger than one assignment may carry ({limit} bytes in all): shorten it.", path.display())]
     InputTooLarge { path: PathBuf, limit: u64 },
     #[error(
@@ -348,7 +350,8 @@ impl Error {
             | BadCommit { .. }
             | BadPath { .. }
             | BadCommitText { .. }
-            | UnservablePath { .. } => ErrorKind::Invalid,
+            | UnservablePath { .. }
+            | NotAnArtifact { .. } => ErrorKind::Invalid,
             UnknownPhase { .. }
             | Policy { .. }
             | CorruptLease { .. }

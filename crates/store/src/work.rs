@@ -12,6 +12,8 @@ use crate::project::Project;
 
 /// Files a sub-task carries besides its artifacts (seed 002).
 pub const SUBTASK_FILES: [&str; 2] = ["PARENT_SPEC.md", "VRAM_CONFIG.md"];
+/// The prefix of an artifact a follow-up task carries from its original as context.
+pub const PREVIOUS: &str = "PREVIOUS_";
 /// The most bytes of framework files (prompt, rules, contracts) served for one phase.
 const MAX_FRAMEWORK_BYTES: u64 = 16 << 20;
 
@@ -50,10 +52,15 @@ impl Project {
         let dir = self.task_dir(task);
         let mut budget = MAX_FRAMEWORK_BYTES;
         let mut out = Vec::new();
+        let previous: Vec<String> = Artifact::ALL
+            .iter()
+            .map(|a| format!("{PREVIOUS}{}", a.file_name()))
+            .collect();
         let names = Artifact::ALL
             .iter()
             .map(|a| a.file_name())
-            .chain(SUBTASK_FILES);
+            .chain(SUBTASK_FILES)
+            .chain(previous.iter().map(String::as_str));
         for name in names {
             if let Some(content) = read_small(&dir.join(name), &mut budget)? {
                 out.push(InputFile {

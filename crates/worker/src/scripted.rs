@@ -219,7 +219,19 @@ fn write_to(
             // Keep the person's spec (with its plan) and say decomposition comes next.
             format!("{}\n\nNext: decomposition\n", spec.trim_end())
         }
-        _ => artifact_text(phase, task, token, inputs_text.contains(FAIL_MARKER))?,
+        // A spec a person wrote is kept: research refines, it does not replace.
+        (Phase::Research, None) if !spec.trim().is_empty() => format!(
+            "{}\n\n_Reviewed by the scripted agent (phase {phase}, fencing token {token})._\n",
+            spec.trim_end()
+        ),
+        // A follow-up fix task of a failed one passes: the marker travels in its copied
+        // SPEC.md, and a fix that failed again would chain fix tasks for ever.
+        _ => artifact_text(
+            phase,
+            task,
+            token,
+            inputs_text.contains(FAIL_MARKER) && !task.contains("-fix-"),
+        )?,
     };
     let err = |path: &Path| {
         let path = path.to_path_buf();
@@ -299,7 +311,13 @@ pub fn artifact_text(phase: Phase, task: &str, token: u64, fail: bool) -> Result
                     "Every phase's artifact is present and no bug is open.".to_string(),
                 )
             };
-            format!("Verdict: {verdict}\n\n## Reasons\n\n{why}\n")
+            // A FAIL names its finding, so manual mode has a fix task to make (seed 000).
+            let findings = if fail {
+                "\n## Findings\n\n- scripted failure requested by the task\n"
+            } else {
+                ""
+            };
+            format!("Verdict: {verdict}\n\n## Reasons\n\n{why}\n{findings}")
         }
         Phase::New | Phase::Complete | Phase::HumanIntervention => {
             return Err(Error::NoArtifact(phase));
