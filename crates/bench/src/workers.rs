@@ -14,9 +14,9 @@
 //! latency, set against the session timeout.
 //!
 //! A spawned coordinator (`--spawn-coordinator`, fresh per session count) gets
-//! `--heartbeat-interval` = `--heartbeat`, `--session-timeout` = 5× it and `--no-dispatch`
-//! (sessions only: the dispatcher would otherwise offer the bench's own tasks to its
-//! sessions before it claims them).
+//! `--heartbeat-interval` = `--heartbeat` and `--session-timeout` = 5× it. Its dispatcher
+//! runs (its rounds look at every session), but the bench's sessions register capacity 0 —
+//! they run no agent — so it offers them nothing and the bench claims in them itself.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -739,9 +739,6 @@ pub async fn run(args: WorkersArgs) -> Result<()> {
                     format!("{hb_ms}ms"),
                     "--session-timeout".to_string(),
                     format!("{}ms", hb_ms * TIMEOUT_FACTOR as u64),
-                    // Sessions only: the bench's sessions take no work, and the tasks it
-                    // claims in them must not be offered to them first.
-                    "--no-dispatch".to_string(),
                 ];
                 let mut s = spawn::coordinator_with(bin, &project, &scratch, &extra)?;
                 eprintln!("spawned coordinator at {} (pid {})", s.url, s.pid());
