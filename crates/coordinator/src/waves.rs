@@ -113,28 +113,25 @@ impl Coordinator {
             };
         };
         let wave = d.wave_of(&leaf);
-        let mut open = Vec::new();
-        for dep in &spec.depends_on {
+        let is_terminal = |dep: &str| {
+            // A dependency that cannot name a sub-task is not waited for.
             let Ok(sub) = sub_of(&parent, dep) else {
-                continue;
+                return true;
             };
             let terminal = self
                 .states()
                 .get(&sub)
                 .is_some_and(|s| s.phase.is_terminal());
-            let terminal = terminal
+            terminal
                 || (!self.states().contains_key(&sub)
                     && self
                         .project
                         .read_state(&sub)
                         .ok()
                         .flatten()
-                        .is_some_and(|s| s.phase.is_terminal()));
-            if !terminal {
-                open.push(dep.clone());
-            }
-        }
-        if !open.is_empty() {
+                        .is_some_and(|s| s.phase.is_terminal()))
+        };
+        if let Err(open) = ready(spec, is_terminal) {
             return Sizing {
                 blocked: Some(format!(
                     "waiting: wave {} starts when {} {} terminal",
@@ -184,7 +181,8 @@ impl Coordinator {
                 fits,
                 largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
             );
-            let parent_spec = automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
+            let parent_spec =
+                automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
             let s2 = sub.clone();
             self.read(move |p| {
                 p.write_subtask_file(&s2, "PARENT_SPEC.md", parent_spec.as_bytes())?;
@@ -199,7 +197,11 @@ impl Coordinator {
                 format!(
                     "wave {wave}, estimated peak context {}k tokens{}",
                     spec.peak_context_tokens / 1000,
-                    if fits { "" } else { ", fits no registered worker" }
+                    if fits {
+                        ""
+                    } else {
+                        ", fits no registered worker"
+                    }
                 ),
             );
             if !fits {
@@ -273,7 +275,10 @@ impl Coordinator {
         .and_then(|t| automaton_workflow::parse_verdict(&t));
         let (target, why) = match automaton_workflow::parent_outcome(&agg, own) {
             ParentOutcome::Waiting => return Ok(()),
-            ParentOutcome::Complete => (Phase::Complete, format!("every sub-task passed ({})", agg.summary())),
+            ParentOutcome::Complete => (
+                Phase::Complete,
+                format!("every sub-task passed ({})", agg.summary()),
+            ),
             ParentOutcome::HumanIntervention { reason } => (Phase::HumanIntervention, reason),
         };
         self.transition(parent, State::open(target), &Presented::default())
@@ -312,11 +317,26 @@ impl Coordinator {
     }
 }
 
+/// A sub-task's readiness: every sub-task it depends on is terminal. `Err`: the ones that
+/// are not, in the order written.
+pub(crate) fn ready(
+    spec: &automaton_workflow::SubtaskSpec,
+    is_terminal: impl Fn(&str) -> bool,
+) -> Result<(), Vec<String>> {
+    let open: Vec<String> = spec
+        .depends_on
+        .iter()
+        .filter(|d| !is_terminal(d))
+        .cloned()
+        .collect();
+    if open.is_empty() { Ok(()) } else { Err(open) }
+}
+
 /// The learned correction from (estimate, actual) pairs: Σ actual / Σ estimate, bounded.
 pub(crate) fn ratio(samples: &[(u64, u64)]) -> Option<f64> {
-    let (e, a) = samples
-        .iter()
-        .fold((0u128, 0u128), |(e, a), (x, y)| (e + *x as u128, a + *y as u128));
+    let (e, a) = samples.iter().fold((0u128, 0u128), |(e, a), (x, y)| {
+        (e + *x as u128, a + *y as u128)
+    });
     (e > 0).then(|| (a as f64 / e as f64).clamp(RATIO_MIN, RATIO_MAX))
 }
 
