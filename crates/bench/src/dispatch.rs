@@ -39,7 +39,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::stats::fmt_ms;
-use crate::workers::{CLK_TCK, cpu_ticks, ensure_nofile, next_message};
+use crate::workers::{CLK_TCK, ensure_nofile, next_message};
 use crate::{coord, spawn};
 
 /// Sub-tasks one decomposition may list (`automaton_workflow::MAX_SUBTASKS`).
@@ -99,6 +99,8 @@ pub struct RunResult {
     per_decision_us: f64,
     /// Coordinator CPU seconds from t0 to the last assignment.
     coordinator_cpu_s: Option<f64>,
+    /// Of which in the kernel (stime).
+    coordinator_cpu_sys_s: Option<f64>,
     /// That CPU over the assignments.
     coordinator_cpu_per_assignment_us: Option<f64>,
     assignments: usize,
@@ -133,6 +135,14 @@ struct Got {
     task: String,
     phase: String,
     estimate: u64,
+}
+
+/// (utime, stime) of a process in clock ticks, from /proc/PID/stat.
+fn cpu_split(pid: &str) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some((fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?))
 }
 
 fn worker_name(i: usize) -> String {
@@ -439,7 +449,7 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
     }
     // The wave: approve every parent's decomposition at once.
     let t0 = Instant::now();
-    let c0 = cpu_ticks(pid);
+    let c0 = cpu_split(pid);
     let mut approvals = Vec::new();
     for j in 0..parents {
         let t = pb::tasks_client::TasksClient::new(control.clone());
@@ -453,7 +463,7 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
             Ok(None) | Err(_) => break,
         }
     }
-    let c1 = cpu_ticks(pid);
+    let c1 = cpu_split(pid);
     for a in approvals {
         a.await.context("an approval panicked")??;
     }
@@ -522,9 +532,15 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
         (Some(l), Some(c)) => l.saturating_duration_since(c).as_secs_f64() * 1e6 / n,
         _ => f64::NAN,
     };
-    let cpu = match (c0, c1) {
-        (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / CLK_TCK),
-        _ => None,
+    let (cpu, cpu_sys) = match (c0, c1) {
+        (Some((u0, s0)), Some((u1, s1))) => {
+            let sys = s1.saturating_sub(s0) as f64 / CLK_TCK;
+            (
+                Some(u1.saturating_sub(u0) as f64 / CLK_TCK + sys),
+                Some(sys),
+            )
+        }
+        _ => (None, None),
     };
     if created_at.len() != args.subtasks {
         wrong.push(format!(
@@ -544,6 +560,7 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
         dispatch_ms,
         per_decision_us,
         coordinator_cpu_s: cpu,
+        coordinator_cpu_sys_s: cpu_sys,
         coordinator_cpu_per_assignment_us: cpu.map(|c| c * 1e6 / n),
         assignments: got.len(),
         fitting,
@@ -558,7 +575,7 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
 
 fn table(results: &[RunResult]) -> String {
     let mut out = format!(
-        "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>9} {:>11} {:>7} {:>7} {:>8}  target\n",
+        "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>13} {:>11} {:>8} {:>7} {:>8}  target\n",
         "workers",
         "subtasks",
         "parents",
@@ -566,7 +583,7 @@ fn table(results: &[RunResult]) -> String {
         "first",
         "last",
         "per decis.",
-        "coord cpu",
+        "cpu (sys) s",
         "cpu/assign",
         "assigned",
         "fit",
@@ -574,7 +591,7 @@ fn table(results: &[RunResult]) -> String {
     );
     for r in results {
         out.push_str(&format!(
-            "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9.0}us {:>8.2}s {:>9}us {:>7} {:>7} {:>8}  {} (< {TARGET_S}s)\n",
+            "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9.0}us {:>13} {:>9}us {:>8} {:>7} {:>8}  {} (< {TARGET_S}s)\n",
             r.workers,
             r.subtasks,
             r.parents,
@@ -582,7 +599,10 @@ fn table(results: &[RunResult]) -> String {
             fmt_ms(r.first_assignment_ms),
             fmt_ms(r.dispatch_ms),
             r.per_decision_us,
-            r.coordinator_cpu_s.unwrap_or(f64::NAN),
+            match (r.coordinator_cpu_s, r.coordinator_cpu_sys_s) {
+                (Some(c), Some(sys)) => format!("{c:.2} ({sys:.2})"),
+                _ => "-".into(),
+            },
             r.coordinator_cpu_per_assignment_us.map_or("-".into(), |c| format!("{c:.0}")),
             r.assignments,
             r.fitting,
