@@ -295,7 +295,9 @@ fn dispatch_never_leaves_a_fitting_subtask_waiting_while_a_fitting_worker_is_idl
 /// (e) A round as `dispatch_round` runs it, the grant refusing each sub-task's separated
 /// phase (code review, half its estimate) to its implementer: the work never goes to the
 /// implementer, goes to another fitting idle worker whenever there is one, and waits
-/// otherwise — with the reason the idle workers other than the implementer give.
+/// otherwise — with the reason the idle workers other than the implementer give. (That
+/// reason is computed here: `dispatch_round` records none for a task whose every fitting
+/// worker the grant refused, so `status` shows no reason for it today.)
 #[test]
 fn dispatch_never_gives_the_review_to_the_implementer() {
     cases("separation", |rng| {
