@@ -370,3 +370,39 @@ fn phases_bench_drives_every_task_to_complete() {
         run.stdout
     );
 }
+
+/// `automaton-bench dispatch`: one wave of sub-tasks from an approved decomposition goes to
+/// simulated workers of mixed budgets, every sub-task once, each to a worker whose budget
+/// holds its estimate — the smallest such budget (best fit).
+#[test]
+fn dispatch_bench_assigns_every_subtask_to_a_worker_that_fits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("dispatch.json");
+    let coordinator = coordinator_bin();
+    let run = bench(&[
+        "dispatch",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--workers",
+        "20",
+        "--subtasks",
+        "20",
+        "--timeout",
+        "30s",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("JSON");
+    let r = &report["results"][0];
+    assert_eq!(r["subtasks"], 20, "{r}");
+    assert_eq!(r["assignments"], 20, "every sub-task assigned: {r}");
+    assert_eq!(r["fitting"], 20, "every assignment fits: {r}");
+    assert_eq!(r["best_fit"], 20, "every assignment is the best fit: {r}");
+    assert_eq!(r["wrong"], 0, "{r}");
+    assert_eq!(r["session_errors"], 0, "{r}");
+    assert!(r["dispatch_ms"].as_f64().expect("dispatch_ms") > 0.0, "{r}");
+    assert!(r["create_ms"].as_f64().expect("create_ms") > 0.0, "{r}");
+    assert!(run.stdout.contains("best fit"), "{}", run.stdout);
+}

@@ -21,6 +21,7 @@
 
 mod backend;
 mod coord;
+mod dispatch;
 mod echo;
 mod etcd;
 mod inline;
@@ -69,6 +70,9 @@ enum Cmd {
     /// Tasks driven through every phase by `automaton-worker --agent scripted` processes,
     /// gates approved at once: phase turnaround, artifact upload throughput, tasks/minute.
     Phases(phases::PhasesArgs),
+    /// One wave of sub-tasks dispatched to many simulated workers of mixed budgets: the time
+    /// from the decomposition's approval to the last assignment, every assignment checked.
+    Dispatch(dispatch::DispatchArgs),
     /// The coordinator's API with no work behind it (no leases, no disk): what tonic and the
     /// kernel cost here, the ceiling for `leases --coordinator URL`.
     EchoServer {
@@ -576,6 +580,7 @@ async fn main() -> Result<()> {
         Cmd::Restart(args) => restart::run(args).await,
         Cmd::Workers(args) => workers::run(args).await,
         Cmd::Phases(args) => phases::run(args).await,
+        Cmd::Dispatch(args) => dispatch::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
     }
 }

@@ -175,7 +175,7 @@ fn nofile() -> Option<(u64, u64)> {
 
 /// Raises this process's soft open-file limit to the hard one (with `prlimit`) when `need`
 /// is above it. A spawned coordinator inherits the limit.
-fn ensure_nofile(need: u64) -> Result<()> {
+pub(crate) fn ensure_nofile(need: u64) -> Result<()> {
     let Some((soft, hard)) = nofile() else {
         return Ok(());
     };
@@ -227,7 +227,7 @@ fn worker_name(i: usize) -> String {
     format!("bench-w{i}")
 }
 
-async fn next_message(
+pub(crate) async fn next_message(
     inbound: &mut tonic::Streaming<pb::CoordinatorMessage>,
 ) -> Result<Option<Out>> {
     loop {

@@ -11,6 +11,8 @@ pub mod auth;
 mod commit;
 pub mod config;
 mod dispatch;
+#[cfg(test)]
+mod dispatch_props;
 mod events;
 mod fencing;
 #[cfg(test)]

@@ -113,28 +113,25 @@ impl Coordinator {
             };
         };
         let wave = d.wave_of(&leaf);
-        let mut open = Vec::new();
-        for dep in &spec.depends_on {
+        let is_terminal = |dep: &str| {
+            // A dependency that cannot name a sub-task is not waited for.
             let Ok(sub) = sub_of(&parent, dep) else {
-                continue;
+                return true;
             };
             let terminal = self
                 .states()
                 .get(&sub)
                 .is_some_and(|s| s.phase.is_terminal());
-            let terminal = terminal
+            terminal
                 || (!self.states().contains_key(&sub)
                     && self
                         .project
                         .read_state(&sub)
                         .ok()
                         .flatten()
-                        .is_some_and(|s| s.phase.is_terminal()));
-            if !terminal {
-                open.push(dep.clone());
-            }
-        }
-        if !open.is_empty() {
+                        .is_some_and(|s| s.phase.is_terminal()))
+        };
+        if let Err(open) = ready(spec, is_terminal) {
             return Sizing {
                 blocked: Some(format!(
                     "waiting: wave {} starts when {} {} terminal",
@@ -318,6 +315,21 @@ impl Coordinator {
             );
         }
     }
+}
+
+/// A sub-task's readiness: every sub-task it depends on is terminal. `Err`: the ones that
+/// are not, in the order written.
+pub(crate) fn ready(
+    spec: &automaton_workflow::SubtaskSpec,
+    is_terminal: impl Fn(&str) -> bool,
+) -> Result<(), Vec<String>> {
+    let open: Vec<String> = spec
+        .depends_on
+        .iter()
+        .filter(|d| !is_terminal(d))
+        .cloned()
+        .collect();
+    if open.is_empty() { Ok(()) } else { Err(open) }
 }
 
 /// The learned correction from (estimate, actual) pairs: Σ actual / Σ estimate, bounded.
