@@ -28,6 +28,18 @@ use crate::Error;
 use crate::lease_ops::Presented;
 use crate::state::Coordinator;
 
+/// Decisions of one round carried out at once.
+const ROUND_CONCURRENCY: usize = 64;
+
+/// A decision of a round, carried out after the round has decided them all.
+struct Planned {
+    task: TaskName,
+    from: State,
+    work: State,
+    slot: Slot,
+    need: Option<u64>,
+}
+
 /// A round runs at least this often (the offer timeouts, a worker back from a refusal).
 const ROUND_EVERY: Duration = Duration::from_millis(250);
 /// An offer the worker has not answered in this long is taken back.
@@ -358,6 +370,7 @@ impl Coordinator {
         let mut idle = self.idle_slots();
         let largest = self.sessions.largest_budget();
         let mut waiting: HashMap<TaskName, String> = HashMap::new();
+        let mut plans: Vec<Planned> = Vec::new();
         for (_, task) in tasks {
             if self.live_of(&task).is_some() {
                 continue;
@@ -407,35 +420,89 @@ impl Coordinator {
                 waiting.insert(task.clone(), why);
                 continue;
             }
-            let order = choose(sizing.need, &idle);
-            if order.is_empty() {
-                waiting.insert(
-                    task.clone(),
-                    waiting_reason(sizing.need, &idle, largest.as_ref()),
-                );
-                continue;
-            }
-            if work != state && !self.move_on(&task, state, work).await {
-                continue;
-            }
-            for i in order {
-                let slot = idle[i].clone();
-                match self.offer(&task, work, &slot, sizing.need).await {
-                    Ok(true) => {
-                        idle[i].free -= 1;
-                        break;
+            // The implementer never gets a separated phase (the grant refuses it too; leaving
+            // it out here lets the round give the phase to someone else at once).
+            let excluded = if self.policy.separated.contains(&work.phase) {
+                self.implementers_now(&task).await
+            } else {
+                Vec::new()
+            };
+            let order: Vec<usize> = choose(sizing.need, &idle)
+                .into_iter()
+                .filter(|&i| !excluded.contains(&idle[i].name))
+                .collect();
+            let Some(&first) = order.first() else {
+                let reason = if excluded.is_empty() {
+                    waiting_reason(sizing.need, &idle, largest.as_ref())
+                } else {
+                    let fits: Vec<usize> = choose(sizing.need, &idle);
+                    if fits.is_empty() {
+                        waiting_reason(sizing.need, &idle, largest.as_ref())
+                    } else {
+                        format!(
+                            "waiting: the only idle worker that fits implemented it ({}): reviewer ≠ implementer",
+                            excluded
+                                .iter()
+                                .map(AgentId::as_str)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
                     }
-                    Ok(false) => continue,
-                    Err(e) => {
-                        tracing::warn!(task = %task, worker = %slot.name, error = %e, "cannot offer work");
-                        break;
-                    }
-                }
-            }
+                };
+                waiting.insert(task.clone(), reason);
+                continue;
+            };
+            idle[first].free -= 1;
+            plans.push(Planned {
+                task: task.clone(),
+                from: state,
+                work,
+                slot: idle[first].clone(),
+                need: sizing.need,
+            });
             idle.retain(|s| s.free > 0);
         }
+        // Carried out concurrently: each is a move and a grant with their own disk writes,
+        // and the log's group commit syncs concurrent grants together.
+        let mut running = tokio::task::JoinSet::new();
+        let permits = Arc::new(tokio::sync::Semaphore::new(ROUND_CONCURRENCY));
+        for p in plans {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
+            let me = self.clone();
+            running.spawn(async move {
+                me.carry_out(p).await;
+                drop(permit);
+            });
+        }
+        while running.join_next().await.is_some() {}
         self.work.inner().waiting = waiting;
         Ok(())
+    }
+
+    /// Every worker that implemented `task` (its file and what the log knows).
+    async fn implementers_now(&self, task: &TaskName) -> Vec<AgentId> {
+        let t = task.clone();
+        let mut v = self
+            .read(move |p| p.implementers_of(&t))
+            .await
+            .unwrap_or_default();
+        self.implementers(task, &mut v);
+        v
+    }
+
+    /// One decision of a round: move the task on if needed, grant and send the assignment.
+    async fn carry_out(self: &Arc<Self>, p: Planned) {
+        if p.work != p.from && !self.move_on(&p.task, p.from, p.work).await {
+            return;
+        }
+        match self.offer(&p.task, p.work, &p.slot, p.need).await {
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(task = %p.task, worker = %p.slot.name, error = %e, "cannot offer work")
+            }
+        }
     }
 
     /// The task's state as the coordinator knows it (read once from `.state`).

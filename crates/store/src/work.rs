@@ -106,6 +106,14 @@ impl Project {
         Ok(out)
     }
 
+    /// Every agent `.state.implementer` names for `task` (empty when none).
+    pub fn implementers_of(
+        &self,
+        task: &TaskName,
+    ) -> Result<Vec<automaton_workflow::AgentId>, Error> {
+        self.implementers(&self.task_dir(task))
+    }
+
     /// Writes one of a sub-task's own files ([`SUBTASK_FILES`]: `PARENT_SPEC.md`,
     /// `VRAM_CONFIG.md`) atomically; `false` when it already held exactly these bytes.
     pub fn write_subtask_file(
