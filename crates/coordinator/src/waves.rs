@@ -163,13 +163,14 @@ impl Coordinator {
         let d = plan.decomposition.clone();
         let largest = self.sessions.largest_budget();
         let mut planned = Vec::new();
+        let mut missing = Vec::new();
+        let mut notes = Vec::new();
         for spec in &d.subtasks {
             let sub = sub_of(parent, &spec.name)?;
             planned.push(sub.clone());
             if self.project.task_dir(&sub).is_dir() {
                 continue;
             }
-            self.create_task(&sub).await?;
             let wave = d.wave_of(&spec.name).unwrap_or(1);
             let fits = largest
                 .as_ref()
@@ -183,12 +184,31 @@ impl Coordinator {
             );
             let parent_spec =
                 automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
-            let s2 = sub.clone();
-            self.read(move |p| {
-                p.write_subtask_file(&s2, "PARENT_SPEC.md", parent_spec.as_bytes())?;
-                p.write_subtask_file(&s2, "VRAM_CONFIG.md", vram.as_bytes())
-            })
-            .await?;
+            missing.push((
+                sub.clone(),
+                vec![
+                    ("PARENT_SPEC.md", parent_spec.into_bytes()),
+                    ("VRAM_CONFIG.md", vram.into_bytes()),
+                ],
+            ));
+            notes.push((sub, wave, spec.peak_context_tokens, fits));
+        }
+        // All of them in one go: their folders' syncs run in parallel.
+        let created = if missing.is_empty() {
+            Vec::new()
+        } else {
+            let p = parent.clone();
+            self.read(move |project| project.create_subtasks(&p, &missing))
+                .await?
+        };
+        for (sub, wave, estimate, fits) in notes {
+            if !created.contains(&sub) {
+                continue;
+            }
+            self.states()
+                .insert(sub.clone(), State::open(automaton_workflow::Phase::New));
+            self.emit("task_created", &sub.to_string(), "", 0, "new".into());
+            self.work.task_created(&sub);
             self.emit(
                 "subtask_created",
                 &sub.to_string(),
@@ -196,7 +216,7 @@ impl Coordinator {
                 0,
                 format!(
                     "wave {wave}, estimated peak context {}k tokens{}",
-                    spec.peak_context_tokens / 1000,
+                    estimate / 1000,
                     if fits {
                         ""
                     } else {
@@ -212,7 +232,7 @@ impl Coordinator {
                     0,
                     format!(
                         "needs {}k tokens; the largest worker holds {}: split it (seed 002's VRAM-aware splitting) or add a larger worker",
-                        spec.peak_context_tokens / 1000,
+                        estimate / 1000,
                         largest
                             .as_ref()
                             .map_or("nothing (no worker)".to_string(), |(b, w, g)| format!(

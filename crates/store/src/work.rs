@@ -114,6 +114,124 @@ impl Project {
         self.implementers(&self.task_dir(task))
     }
 
+    /// Creates the sub-tasks of `parent` that do not exist yet, each with `.state` = `new`,
+    /// an empty `.state.approvals` and its own files ([`SUBTASK_FILES`]), under one hold of
+    /// the parent's lock. Each folder appears whole or not at all, as with `create_task`; the
+    /// files of all of them are synced in parallel before any is renamed into place, so a
+    /// decomposition of 200 sub-tasks costs one round of syncs, not 200. Returns the ones
+    /// created (an existing sub-task is left alone).
+    pub fn create_subtasks(
+        &self,
+        parent: &TaskName,
+        subs: &[(TaskName, Vec<(&str, Vec<u8>)>)],
+    ) -> Result<Vec<TaskName>, Error> {
+        use crate::fsx::{sync_dir, temp_name};
+        let _lock = self.lock(parent)?;
+        let mut staged: Vec<(TaskName, std::path::PathBuf, Vec<std::path::PathBuf>)> = Vec::new();
+        let cleanup = |staged: &[(TaskName, std::path::PathBuf, Vec<std::path::PathBuf>)]| {
+            for (_, dir, _) in staged {
+                let _ = fs::remove_dir_all(dir);
+            }
+        };
+        for (sub, files) in subs {
+            if sub.parent().as_ref() != Some(parent) {
+                cleanup(&staged);
+                return Err(Error::ParentNotFound {
+                    parent: parent.clone(),
+                    tasks: self.tasks_display(),
+                });
+            }
+            if self.task_dir(sub).exists() {
+                continue;
+            }
+            let staging = self
+                .tmp_dir()
+                .join(temp_name(&format!("create-{}", sub.leaf())));
+            let mut paths = Vec::new();
+            let write = (|| {
+                fs::create_dir_all(&staging).map_err(io_err("create", &staging))?;
+                let own = [
+                    (crate::project::STATE, &b"new\n"[..]),
+                    (crate::project::APPROVALS, &b""[..]),
+                ];
+                for (name, content) in own
+                    .into_iter()
+                    .chain(files.iter().map(|(n, c)| (*n, c.as_slice())))
+                {
+                    if !name.starts_with('.') && !SUBTASK_FILES.contains(&name) {
+                        return Err(Error::NotAnArtifact {
+                            name: name.to_string(),
+                        });
+                    }
+                    let path = staging.join(name);
+                    fs::write(&path, content).map_err(io_err("write", &path))?;
+                    paths.push(path);
+                }
+                Ok(())
+            })();
+            staged.push((sub.clone(), staging, paths));
+            if let Err(e) = write {
+                cleanup(&staged);
+                return Err(e);
+            }
+        }
+        if staged.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Every file and staging folder synced, in parallel, before anything is renamed.
+        let jobs: Vec<&std::path::Path> = staged
+            .iter()
+            .flat_map(|(_, dir, files)| files.iter().map(|f| f.as_path()).chain([dir.as_path()]))
+            .collect();
+        let threads = 16.min(jobs.len()).max(1);
+        let synced: Result<(), Error> = std::thread::scope(|scope| {
+            let chunk = jobs.len().div_ceil(threads);
+            let handles: Vec<_> = jobs
+                .chunks(chunk)
+                .map(|part| {
+                    scope.spawn(move || {
+                        for p in part {
+                            let f = fs::File::open(p).map_err(io_err("open", p))?;
+                            f.sync_all().map_err(io_err("sync", p))?;
+                        }
+                        Ok::<(), Error>(())
+                    })
+                })
+                .collect();
+            for h in handles {
+                match h.join() {
+                    Ok(r) => r?,
+                    Err(_) => {
+                        return Err(Error::Io {
+                            action: "sync",
+                            path: self.tmp_dir(),
+                            source: std::io::Error::other("a sync thread panicked"),
+                        });
+                    }
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = synced {
+            cleanup(&staged);
+            return Err(e);
+        }
+        let subtasks = self.task_dir(parent).join(crate::project::SUBTASKS);
+        fs::create_dir_all(&subtasks).map_err(io_err("create", &subtasks))?;
+        let mut created = Vec::new();
+        for (i, (sub, staging, _)) in staged.iter().enumerate() {
+            let dir = self.task_dir(sub);
+            if let Err(e) = fs::rename(staging, &dir) {
+                cleanup(&staged[i..]);
+                return Err(io_err("rename into place", &dir)(e));
+            }
+            created.push(sub.clone());
+        }
+        sync_dir(&subtasks)?;
+        sync_dir(&self.task_dir(parent))?;
+        Ok(created)
+    }
+
     /// Writes one of a sub-task's own files ([`SUBTASK_FILES`]: `PARENT_SPEC.md`,
     /// `VRAM_CONFIG.md`) atomically; `false` when it already held exactly these bytes.
     pub fn write_subtask_file(
@@ -198,6 +316,52 @@ mod tests {
                 ("contract", "api.md".into(), b"api".to_vec()),
             ]
         );
+    }
+
+    #[test]
+    fn subtasks_are_created_whole_once_and_existing_ones_are_left_alone() {
+        let (d, _) = project();
+        let p = Project::open(d.path(), None);
+        let parent: TaskName = "big".parse().expect("name");
+        p.create_task(&parent).expect("parent");
+        let a: TaskName = "big/a".parse().expect("name");
+        let b: TaskName = "big/b".parse().expect("name");
+        let files = |x: &str| {
+            vec![
+                ("PARENT_SPEC.md", x.as_bytes().to_vec()),
+                ("VRAM_CONFIG.md", b"v".to_vec()),
+            ]
+        };
+        let made = p
+            .create_subtasks(&parent, &[(a.clone(), files("a")), (b.clone(), files("b"))])
+            .expect("create");
+        assert_eq!(made, vec![a.clone(), b.clone()]);
+        assert_eq!(
+            fs::read_to_string(p.task_dir(&a).join(".state")).expect("state"),
+            "new\n"
+        );
+        assert_eq!(
+            fs::read(p.task_dir(&b).join("PARENT_SPEC.md")).expect("spec"),
+            b"b"
+        );
+        // Again: nothing is created or changed.
+        fs::write(p.task_dir(&a).join("PARENT_SPEC.md"), "edited").expect("edit");
+        assert!(
+            p.create_subtasks(&parent, &[(a.clone(), files("x"))])
+                .expect("again")
+                .is_empty()
+        );
+        assert_eq!(
+            fs::read(p.task_dir(&a).join("PARENT_SPEC.md")).expect("spec"),
+            b"edited"
+        );
+        // Only the sub-task files may be written; nothing is left behind on a refusal.
+        let c: TaskName = "big/c".parse().expect("name");
+        assert!(
+            p.create_subtasks(&parent, &[(c.clone(), vec![("SPEC.md", vec![])])])
+                .is_err()
+        );
+        assert!(!p.task_dir(&c).exists());
     }
 
     #[test]
