@@ -935,11 +935,15 @@ impl Watch {
                 } else {
                     format!("; fits {}", fits.join(", "))
                 };
+                // The detail reads `wave N, estimated peak context …`: the wave leads the line.
+                let detail = e
+                    .detail
+                    .split_once(", ")
+                    .map_or(e.detail.as_str(), |(_, rest)| rest);
                 out.line(&format!(
-                    "{} {} created: {}{fits}",
+                    "{}  {} created: {detail}{fits}",
                     out.paint("1", &format!("wave {wave}")),
                     leaf(&e.task),
-                    e.detail
                 ));
             }
             "subtask_too_large" => {
