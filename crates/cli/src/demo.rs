@@ -252,6 +252,25 @@ fn siblings(out: &Out) -> Result<(PathBuf, PathBuf), Failed> {
         ));
         let mut c = Command::new(cargo);
         c.arg("build").current_dir(manifest);
+        // What `cargo run` set for this binary, not the user's environment: a build script
+        // that watches one of these (ring watches CARGO_MANIFEST_DIR) would otherwise be
+        // rebuilt, with everything above it, by every `cargo run` and again by this build.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if k.starts_with("CARGO_PKG_")
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "OUT_DIR",
+                ]
+                .contains(&k.as_ref())
+            {
+                c.env_remove(k.as_ref());
+            }
+        }
         match profile {
             "debug" => {}
             "release" => {
