@@ -11,5 +11,6 @@ mod leases;
 mod limits;
 mod restart;
 mod service;
+mod waves;
 mod work;
 mod workers;

@@ -7,6 +7,7 @@
 //! lives in `automaton-workflow` and every file operation in `automaton-store`.
 
 mod backend;
+mod demo;
 mod render;
 mod workers;
 
@@ -46,6 +47,9 @@ pub enum Command {
     Approve(workers::ApproveArgs),
     /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
     Tasks(workers::TasksArgs),
+    /// The whole product on this machine: a coordinator and three simulated GPU workers take
+    /// a task planned in two waves of sub-tasks to `complete`, approving gates themselves.
+    Demo(demo::DemoArgs),
 }
 
 /// Flags are spelled as seed 004 spells them, so `status.py` prompts keep working.
@@ -241,6 +245,7 @@ pub fn run(cli: Cli) -> i32 {
             }
         }
         Command::Tasks(args) => workers::tasks(&args),
+        Command::Demo(args) => demo::run(&args),
         Command::Status(args) => {
             let json = args.json;
             let warning = misplaced_agent_md_warning(&args);

@@ -1,0 +1,459 @@
+//! Decomposed tasks end to end, with real processes: `automaton demo` itself; a wave that
+//! loses a worker mid-run and still completes on the others; a sub-task no worker can hold,
+//! reported and left waiting with its reason.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use automaton_proto::v1 as pb;
+
+use crate::harness::*;
+use crate::workers::Worker;
+
+const FLEET: [&str; 4] = ["--session-timeout", "1s", "--heartbeat-interval", "200ms"];
+
+/// Makes the project a git repository with one commit (README.md, src/lib.rs).
+fn git_init(env: &Env) {
+    let root = env.root();
+    std::fs::create_dir_all(root.join("src")).expect("mkdir src");
+    std::fs::write(root.join("README.md"), "# waves\n").expect("readme");
+    std::fs::write(root.join("src/lib.rs"), "pub fn f() {}\n").expect("lib");
+    for args in [
+        vec!["-c", "init.defaultBranch=main", "init", "-q"],
+        vec!["add", "README.md", "src/lib.rs"],
+        vec![
+            "-c",
+            "user.name=test",
+            "-c",
+            "user.email=test@example.com",
+            "commit",
+            "-q",
+            "-m",
+            "init",
+        ],
+    ] {
+        let st = Command::new("git")
+            .args(&args)
+            .current_dir(root)
+            .env("HOME", env.home.path())
+            .status()
+            .expect("run git");
+        assert!(st.success(), "git {args:?}");
+    }
+}
+
+/// A scripted worker with a simulated GPU of `gpu` (e.g. `sim:24GiB`).
+fn worker(coord: &Coord, name: &str, gpu: &str, envs: &[(&str, &str)]) -> Worker {
+    Worker::start(
+        &coord.url,
+        &[
+            "--name",
+            name,
+            "--simulate-gpu",
+            gpu,
+            "--agent",
+            "scripted",
+            "--kill-grace",
+            "300ms",
+        ],
+        envs,
+    )
+}
+
+/// A SPEC.md planning `rows` (sub-task, depends on, k tokens): the scripted research keeps
+/// it and says decomposition comes next; the scripted decomposition copies the table.
+fn spec(rows: &[(&str, &str, u64)]) -> String {
+    let mut s = String::from(
+        "# SPEC\n\nPlanned as sub-tasks.\n\n\
+         | sub-task | depends on | estimated peak context (k tokens) | scope / acceptance |\n\
+         | --- | --- | --- | --- |\n",
+    );
+    for (name, deps, k) in rows {
+        s.push_str(&format!(
+            "| {name} | {deps} | {k} | {name} works; its tests pass |\n"
+        ));
+    }
+    s
+}
+
+/// Creates `parent` in research with the planned SPEC.md.
+async fn plan(api: &mut Api, env: &Env, parent: &str, rows: &[(&str, &str, u64)]) {
+    api.create(parent).await.expect("create");
+    api.transition(parent, "research")
+        .await
+        .expect("to research");
+    env.artifact(parent, "SPEC.md", &spec(rows));
+}
+
+/// Approves every gate, of every task and sub-task, as it comes (every 50 ms) until aborted.
+fn approve_all(api: &Api) -> tokio::task::JoinHandle<()> {
+    let mut api = api.clone();
+    tokio::spawn(async move {
+        loop {
+            if let Ok(list) = api.list().await {
+                let mut all = Vec::new();
+                for t in list.tasks {
+                    all.extend(t.subtasks.iter().map(|s| (s.task.clone(), s.state.clone())));
+                    all.push((t.task, t.state));
+                }
+                for (task, state) in all {
+                    if state.ends_with(":awaiting_approval") {
+                        let _ = api.approve(&task, "ops").await;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
+/// Waits (bounded) for `task` to reach `complete` or `human_intervention`; its state.
+async fn ended(api: &mut Api, task: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let state = api.state(task).await;
+        if state == "complete" || state == "human_intervention" {
+            return state;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{task} is still {state} after {timeout:?}; tasks: {:#?}",
+            api.list().await.map(|l| l.tasks)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The live processes whose command line mentions `needle` (zombies excluded).
+fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if !cmd.contains(needle) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+        if state.starts_with('Z') || state.is_empty() {
+            continue;
+        }
+        out.push((pid, cmd));
+    }
+    out
+}
+
+#[test]
+fn the_demo_runs_to_complete_and_prints_the_summary() {
+    let home = tempfile::tempdir().expect("home");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let mut c = Command::new(cli_bin());
+    c.args(["demo", "--json"]);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    // Not under `cargo run`: the demo must use the binaries next to it, not build them.
+    c.env_remove("CARGO")
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env("HOME", home.path())
+        .env("TMPDIR", tmp.path());
+    let started = Instant::now();
+    let run = run_bounded(c, Duration::from_secs(60));
+    let took = started.elapsed();
+    run.ok();
+    let v: serde_json::Value = serde_json::from_str(&run.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not the JSON summary ({e}):\n{}", run.stdout));
+    assert_eq!(v["parent"]["state"], "complete", "{v:#}");
+    // The fleet's budgets, as the summary reports them.
+    let budget = |w: &str| -> u64 {
+        v["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .find(|x| x["name"] == w)
+            .and_then(|x| x["budget_tokens"].as_u64())
+            .unwrap_or_else(|| panic!("no worker {w} in {v:#}"))
+    };
+    assert_eq!(
+        [budget("gpu-8"), budget("gpu-24"), budget("gpu-80")],
+        [12_000, 36_000, 93_000]
+    );
+    let subs = v["subtasks"].as_array().expect("subtasks");
+    let names: Vec<(&str, u64)> = subs
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap_or(""),
+                s["wave"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("cart-model", 1),
+            ("payment-gateway", 1),
+            ("checkout-api", 2)
+        ],
+        "{v:#}"
+    );
+    for s in subs {
+        let name = s["name"].as_str().unwrap_or("");
+        assert_eq!(s["verdict"], "PASS", "{name}: {s:#}");
+        assert_eq!(s["state"], "complete", "{name}: {s:#}");
+        let (implementer, reviewer) = (
+            s["implementer"].as_str().unwrap_or(""),
+            s["reviewer"].as_str().unwrap_or(""),
+        );
+        assert!(!implementer.is_empty() && !reviewer.is_empty(), "{s:#}");
+        assert_ne!(implementer, reviewer, "{name}: reviewer ≠ implementer");
+        let phases = s["phases"].as_array().expect("phases");
+        let sized = phases
+            .iter()
+            .find(|p| p["phase"] == "research")
+            .and_then(|p| p["need_tokens"].as_u64())
+            .unwrap_or_else(|| panic!("{name}: no research run: {s:#}"));
+        let estimate = s["estimated_tokens"].as_u64().unwrap_or(0);
+        // Sized from the estimate (corrected by at most the learned ratio's bounds).
+        assert!(
+            sized >= estimate / 2 && sized <= estimate,
+            "{name}: sized {sized} for an estimate of {estimate}"
+        );
+        for p in phases {
+            let phase = p["phase"].as_str().unwrap_or("");
+            let worker = p["worker"].as_str().unwrap_or("");
+            let need = p["need_tokens"].as_u64().unwrap_or(0);
+            let want = if phase == "code_review" {
+                sized.div_ceil(2)
+            } else {
+                sized
+            };
+            assert_eq!(need, want, "{name} {phase}: need");
+            assert!(
+                budget(worker) >= need,
+                "{name} {phase} ran on {worker} ({}), which does not hold {need}",
+                budget(worker)
+            );
+            // Only gpu-80 holds checkout-api: every phase but its review ran there.
+            if name == "checkout-api" && phase != "code_review" {
+                assert_eq!(worker, "gpu-80", "{name} {phase}: {s:#}");
+            }
+        }
+        if name == "checkout-api" {
+            assert_eq!(implementer, "gpu-80", "{s:#}");
+            assert_ne!(reviewer, "gpu-80", "{s:#}");
+        }
+    }
+    // Every child is gone and the temporary folder removed.
+    let tmp_path = tmp.path().display().to_string();
+    assert!(
+        processes_mentioning(&tmp_path).is_empty(),
+        "stray processes: {:?}",
+        processes_mentioning(&tmp_path)
+    );
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .expect("read tmp")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    assert!(took < Duration::from_secs(30), "the demo took {took:?}");
+    // The progress went to stderr (stdout is the JSON alone) and says who approves.
+    assert!(
+        run.stderr.contains("the demo approves every gate itself"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_wave_the_wave_still_completes_on_the_rest() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    // The plan before the workers: the research that reads it is dispatched once one joins.
+    plan(
+        &mut api,
+        &env,
+        "p",
+        &[("one", "-", 20), ("two", "-", 20), ("three", "-", 20)],
+    )
+    .await;
+    let _b = worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    let _c = worker(&coord, "gpu-c", "sim:80GiB", &[]);
+    let approver = approve_all(&api);
+    for sub in ["p/one", "p/two", "p/three"] {
+        let e = events.expect("subtask_created", sub).await;
+        assert!(e.detail.starts_with("wave 1,"), "{e:?}");
+    }
+    // The victim joins once the wave is there, and is slow: it is mid-run when it dies.
+    let mut a = worker(
+        &coord,
+        "gpu-a",
+        "sim:24GiB",
+        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=10000")],
+    );
+    let taken = events
+        .find(
+            "a sub-task assigned to gpu-a",
+            Duration::from_secs(15),
+            |e| e.kind == "assigned" && e.agent == "gpu-a" && e.task.starts_with("p/"),
+        )
+        .await;
+    // The coordinator says gpu-a holds that sub-task's lease.
+    let holder = poll(
+        "gpu-a listed holding the sub-task",
+        Duration::from_secs(5),
+        || {
+            let mut api = api.clone();
+            let task = taken.task.clone();
+            async move {
+                let w = api
+                    .workers
+                    .list_workers(pb::ListWorkersRequest {})
+                    .await
+                    .ok()?
+                    .into_inner()
+                    .workers;
+                w.into_iter()
+                    .find(|w| w.name == "gpu-a" && w.leases.iter().any(|l| l.task == task))
+            }
+        },
+    )
+    .await;
+    assert_eq!(holder.state, "busy", "{holder:?}");
+    a.kill9();
+    // Someone else takes it up after the session times out, and the wave completes.
+    let again = events
+        .find("the sub-task reassigned", Duration::from_secs(10), |e| {
+            e.kind == "assigned" && e.task == taken.task && e.agent != "gpu-a"
+        })
+        .await;
+    assert!(again.token > taken.token, "{again:?} after {taken:?}");
+    let end = ended(&mut api, "p", Duration::from_secs(40)).await;
+    approver.abort();
+    assert_eq!(end, "complete");
+    for sub in ["p/one", "p/two", "p/three"] {
+        assert_eq!(api.state(sub).await, "complete", "{sub}");
+        let verdict = env.task_file(sub, "VERDICT.md").unwrap_or_default();
+        assert!(
+            String::from_utf8_lossy(&verdict).contains("PASS"),
+            "{sub}: {}",
+            String::from_utf8_lossy(&verdict)
+        );
+        // Nothing gpu-a ran completed after its death.
+        let runs = api.get(sub).await.expect("GetTask").runs;
+        assert!(
+            !runs
+                .iter()
+                .any(|r| r.worker == "gpu-a" && r.stop_reason == "completed"),
+            "{sub}: {runs:#?}"
+        );
+    }
+    let parent_end = events
+        .find("parent_ended", Duration::from_secs(5), |e| {
+            e.kind == "parent_ended" && e.task == "p"
+        })
+        .await;
+    assert!(parent_end.detail.contains("PASS: 3"), "{parent_end:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subtask_too_large_for_every_worker_is_reported_and_waits_with_its_reason() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    plan(&mut api, &env, "p", &[("small", "-", 4), ("huge", "-", 50)]).await;
+    let _a = worker(&coord, "gpu-a", "sim:8GiB", &[]);
+    let _b = worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    let approver = approve_all(&api);
+    let created = events.expect("subtask_created", "p/huge").await;
+    assert!(
+        created.detail.contains("fits no registered worker"),
+        "{created:?}"
+    );
+    let too_large = events.expect("subtask_too_large", "p/huge").await;
+    assert!(
+        too_large
+            .detail
+            .starts_with("needs 50k tokens; the largest worker holds 36k (gpu-b"),
+        "{too_large:?}"
+    );
+    // The small one fits, is not reported, and completes meanwhile.
+    assert_eq!(
+        ended(&mut api, "p/small", Duration::from_secs(30)).await,
+        "complete"
+    );
+    let vram = String::from_utf8_lossy(
+        &env.task_file("p/huge", "VRAM_CONFIG.md")
+            .expect("VRAM_CONFIG.md"),
+    )
+    .replace('*', "");
+    assert!(vram.contains("Fits within VRAM: No"), "{vram}");
+    let small_vram = String::from_utf8_lossy(
+        &env.task_file("p/small", "VRAM_CONFIG.md")
+            .expect("VRAM_CONFIG.md"),
+    )
+    .replace('*', "");
+    assert!(small_vram.contains("Fits within VRAM: Yes"), "{small_vram}");
+    // `automaton tasks --json` says why the huge one waits; it was never assigned.
+    let out = run_bounded(
+        {
+            let mut c = Command::new(cli_bin());
+            c.args(["tasks", "--json", "--coordinator", &coord.url]);
+            for k in SCRUBBED_ENV {
+                c.env_remove(k);
+            }
+            c.env("HOME", env.home.path()).current_dir(env.root());
+            c
+        },
+        Duration::from_secs(30),
+    );
+    out.ok();
+    let tasks: serde_json::Value = serde_json::from_str(&out.stdout).expect("tasks --json");
+    let huge = tasks
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["task"] == "p"))
+        .and_then(|p| p["subtasks"].as_array())
+        .and_then(|s| s.iter().find(|s| s["task"] == "p/huge"))
+        .cloned()
+        .unwrap_or_else(|| panic!("no p/huge in {tasks:#}"));
+    // The need is the estimate as corrected by what the small one reported (bounded 0.5–2):
+    // still more than the largest worker holds.
+    let waiting = huge["waiting"].as_str().unwrap_or("");
+    let need: u64 = waiting
+        .strip_prefix("waiting: needs ")
+        .and_then(|r| r.split_once("k tokens; the largest worker holds 36k (gpu-b"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("{huge:#}"));
+    assert!(need > 36 && need <= 100, "{huge:#}");
+    assert!(waiting.contains("no worker fits"), "{huge:#}");
+    assert_eq!(
+        huge["estimated_tokens"].as_u64(),
+        Some(need * 1000),
+        "{huge:#}"
+    );
+    assert_eq!(huge["state"], "new", "{huge:#}");
+    assert!(
+        !events
+            .settle(Duration::from_millis(300))
+            .await
+            .iter()
+            .any(|e| e.kind == "assigned" && e.task == "p/huge"),
+        "the huge sub-task was assigned"
+    );
+    // The parent does not end while one of its sub-tasks cannot run.
+    let parent = api.state("p").await;
+    approver.abort();
+    assert_eq!(parent, "decomposition:approved");
+}
