@@ -663,6 +663,7 @@ impl Coordinator {
                 estimated_tokens: need.unwrap_or(0),
             }),
         );
+        tracing::info!(task = %task, worker = %slot.name, token = live.token, phase = %state, why = %why, "assigned");
         self.emit(
             "assigned",
             &task.to_string(),
