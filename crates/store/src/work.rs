@@ -17,6 +17,12 @@ pub const PREVIOUS: &str = "PREVIOUS_";
 /// The most bytes of framework files (prompt, rules, contracts) served for one phase.
 const MAX_FRAMEWORK_BYTES: u64 = 16 << 20;
 
+/// A sub-task to create and its own files (name, content).
+pub type NewSubtask<'a> = (TaskName, Vec<(&'a str, Vec<u8>)>);
+
+/// A sub-task folder written in the staging area, with its files, not yet in place.
+type Staged = (TaskName, std::path::PathBuf, Vec<std::path::PathBuf>);
+
 /// One input file of an assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InputFile {
@@ -123,12 +129,12 @@ impl Project {
     pub fn create_subtasks(
         &self,
         parent: &TaskName,
-        subs: &[(TaskName, Vec<(&str, Vec<u8>)>)],
+        subs: &[NewSubtask<'_>],
     ) -> Result<Vec<TaskName>, Error> {
         use crate::fsx::{sync_dir, temp_name};
         let _lock = self.lock(parent)?;
-        let mut staged: Vec<(TaskName, std::path::PathBuf, Vec<std::path::PathBuf>)> = Vec::new();
-        let cleanup = |staged: &[(TaskName, std::path::PathBuf, Vec<std::path::PathBuf>)]| {
+        let mut staged: Vec<Staged> = Vec::new();
+        let cleanup = |staged: &[Staged]| {
             for (_, dir, _) in staged {
                 let _ = fs::remove_dir_all(dir);
             }
