@@ -72,7 +72,6 @@ struct Gone {
     reg: pb::Register,
     started: SystemTime,
     heard: Instant,
-    why: &'static str,
 }
 
 #[derive(Default)]
@@ -755,7 +754,6 @@ impl Coordinator {
                 reg: std::mem::take(&mut s.reg),
                 started: s.started,
                 heard: s.heard,
-                why: reason,
             };
             (ending, commit, gone)
         };
@@ -913,7 +911,6 @@ impl Coordinator {
                     g.started,
                 );
                 w.name = g.name.to_string();
-                let _ = g.why;
                 w
             })
             .collect();
