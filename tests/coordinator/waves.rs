@@ -457,3 +457,107 @@ async fn a_subtask_too_large_for_every_worker_is_reported_and_waits_with_its_rea
     approver.abort();
     assert_eq!(parent, "decomposition:approved");
 }
+
+/// Drives `parent` to `decomposition:approved` as an operator, with `decomposition` written.
+async fn approved_decomposition(api: &mut Api, env: &Env, parent: &str, decomposition: &str) {
+    api.approved_research(env, parent, Some("decomposition"))
+        .await;
+    env.artifact(parent, "DECOMPOSITION.md", decomposition);
+    api.transition(parent, "decomposition:awaiting_approval")
+        .await
+        .expect("await");
+    api.approve(parent, "")
+        .await
+        .expect("approve decomposition");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subtasks_are_made_once_an_edited_decomposition_adds_new_ones_and_reports_orphans() {
+    let env = Env::new();
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let table = |rows: &[(&str, &str, u64)]| {
+        let s = spec(rows);
+        s[s.find('|').unwrap_or(0)..].to_string()
+    };
+    approved_decomposition(
+        &mut api,
+        &env,
+        "shop",
+        &table(&[("cart", "-", 8), ("pay", "cart", 20)]),
+    )
+    .await;
+    for sub in ["shop/cart", "shop/pay"] {
+        events.expect("subtask_created", sub).await;
+    }
+    // Each sub-task carries its own scope and the fleet's verdict on its size; never the
+    // parent's SPEC.
+    let parent_spec = String::from_utf8(
+        env.task_file("shop/pay", "PARENT_SPEC.md")
+            .unwrap_or_default(),
+    )
+    .expect("utf-8");
+    assert!(
+        parent_spec.contains("pay works; its tests pass") && parent_spec.contains("shop"),
+        "{parent_spec}"
+    );
+    assert!(
+        !parent_spec.contains("what to build"),
+        "the parent's SPEC must not be copied: {parent_spec}"
+    );
+    let vram = String::from_utf8(
+        env.task_file("shop/pay", "VRAM_CONFIG.md")
+            .unwrap_or_default(),
+    )
+    .expect("utf-8");
+    assert!(
+        vram.contains("**This sub-task's estimated peak context**: 20k tokens"),
+        "{vram}"
+    );
+    assert!(
+        vram.contains("**Fits within VRAM**: No"),
+        "no worker is registered: {vram}"
+    );
+    // Running again changes nothing.
+    let before = env.snapshot();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let after = env.snapshot();
+    let changed: Vec<_> = after
+        .iter()
+        .filter(|(p, b)| before.get(*p) != Some(b) && !p.to_string_lossy().contains(".state.lock"))
+        .map(|(p, _)| p.clone())
+        .collect();
+    assert!(changed.is_empty(), "a second pass changed {changed:?}");
+    // An edited decomposition: `pay` dropped, `ship` added.
+    env.artifact(
+        "shop",
+        "DECOMPOSITION.md",
+        &table(&[("cart", "-", 8), ("ship", "cart", 12)]),
+    );
+    events.expect("subtask_created", "shop/ship").await;
+    let orphan = events.expect("subtask_orphaned", "shop/pay").await;
+    assert!(
+        orphan
+            .detail
+            .contains("no longer in the parent's DECOMPOSITION.md"),
+        "{orphan:?}"
+    );
+    // Reported once.
+    let seen = events.settle(Duration::from_millis(700)).await;
+    assert_eq!(
+        seen.iter()
+            .filter(|e| e.kind == "subtask_orphaned" && e.task == "shop/pay")
+            .count(),
+        1
+    );
+    // The orphan is not dispatched; it says why.
+    let list = api.list().await.expect("ListTasks");
+    let pay = list
+        .tasks
+        .iter()
+        .flat_map(|t| t.subtasks.iter())
+        .find(|s| s.task == "shop/pay")
+        .expect("the orphan is still listed");
+    assert_eq!(pay.state, "new");
+}
