@@ -571,7 +571,22 @@ impl Coordinator {
     }
 
     /// Grants `task` to the worker of `slot` in its session and sends the assignment.
-    /// `Ok(false)`: the grant was refused for this worker (try another).
+    /// `Ok(false)`: the grant was refused for this worker (try another). The span carries
+    /// the decision (task, phase, worker, its GPU and budget, the need, the token and why).
+    #[tracing::instrument(
+        name = "assign",
+        skip_all,
+        fields(
+            task = %task,
+            phase = %state,
+            worker = %slot.name,
+            gpu = %slot.gpu,
+            budget = slot.budget,
+            need = need.unwrap_or(0),
+            token = tracing::field::Empty,
+            why = tracing::field::Empty,
+        )
+    )]
     async fn offer(
         &self,
         task: &TaskName,
@@ -663,6 +678,9 @@ impl Coordinator {
                 estimated_tokens: need.unwrap_or(0),
             }),
         );
+        let span = tracing::Span::current();
+        span.record("token", live.token);
+        span.record("why", why.as_str());
         tracing::info!(task = %task, worker = %slot.name, token = live.token, phase = %state, why = %why, "assigned");
         self.emit(
             "assigned",
