@@ -84,9 +84,17 @@ struct RunHandle {
 
 impl State {
     /// Tells every run matching `which` to stop with `reason`.
+    /// The first reason a run is told is the one it stops with (an operator's stop is
+    /// followed by the loss of the lease it ended: the run stays `operator_stopped`).
     fn stop_runs(&self, reason: StopReason, which: impl Fn(&RunHandle) -> bool) {
         for r in self.runs.values().filter(|r| which(r)) {
-            let _ = r.stop.send(Some(reason));
+            r.stop.send_if_modified(|v| {
+                if v.is_some() {
+                    return false;
+                }
+                *v = Some(reason);
+                true
+            });
         }
     }
 }
