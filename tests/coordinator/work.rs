@@ -785,3 +785,124 @@ async fn manual_mode_creates_the_fix_task_from_a_fail_verdict_and_autopilot_does
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_calls_under_another_workers_lease_or_a_forged_one_are_refused_and_change_nothing() {
+    let env = Env::with_config(TOKENS_TOML);
+    git_init(&env);
+    let mut args = FLEET.to_vec();
+    args.push("--no-dispatch");
+    let coord = Coord::start(&env, &args);
+    let mut ops = coord.api_as(OPERATOR_TOKEN).await;
+    ops.claimable_task("t").await;
+    // gpu-a holds a session and claims t in it.
+    let _a = Worker::start(&coord.url, &["--token", WORKER_A_TOKEN], &[]);
+    let mut as_a = coord.api_as(WORKER_A_TOKEN).await;
+    let lease = as_a.claim("t", "", 60_000).await.expect("gpu-a claims");
+    let before = env.snapshot();
+    let spec = b"# Spec\nforged\n".to_vec();
+    let forged = |lease_id: &str, token: u64| {
+        let mut c = artifact(&lease, "SPEC.md", &spec);
+        c[0].lease_id = lease_id.to_string();
+        c[0].token = token;
+        c
+    };
+    let big_id = "x".repeat(1 << 20);
+    let as_b = coord.api_as(WORKER_B_TOKEN).await;
+    let mut work_b = WorkClient::new(coord.channel().await);
+    let mut work_a = WorkClient::new(coord.channel().await);
+    // gpu-b presents gpu-a's lease: refused, whatever the token.
+    let s = work_b
+        .upload_artifact(as_b.req(tokio_stream::iter(forged(&lease.lease_id, lease.token))))
+        .await
+        .expect_err("another worker's lease");
+    assert_eq!(s.code(), Code::PermissionDenied, "{s:?}");
+    let s = work_b
+        .fetch_workspace(as_b.req(pb::FetchWorkspaceRequest {
+            lease_id: lease.lease_id.clone(),
+            token: lease.token,
+            cached_commits: vec![],
+        }))
+        .await
+        .expect_err("another worker's workspace");
+    assert_eq!(s.code(), Code::PermissionDenied, "{s:?}");
+    let s = work_b
+        .complete_phase(as_b.req(pb::CompletePhaseRequest {
+            lease_id: lease.lease_id.clone(),
+            token: lease.token,
+            target: String::new(),
+        }))
+        .await
+        .expect_err("another worker's phase");
+    assert_eq!(s.code(), Code::PermissionDenied, "{s:?}");
+    // gpu-a itself with forged ids and tokens.
+    let cases: Vec<(&str, Vec<pb::ArtifactChunk>, Code)> = vec![
+        (
+            "u64::MAX token",
+            forged(&lease.lease_id, u64::MAX),
+            Code::FailedPrecondition,
+        ),
+        (
+            "token 0",
+            forged(&lease.lease_id, 0),
+            Code::FailedPrecondition,
+        ),
+        ("an empty lease id", forged("", lease.token), Code::NotFound),
+        (
+            "a 1 MiB lease id",
+            forged(&big_id, lease.token),
+            Code::NotFound,
+        ),
+    ];
+    for (what, chunks, code) in cases {
+        let s = work_a
+            .upload_artifact(as_a.req(tokio_stream::iter(chunks)))
+            .await
+            .expect_err(what);
+        assert_eq!(s.code(), code, "{what}: {s:?}");
+        assert!(s.message().len() < 400, "{what}: one short line: {s:?}");
+    }
+    // A completion of a phase whose artifact is missing is refused by the lifecycle.
+    let s = work_a
+        .complete_phase(as_a.req(pb::CompletePhaseRequest {
+            lease_id: lease.lease_id.clone(),
+            token: lease.token,
+            target: String::new(),
+        }))
+        .await
+        .expect_err("no SPEC.md yet");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    // An agent token is not a worker, and an operator's StopRun of an unknown task is clear.
+    let mut agent_workers = coord.api_as(AGENT_TOKEN).await;
+    let s = agent_workers
+        .workers
+        .stop_run(agent_workers.req(pb::StopRunRequest {
+            task: "t".into(),
+            resume: false,
+        }))
+        .await
+        .expect_err("agents may not stop runs");
+    assert_eq!(s.code(), Code::PermissionDenied, "{s:?}");
+    let s = ops
+        .workers
+        .stop_run(ops.req(pb::StopRunRequest {
+            task: "nope".into(),
+            resume: false,
+        }))
+        .await
+        .expect_err("unknown task");
+    assert_eq!(s.code(), Code::NotFound, "{s:?}");
+    let after = env.snapshot();
+    let changed: Vec<_> = after
+        .iter()
+        .filter(|(p, b)| before.get(*p) != Some(*b))
+        .map(|(p, _)| p.clone())
+        .chain(before.keys().filter(|p| !after.contains_key(*p)).cloned())
+        .collect();
+    assert!(
+        changed.is_empty(),
+        "a refused call changed files: {changed:?}"
+    );
+    // The lease is still gpu-a's, untouched.
+    assert_eq!(ops.lease_of("t").await.map(|l| l.token), Some(lease.token));
+}

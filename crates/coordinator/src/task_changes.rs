@@ -41,7 +41,9 @@ impl Coordinator {
         let t = task.clone();
         let from = tokio::task::spawn_blocking(move || {
             // The phase's holders in the task's files before the task moves on: by the time
-            // anyone can approve or review it, the files say who held it.
+            // anyone can approve or review it, the files say who held it. A move the
+            // lifecycle refuses writes nothing at all.
+            project.check_transition_owned(&t, target)?;
             holders.flush(&project, &t)?;
             project.transition_owned(&t, target).map_err(Error::from)
         })

@@ -217,6 +217,16 @@ impl Project {
 
     /// A transition by the coordinator, which has already checked its own lease table:
     /// `.state.lock` is neither read nor touched. Returns the state it left.
+    /// Whether [`Project::transition_owned`] would move `task` to `target` now (every check,
+    /// nothing written): so a caller that writes something first (the coordinator's holder
+    /// records) writes nothing for a move the lifecycle refuses.
+    pub fn check_transition_owned(&self, task: &TaskName, target: State) -> Result<State, Error> {
+        let _lock = self.lock(task)?;
+        let (folder, from) = self.tracked(task)?;
+        check_transition(from, target, &self.facts_for(task, &folder, from)?)?;
+        Ok(from)
+    }
+
     pub fn transition_owned(&self, task: &TaskName, target: State) -> Result<State, Error> {
         let _lock = self.lock(task)?;
         let (folder, from) = self.tracked(task)?;
