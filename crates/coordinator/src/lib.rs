@@ -1,7 +1,9 @@
 //! The automaton coordinator: the one writer of a project's task store while it runs. It
 //! owns the leases (expiry by its own monotonic clock, fencing tokens that strictly increase
 //! across restarts, reviewer ≠ implementer at claim time), makes every acknowledged claim and
-//! release durable through a group-committed log, applies task changes through
+//! release durable through a group-committed log, holds the workers' sessions (a dead
+//! session's leases end at once), dispatches work to them (waves, best fit by VRAM budget),
+//! takes their artifacts and code under the lease, applies task changes through
 //! `automaton-store`, and streams events — all over gRPC (`automaton.v1`).
 //!
 //! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,

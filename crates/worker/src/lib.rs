@@ -1,7 +1,9 @@
 //! The automaton worker: runs on every GPU machine. It owns what the machine can hold —
 //! GPUs through NVML (or `--simulate-gpu` fakes), RAM and CPUs, the model's context window
-//! and the token budget derived from them (`probe`) — and the worker's one session with the
-//! coordinator (`session`).
+//! and the token budget derived from them (`probe`) — the worker's one session with the
+//! coordinator (`session`), and the work it is given: a fresh workspace per assignment
+//! (`workspace`), the agent run in its own process group (`agent`, `scripted`), the artifact
+//! and code reported back under the lease (`work`).
 //!
 //! It must not decide policy: which task runs where, who may review what, when a lease ends
 //! are the coordinator's calls. The worker reports and obeys.
