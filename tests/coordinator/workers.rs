@@ -165,12 +165,15 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
-            // A stopped process must be continued to die promptly.
-            let _ = Command::new("kill")
-                .args(["-CONT", &self.pid().to_string()])
-                .status();
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            // A stopped process must be continued to die promptly. SIGTERM first: the worker
+            // stops its agents' process groups (SIGKILL would orphan them), then SIGKILL.
+            let pid = self.pid().to_string();
+            let _ = Command::new("kill").args(["-CONT", &pid]).status();
+            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            if wait_bounded(&mut self.child, Duration::from_secs(3)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
         }
     }
 }

@@ -422,9 +422,12 @@ async fn stream(
                     if fatal(&s) {
                         return Err(Ended::Fatal(s.message().to_string()));
                     }
-                    // A session the coordinator ended cannot be resumed: start afresh.
+                    // A session the coordinator ended cannot be resumed: start afresh. Its
+                    // leases are gone with it: any run under them stops.
                     if s.code() == tonic::Code::NotFound || s.code() == tonic::Code::Aborted {
                         state.session = None;
+                        tracing::warn!(reason = %s.message(), "the coordinator ended this session: its leases are gone; registering again");
+                        state.stop_runs(StopReason::LeaseLost, |_| true);
                     }
                     return Err(Ended::Broken(format!("{:?}: {}", s.code(), s.message())));
                 }
