@@ -8,57 +8,7 @@ use std::time::{Duration, Instant};
 use automaton_proto::v1 as pb;
 
 use crate::harness::*;
-use crate::workers::Worker;
-
-const FLEET: [&str; 4] = ["--session-timeout", "1s", "--heartbeat-interval", "200ms"];
-
-/// Makes the project a git repository with one commit (README.md, src/lib.rs).
-fn git_init(env: &Env) {
-    let root = env.root();
-    std::fs::create_dir_all(root.join("src")).expect("mkdir src");
-    std::fs::write(root.join("README.md"), "# waves\n").expect("readme");
-    std::fs::write(root.join("src/lib.rs"), "pub fn f() {}\n").expect("lib");
-    for args in [
-        vec!["-c", "init.defaultBranch=main", "init", "-q"],
-        vec!["add", "README.md", "src/lib.rs"],
-        vec![
-            "-c",
-            "user.name=test",
-            "-c",
-            "user.email=test@example.com",
-            "commit",
-            "-q",
-            "-m",
-            "init",
-        ],
-    ] {
-        let st = Command::new("git")
-            .args(&args)
-            .current_dir(root)
-            .env("HOME", env.home.path())
-            .status()
-            .expect("run git");
-        assert!(st.success(), "git {args:?}");
-    }
-}
-
-/// A scripted worker with a simulated GPU of `gpu` (e.g. `sim:24GiB`).
-fn worker(coord: &Coord, name: &str, gpu: &str, envs: &[(&str, &str)]) -> Worker {
-    Worker::start(
-        &coord.url,
-        &[
-            "--name",
-            name,
-            "--simulate-gpu",
-            gpu,
-            "--agent",
-            "scripted",
-            "--kill-grace",
-            "300ms",
-        ],
-        envs,
-    )
-}
+use crate::work::{FLEET, git_init, scripted_worker as worker};
 
 /// A SPEC.md planning `rows` (sub-task, depends on, k tokens): the scripted research keeps
 /// it and says decomposition comes next; the scripted decomposition copies the table.

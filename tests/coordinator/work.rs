@@ -13,10 +13,11 @@ use tonic::Code;
 use crate::harness::*;
 use crate::workers::Worker;
 
-const FLEET: [&str; 4] = ["--session-timeout", "1s", "--heartbeat-interval", "200ms"];
+/// Short session timings, so worker deaths are noticed fast.
+pub const FLEET: [&str; 4] = ["--session-timeout", "1s", "--heartbeat-interval", "200ms"];
 
 /// Makes the project a git repository with one commit (README.md, src/lib.rs).
-fn git_init(env: &Env) {
+pub fn git_init(env: &Env) {
     let root = env.root();
     std::fs::create_dir_all(root.join("src")).expect("mkdir src");
     std::fs::write(root.join("README.md"), "# demo\n").expect("readme");
@@ -57,13 +58,18 @@ fn git(env: &Env, args: &[&str]) -> String {
 }
 
 fn worker(coord: &Coord, name: &str, envs: &[(&str, &str)]) -> Worker {
+    scripted_worker(coord, name, "sim:24GiB", envs)
+}
+
+/// A worker running the scripted agent on a simulated GPU `gpu` (e.g. `sim:24GiB`).
+pub fn scripted_worker(coord: &Coord, name: &str, gpu: &str, envs: &[(&str, &str)]) -> Worker {
     Worker::start(
         &coord.url,
         &[
             "--name",
             name,
             "--simulate-gpu",
-            "sim:24GiB",
+            gpu,
             "--agent",
             "scripted",
             "--kill-grace",

@@ -257,25 +257,7 @@ pub fn run(cli: Cli) -> i32 {
                     }
                     out.code
                 }
-                Err(f) => {
-                    let (msg, kind) = match f {
-                        Failure::Store(e) => (e.to_string(), e.kind()),
-                        Failure::Usage(m) => (m, ErrorKind::Invalid),
-                        Failure::Refused(m) => (m, ErrorKind::Refused),
-                        Failure::Remote { message, kind } => {
-                            (message, ErrorKind::parse(&kind).unwrap_or(ErrorKind::Io))
-                        }
-                    };
-                    let code = exit_code(kind);
-                    let kind = kind.as_str();
-                    if json {
-                        let v = serde_json::json!({"error": msg, "kind": kind, "exit_code": code});
-                        print(&format!("{v}\n"));
-                    } else {
-                        eprintln!("ERROR: {msg}");
-                    }
-                    code
-                }
+                Err(f) => report_failure(f, json),
             };
             // Last, so that a refusal's first line stays its `ERROR:` line.
             if let Some(w) = warning {
@@ -284,6 +266,27 @@ pub fn run(cli: Cli) -> i32 {
             code
         }
     }
+}
+
+/// Prints a failure as every command does (one `ERROR:` line, or a JSON object with
+/// `--json`) and returns its exit code.
+pub(crate) fn report_failure(f: Failure, json: bool) -> i32 {
+    let (msg, kind) = match f {
+        Failure::Store(e) => (e.to_string(), e.kind()),
+        Failure::Usage(m) => (m, ErrorKind::Invalid),
+        Failure::Refused(m) => (m, ErrorKind::Refused),
+        Failure::Remote { message, kind } => {
+            (message, ErrorKind::parse(&kind).unwrap_or(ErrorKind::Io))
+        }
+    };
+    let code = exit_code(kind);
+    if json {
+        let v = serde_json::json!({"error": msg, "kind": kind.as_str(), "exit_code": code});
+        print(&format!("{v}\n"));
+    } else {
+        eprintln!("ERROR: {msg}");
+    }
+    code
 }
 
 /// 1 for a well-formed request that policy refuses, 2 for bad input or unreadable files.

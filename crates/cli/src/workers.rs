@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use automaton_proto::v1 as pb;
-use automaton_store::{ErrorKind, Project};
+use automaton_store::Project;
 use clap::{Args, Subcommand};
 
 use crate::backend::{self, Backend, Failure};
@@ -393,25 +393,6 @@ fn finish(out: Result<String, Failure>, json: bool) -> i32 {
             crate::print(&out);
             0
         }
-        Err(f) => {
-            let (msg, kind) = match f {
-                Failure::Store(e) => (e.to_string(), e.kind()),
-                Failure::Usage(m) => (m, ErrorKind::Invalid),
-                Failure::Refused(m) => (m, ErrorKind::Refused),
-                Failure::Remote { message, kind } => {
-                    (message, ErrorKind::parse(&kind).unwrap_or(ErrorKind::Io))
-                }
-            };
-            let code = crate::exit_code(kind);
-            if json {
-                crate::print(&format!(
-                    "{}\n",
-                    serde_json::json!({"error": msg, "kind": kind.as_str(), "exit_code": code})
-                ));
-            } else {
-                eprintln!("ERROR: {msg}");
-            }
-            code
-        }
+        Err(f) => crate::report_failure(f, json),
     }
 }

@@ -45,6 +45,9 @@ pub(crate) struct Sizing {
 pub(crate) struct Plan {
     stamp: (u64, Option<SystemTime>),
     pub decomposition: Arc<Decomposition>,
+    /// The folders of this plan's parent were checked for orphans (once per version of the
+    /// decomposition: a listing of every task is not for every dispatch round).
+    pub orphans_checked: bool,
 }
 
 fn sub_of(parent: &TaskName, leaf: &str) -> Result<TaskName, Error> {
@@ -83,6 +86,7 @@ impl Coordinator {
         let plan = Plan {
             stamp,
             decomposition: Arc::new(d),
+            orphans_checked: false,
         };
         self.work.set_plan(parent, plan.clone());
         Ok(plan)
@@ -244,6 +248,22 @@ impl Coordinator {
             }
         }
         // Folders the decomposition no longer names: reported once, left out of the end.
+        // Looked for once per version of the decomposition.
+        if !plan.orphans_checked {
+            self.report_orphans(parent, &planned).await?;
+            self.work.set_plan(
+                parent,
+                Plan {
+                    orphans_checked: true,
+                    ..plan
+                },
+            );
+        }
+        self.end_parent(parent, &planned).await
+    }
+
+    /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).
+    async fn report_orphans(&self, parent: &TaskName, planned: &[TaskName]) -> Result<(), Error> {
         let on_disk = self
             .read({
                 let parent = parent.clone();
@@ -268,9 +288,18 @@ impl Coordinator {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// Ends `parent` once its planned sub-tasks have (seed 002's aggregation).
+    async fn end_parent(
+        self: &Arc<Self>,
+        parent: &TaskName,
+        planned: &[TaskName],
+    ) -> Result<(), Error> {
         // The parent ends when its sub-tasks have.
         let mut verdicts = Vec::new();
-        for sub in &planned {
+        for sub in planned {
             let state = self.state_of(sub).await;
             let verdict = if state.is_some_and(|s| s.phase.is_terminal()) {
                 let path = self
