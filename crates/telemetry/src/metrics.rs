@@ -1,0 +1,1 @@
+//! Prometheus exposition: a registry and the HTTP endpoint that serves it.
