@@ -3,6 +3,7 @@
 //! to it over real gRPC (and through the real `automaton` CLI).
 
 mod cli;
+mod deploy;
 mod faults;
 mod harness;
 mod history;
