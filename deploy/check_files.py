@@ -194,11 +194,8 @@ def check_compose(path, env_example):
         text = f.read()
     doc = yaml.safe_load(text)
     with open(env_example, encoding="utf-8") as f:
-        documented = {
-            line.split("=", 1)[0].strip()
-            for line in f
-            if "=" in line and not line.lstrip().startswith("#")
-        }
+        # `VAR=value`, or `# VAR=value` for an optional one.
+        documented = set(re.findall(r"^#?\s*([A-Za-z_][A-Za-z0-9_]*)=", f.read(), re.M))
     for name in sorted(set(VAR.findall(text))):
         if name not in documented:
             fail(path, f"${{{name}}} has no line in {os.path.basename(env_example)}")
