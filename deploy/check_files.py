@@ -13,6 +13,7 @@ exits 1 if there was any. Needs PyYAML (yamllint brings it: deploy/check-require
   compose FILE ENV_EXAMPLE
                        what the schema cannot see: every ${VAR} has a line in the env
                        example, every bind-mounted file exists, every build has an image
+  k8s-shell FILE...    every container command of the form `sh -c SCRIPT` parses (`sh -n`)
   configs DIR          writes the coordinator configurations the compose file and the
                        Kubernetes manifests hand the coordinator into DIR, one .toml each,
                        for deploy/check to start the real coordinator on
@@ -21,6 +22,7 @@ exits 1 if there was any. Needs PyYAML (yamllint brings it: deploy/check-require
 import json
 import os
 import re
+import subprocess
 import sys
 
 import yaml
@@ -213,6 +215,20 @@ def check_compose(path, env_example):
                 fail(path, f"service {name}: config '{src}' is not defined under configs")
 
 
+def check_k8s_shell(paths):
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        for doc in docs:
+            spec = (((doc.get("spec") or {}).get("template") or {}).get("spec")) or {}
+            for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+                cmd = c.get("command") or []
+                if len(cmd) >= 3 and cmd[0] in ("sh", "bash") and cmd[1] == "-c":
+                    r = subprocess.run([cmd[0], "-n", "-c", cmd[2]], capture_output=True, text=True)
+                    if r.returncode != 0:
+                        fail(path, f"container {c.get('name')}: {cmd[0]} -c script: {r.stderr.strip()}")
+
+
 def write_configs(out):
     """The coordinator configurations as the coordinator will read them, placeholders filled."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -251,6 +267,8 @@ def main(argv):
             check_grafana(*args)
         elif cmd == "compose" and len(args) == 2:
             check_compose(*args)
+        elif cmd == "k8s-shell" and args:
+            check_k8s_shell(args)
         elif cmd == "configs" and len(args) == 1:
             write_configs(*args)
         else:
