@@ -360,3 +360,39 @@ async fn meter_attributes_concurrent_runs_to_their_own_prefix_and_forgets_ended_
     assert_eq!(status, 404);
     assert!(body.contains("AUTOMATON_MODEL_URL"), "{body}");
 }
+
+#[test]
+fn meter_usage_on_without_a_plain_http_model_server_is_refused_in_one_line() {
+    let home = tempfile::tempdir().unwrap();
+    let worker = |args: &[&str]| -> crate::run::Run {
+        std::process::Command::new(env!("CARGO_BIN_EXE_automaton-worker"))
+            .args(["--coordinator", "http://127.0.0.1:9", "--agent", "scripted"])
+            .args(args)
+            .env("HOME", home.path())
+            .env("RUST_LOG", "error")
+            .output()
+            .unwrap()
+            .into()
+    };
+    let r = worker(&["--meter-usage", "on"]);
+    r.code(2);
+    assert_eq!(
+        r.error_line(),
+        "automaton-worker: --meter-usage on needs --model-server URL: the model server to meter"
+    );
+    let r = worker(&["--meter-usage", "on", "--model-server", "https://gpu:8000"]);
+    r.code(2);
+    assert!(
+        r.error_line().contains("https is not supported")
+            && r.error_line().contains("--meter-usage off"),
+        "{}",
+        r.stderr
+    );
+    let r = worker(&["--meter-usage", "sometimes"]);
+    r.code(2);
+    assert!(
+        r.stderr.contains("[possible values: on, off]"),
+        "{}",
+        r.stderr
+    );
+}
