@@ -33,6 +33,10 @@ fn request(
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
     let raw = String::from_utf8_lossy(&raw).to_string();
+    // An interim `100 Continue` (answering `Expect`) precedes the response.
+    let raw = raw
+        .strip_prefix("HTTP/1.1 100 Continue\r\n\r\n")
+        .unwrap_or(&raw);
     let (head, body) = raw.split_once("\r\n\r\n").unwrap();
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     let chunked = head
@@ -150,6 +154,7 @@ async fn meter_forwards_method_path_query_headers_and_body_but_not_hop_by_hop_he
         "PUT",
         "/v1/files/x?purpose=a%20b",
         &[
+            "Expect: 100-continue",
             "Authorization: Bearer sk-local",
             "X-Custom: 1",
             "Connection: x-private",
@@ -175,6 +180,7 @@ async fn meter_forwards_method_path_query_headers_and_body_but_not_hop_by_hop_he
         "named in Connection: hop-by-hop"
     );
     assert_eq!(s.header("keep-alive"), None);
+    assert_eq!(s.header("expect"), None, "answered by the proxy");
     let host = server.url.trim_start_matches("http://");
     assert_eq!(s.header("host").as_deref(), Some(host));
     // Not a metered endpoint: nothing counted.

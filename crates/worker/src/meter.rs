@@ -385,14 +385,21 @@ async fn handle(
     };
     parts.version = hyper::Version::HTTP_11;
     strip_hop_by_hop(&mut parts.headers);
-    let authority = if shared.upstream.port == 80 {
-        shared.upstream.host.clone()
+    let host = if shared.upstream.host.contains(':') {
+        format!("[{}]", shared.upstream.host)
     } else {
-        format!("{}:{}", shared.upstream.host, shared.upstream.port)
+        shared.upstream.host.clone()
+    };
+    let authority = if shared.upstream.port == 80 {
+        host
+    } else {
+        format!("{host}:{}", shared.upstream.port)
     };
     if let Ok(v) = HeaderValue::from_str(&authority) {
         parts.headers.insert(header::HOST, v);
     }
+    // The proxy answers `Expect: 100-continue` itself (hyper does, as it reads the body).
+    parts.headers.remove(header::EXPECT);
     if endpoint.is_some() {
         // A compressed answer could not be read on the way.
         parts.headers.remove(header::ACCEPT_ENCODING);
