@@ -41,8 +41,8 @@ struct Cli {
     /// The agent to run for each assignment: `scripted` (the built-in deterministic agent)
     /// or a command template run with `sh -c` in the workspace, e.g.
     /// `aider --yes-always --message-file {prompt_file}` (placeholders: {workspace},
-    /// {prompt_file}, {task}, {phase}, {artifact}, {model_url}; see docs/worker.md). Without it the worker
-    /// holds its session but takes no work.
+    /// {prompt_file}, {task}, {phase}, {artifact}, {model_url}; see docs/worker.md). Without
+    /// it the worker holds its session but takes no work.
     #[arg(long, value_name = "AGENT")]
     agent: Option<String>,
     /// Where fresh workspaces are made (default: a folder under the system's temp dir).

@@ -230,7 +230,13 @@ async fn attempt(
     let outcome = running.wait(max, stopped(stop.clone())).await;
     let usage = metered.as_ref().map(|m| m.usage());
     if let Some(u) = usage {
-        tracing::info!(task = %a.task, requests = u.requests, with_usage = u.counted, peak_context_tokens = u.peak.unwrap_or(0), "model server usage");
+        tracing::info!(
+            task = %a.task,
+            requests = u.requests,
+            with_usage = u.counted,
+            peak_context_tokens = u.peak.unwrap_or(0),
+            "model server usage"
+        );
     }
     let peak = crate::meter::peak_of(crate::agent::reported_peak(ws.dir()), usage);
     if outcome.reason != StopReason::Completed {
