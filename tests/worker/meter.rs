@@ -402,3 +402,31 @@ fn meter_usage_on_without_a_plain_http_model_server_is_refused_in_one_line() {
         r.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn meter_reads_anthropic_messages_for_claude_code_and_leaves_the_request_alone() {
+    fn messages(_: &Seen) -> Reply {
+        Reply::Stream(
+            "text/event-stream",
+            vec![
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":1200,\"cache_read_input_tokens\":800,\"output_tokens\":1}}}\n\n".into(),
+                "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":90}}\n\n".into(),
+                "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n".into(),
+            ],
+            Duration::from_millis(10),
+        )
+    }
+    let server = ModelServer::start(messages);
+    let meter = Meter::start(&server.url).await.unwrap();
+    let run = meter.register();
+    let body = r#"{"model":"m","max_tokens":100,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let (status, _, got) = request(run.url(), "POST", "/v1/messages", &[], body);
+    assert_eq!(status, 200);
+    assert!(got.contains("message_stop"), "{got}");
+    assert_eq!(run.usage().peak, Some(2090));
+    assert_eq!(
+        server.seen()[0].body,
+        body,
+        "no stream_options for the Messages API"
+    );
+}

@@ -1,10 +1,12 @@
 //! The metering proxy: what a real agent's model server says each request used. Agents that
-//! talk to an OpenAI-compatible server (vLLM, llama.cpp, Ollama's `/v1`) or to Ollama's own
-//! API are pointed at `http://127.0.0.1:PORT/run/{id}` instead of the server; every request
-//! is forwarded unchanged (bar hop-by-hop headers, and `stream_options.include_usage` added to
-//! streamed completions so the last chunk carries usage), and the response is streamed back
-//! as it arrives while the `usage` it carries is read on the way. A run's peak context is
-//! the largest `prompt_tokens + completion_tokens` over its requests.
+//! talk to an OpenAI-compatible server (vLLM, llama.cpp, Ollama's `/v1`: chat completions,
+//! completions, the Responses API), to its Anthropic-style `/v1/messages` (Claude Code) or
+//! to Ollama's own API are pointed at `http://127.0.0.1:PORT/run/{id}` instead of the
+//! server; every request is forwarded unchanged (bar hop-by-hop headers, and
+//! `stream_options.include_usage` added to streamed completions so the last chunk carries
+//! usage), and the response is streamed back as it arrives while the usage it carries is read
+//! on the way. A run's peak context is the largest prompt + completion tokens over its
+//! requests.
 //!
 //! The proxy never decides anything for the agent: a response it cannot read (not JSON, too
 //! large, compressed, cut off) is passed through and simply not counted.
@@ -267,8 +269,16 @@ fn text(status: StatusCode, line: String) -> Response<ProxyBody> {
 /// Which usage a path's responses carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
-    /// `/v1/chat/completions`, `/v1/completions`: `usage`, streamed as SSE.
-    OpenAi,
+    /// `/v1/chat/completions`, `/v1/completions`: `usage`, streamed as SSE only when asked
+    /// for with `stream_options.include_usage`.
+    Completions,
+    /// Anthropic's `/v1/messages` (vLLM, llama.cpp, Ollama serve it for Claude Code): `usage`
+    /// with `input_tokens` (+ cache) and `output_tokens`; streamed in `message_start` and
+    /// `message_delta`.
+    Messages,
+    /// The Responses API, `/v1/responses`: `usage` with `input_tokens` and `output_tokens`;
+    /// streamed in `response.completed`.
+    Responses,
     /// Ollama's `/api/chat`, `/api/generate`: `prompt_eval_count` + `eval_count`, NDJSON.
     Ollama,
 }
@@ -278,7 +288,11 @@ impl Endpoint {
     pub fn of(path: &str) -> Option<Endpoint> {
         let path = path.trim_end_matches('/');
         if path.ends_with("/chat/completions") || path.ends_with("/v1/completions") {
-            Some(Endpoint::OpenAi)
+            Some(Endpoint::Completions)
+        } else if path.ends_with("/v1/messages") {
+            Some(Endpoint::Messages)
+        } else if path.ends_with("/v1/responses") {
+            Some(Endpoint::Responses)
         } else if path == "/api/chat" || path == "/api/generate" {
             Some(Endpoint::Ollama)
         } else {
@@ -410,7 +424,7 @@ async fn handle(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     let body = match (endpoint, &parts.method, declared) {
-        (Some(Endpoint::OpenAi), &Method::POST, Some(n)) if n <= MAX_REWRITE => {
+        (Some(Endpoint::Completions), &Method::POST, Some(n)) if n <= MAX_REWRITE => {
             let bytes = match Limited::new(incoming, MAX_REWRITE as usize).collect().await {
                 Ok(c) => c.to_bytes(),
                 Err(e) => {
@@ -570,6 +584,10 @@ pub struct Scanner {
     /// The current line (or the document) went over its limit: drop it.
     skipping: bool,
     found: Option<u64>,
+    /// Input and output counted apart (Anthropic, Responses API): a stream reports them in
+    /// different events.
+    input: Option<u64>,
+    output: Option<u64>,
     finished: bool,
 }
 
@@ -590,6 +608,8 @@ impl Scanner {
             buf: Vec::new(),
             skipping: false,
             found: None,
+            input: None,
+            output: None,
             finished: false,
         }
     }
@@ -680,7 +700,7 @@ impl Scanner {
         match self.mode {
             Mode::Whole => {
                 if let Ok(v) = serde_json::from_slice::<Value>(&rest) {
-                    self.seen(context_of(&v));
+                    self.seen(reported(&v));
                 }
             }
             Mode::Lines => self.line(&rest),
@@ -698,34 +718,76 @@ impl Scanner {
             return;
         }
         if let Ok(v) = serde_json::from_slice::<Value>(json) {
-            self.seen(context_of(&v));
+            self.seen(reported(&v));
         }
     }
 
-    fn seen(&mut self, ctx: Option<u64>) {
-        if let Some(c) = ctx {
-            self.found = Some(self.found.map_or(c, |f| f.max(c)));
+    fn seen(&mut self, r: Option<Reported>) {
+        let max = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        let ctx = match r {
+            None => return,
+            Some(Reported::Context(c)) => c,
+            Some(Reported::Parts { input, output }) => {
+                self.input = max(self.input, input);
+                self.output = max(self.output, output);
+                self.input
+                    .unwrap_or(0)
+                    .saturating_add(self.output.unwrap_or(0))
+            }
+        };
+        if ctx > 0 {
+            self.found = max(self.found, Some(ctx));
         }
     }
 }
 
-/// The context one response document (or chunk) reports: OpenAI's `usage.prompt_tokens +
-/// usage.completion_tokens` (else `usage.total_tokens`), or Ollama's `prompt_eval_count +
-/// eval_count`. `None` when it reports none (`usage: null` in every chunk but the last).
-pub fn context_of(v: &Value) -> Option<u64> {
+/// What one response document (or chunk) reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reported {
+    /// The whole context of the request.
+    Context(u64),
+    /// Input and output apart, either possibly missing (a stream's first event has the input,
+    /// a later one the output).
+    Parts {
+        input: Option<u64>,
+        output: Option<u64>,
+    },
+}
+
+/// What one response document (or chunk) reports: OpenAI's `usage.prompt_tokens +
+/// usage.completion_tokens` (else `usage.total_tokens`); Anthropic's and the Responses API's
+/// `input_tokens` (+ `cache_creation_input_tokens` + `cache_read_input_tokens`) and
+/// `output_tokens`, in `usage`, `message.usage` or `response.usage`; or Ollama's
+/// `prompt_eval_count + eval_count`. `None` when it reports none (`usage: null`).
+pub fn reported(v: &Value) -> Option<Reported> {
     let n = |o: &Value, k: &str| o.get(k).and_then(Value::as_u64);
-    let ctx = if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-        match (n(u, "prompt_tokens"), n(u, "completion_tokens")) {
-            (None, None) => n(u, "total_tokens"),
-            (p, c) => Some(p.unwrap_or(0).saturating_add(c.unwrap_or(0))),
-        }
-    } else {
-        match (n(v, "prompt_eval_count"), n(v, "eval_count")) {
-            (None, None) => None,
-            (p, c) => Some(p.unwrap_or(0).saturating_add(c.unwrap_or(0))),
-        }
+    let sum = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
     };
-    ctx.filter(|c| *c > 0)
+    let usage = ["/usage", "/message/usage", "/response/usage"]
+        .iter()
+        .filter_map(|p| v.pointer(p))
+        .find(|u| u.is_object());
+    let Some(u) = usage else {
+        return sum(n(v, "prompt_eval_count"), n(v, "eval_count")).map(Reported::Context);
+    };
+    if let Some(c) = sum(n(u, "prompt_tokens"), n(u, "completion_tokens")) {
+        return Some(Reported::Context(c));
+    }
+    let cached = sum(
+        n(u, "cache_creation_input_tokens"),
+        n(u, "cache_read_input_tokens"),
+    );
+    let input = sum(n(u, "input_tokens"), cached);
+    let output = n(u, "output_tokens");
+    if input.is_some() || output.is_some() {
+        return Some(Reported::Parts { input, output });
+    }
+    n(u, "total_tokens").map(Reported::Context)
 }
 
 #[cfg(test)]
@@ -830,21 +892,78 @@ mod tests {
         assert_eq!(scan_lines(&[body]), Some(1000));
     }
 
+    /// The context one JSON document reports, read whole.
+    fn ctx(v: Value) -> Option<u64> {
+        let mut s = Scanner::whole();
+        s.feed(v.to_string().as_bytes());
+        s.finish();
+        s.context()
+    }
+
     #[test]
     fn total_tokens_alone_is_used_and_zero_is_nothing() {
         assert_eq!(
-            context_of(&serde_json::json!({"usage": {"total_tokens": 77}})),
+            ctx(serde_json::json!({"usage": {"total_tokens": 77}})),
             Some(77)
         );
         assert_eq!(
-            context_of(&serde_json::json!({"usage": {"prompt_tokens": 0, "completion_tokens": 0}})),
+            ctx(serde_json::json!({"usage": {"prompt_tokens": 0, "completion_tokens": 0}})),
             None
         );
         assert_eq!(
-            context_of(
-                &serde_json::json!({"usage": {"prompt_tokens": u64::MAX, "completion_tokens": 5}})
-            ),
+            ctx(serde_json::json!({"usage": {"prompt_tokens": u64::MAX, "completion_tokens": 5}})),
             Some(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn anthropic_messages_count_input_with_cache_plus_output_across_stream_events() {
+        // Not streamed: one document.
+        assert_eq!(
+            ctx(serde_json::json!({"type": "message", "usage": {
+                "input_tokens": 100, "cache_creation_input_tokens": 20,
+                "cache_read_input_tokens": 4000, "output_tokens": 80}})),
+            Some(4200)
+        );
+        // Streamed: the input in message_start, the (cumulative) output in message_delta.
+        let sse = [
+            "event: message_start",
+            r#"data: {"type":"message_start","message":{"id":"m","usage":{"input_tokens":900,"cache_read_input_tokens":100,"output_tokens":1}}}"#,
+            "",
+            "event: content_block_delta",
+            r#"data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hi"}}"#,
+            "",
+            "event: message_delta",
+            r#"data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":60}}"#,
+            "",
+            "event: message_delta",
+            r#"data: {"type":"message_delta","delta":{},"usage":{"output_tokens":75}}"#,
+            "",
+            "event: message_stop",
+            r#"data: {"type":"message_stop"}"#,
+            "",
+        ]
+        .join("\n");
+        assert_eq!(scan_lines(&[sse.as_bytes()]), Some(1075));
+    }
+
+    #[test]
+    fn responses_api_usage_is_read_from_response_completed() {
+        let sse = [
+            "event: response.created",
+            r#"data: {"type":"response.created","response":{"id":"r","usage":null}}"#,
+            "",
+            "event: response.completed",
+            r#"data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":2500,"input_tokens_details":{"cached_tokens":2000},"output_tokens":300,"total_tokens":2800}}}"#,
+            "",
+        ]
+        .join("\n");
+        assert_eq!(scan_lines(&[sse.as_bytes()]), Some(2800));
+        assert_eq!(
+            ctx(
+                serde_json::json!({"object": "response", "usage": {"input_tokens": 10, "output_tokens": 5}})
+            ),
+            Some(15)
         );
     }
 
@@ -876,8 +995,14 @@ mod tests {
 
     #[test]
     fn endpoints_metered_are_the_completions_and_ollama_native_ones() {
-        assert_eq!(Endpoint::of("/v1/chat/completions"), Some(Endpoint::OpenAi));
-        assert_eq!(Endpoint::of("/v1/completions"), Some(Endpoint::OpenAi));
+        assert_eq!(
+            Endpoint::of("/v1/chat/completions"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(Endpoint::of("/v1/completions"), Some(Endpoint::Completions));
+        assert_eq!(Endpoint::of("/v1/messages"), Some(Endpoint::Messages));
+        assert_eq!(Endpoint::of("/v1/messages/count_tokens"), None);
+        assert_eq!(Endpoint::of("/v1/responses"), Some(Endpoint::Responses));
         assert_eq!(Endpoint::of("/api/chat"), Some(Endpoint::Ollama));
         assert_eq!(Endpoint::of("/api/generate"), Some(Endpoint::Ollama));
         assert_eq!(Endpoint::of("/v1/models"), None);
