@@ -16,7 +16,7 @@ use crate::workers::Worker;
 const CURL_AGENT: &str = r#"set -e
 req() { printf '{"model":"m","stream":%s,"max_tokens":%s,"messages":[{"role":"user","content":"%s"}]}' "$1" "$2" "$(printf "%0${3}d" 0)"; }
 for call in "false 100 1000" "true 1000 5000" "true 200 3000"; do
-  req $call | curl -sS --fail -X POST -H 'Content-Type: application/json' --data-binary @- "$OPENAI_BASE_URL/chat/completions" >> .automaton-task/answers.txt
+  req $call | curl -q -sS --fail --noproxy '*' -X POST -H 'Content-Type: application/json' --data-binary @- "$OPENAI_BASE_URL/chat/completions" >> .automaton-task/answers.txt
   echo >> .automaton-task/answers.txt
 done
 echo "answers with usage: $(grep -o total_tokens .automaton-task/answers.txt | wc -l)" > {artifact}
