@@ -10,8 +10,11 @@ mod history;
 mod issue14;
 mod leases;
 mod limits;
+#[path = "../common/model_server.rs"]
+mod model_server;
 mod restart;
 mod service;
+mod usage;
 mod waves;
 mod work;
 mod workers;

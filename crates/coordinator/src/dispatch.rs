@@ -794,6 +794,7 @@ impl Coordinator {
                     estimated_tokens: 0,
                     peak_context_tokens: 0,
                     why: String::new(),
+                    peak_context_source: String::new(),
                 });
                 while runs.len() > RUNS_KEPT {
                     runs.pop_front();
@@ -850,6 +851,7 @@ impl Coordinator {
                             .and_then(|r| r.iter_mut().rev().find(|r| r.token == u.token));
                         run.map(|r| {
                             r.peak_context_tokens = u.peak_context_tokens;
+                            r.peak_context_source = clip(&u.peak_context_source, 40);
                             r.estimated_tokens
                         })
                         .unwrap_or(0)

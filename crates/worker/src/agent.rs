@@ -94,6 +94,9 @@ pub struct RunSpec {
     pub budget_tokens: u64,
     /// The model server's URL, if the worker knows one.
     pub model_server: Option<String>,
+    /// This run's prefix on the metering proxy (`crate::meter`), standing for the model
+    /// server's root, when usage is metered.
+    pub model_url: Option<String>,
     /// The context window the model server must be sent (Ollama's `num_ctx`).
     pub num_ctx: Option<u64>,
     /// The phase's estimated peak context (tokens), from the decomposition, if sized.
@@ -123,6 +126,7 @@ impl RunSpec {
             fencing_token,
             budget_tokens: 0,
             model_server: None,
+            model_url: None,
             num_ctx: None,
             estimated_tokens: None,
             grace: DEFAULT_GRACE,
@@ -150,11 +154,22 @@ impl RunSpec {
             .map(|a| self.task_dir().join(a.file_name()))
     }
 
+    /// Where the agent should send model requests: the metering proxy's prefix for this run,
+    /// else the model server itself, else empty.
+    pub fn model_url(&self) -> String {
+        self.model_url
+            .clone()
+            .or_else(|| self.model_server.clone())
+            .map(|u| u.trim_end_matches('/').to_string())
+            .unwrap_or_default()
+    }
+
     /// The variables the agent sees (besides the worker's own environment, less
-    /// `AUTOMATON_TOKEN`).
+    /// `AUTOMATON_TOKEN`). `OPENAI_BASE_URL` is set (to the proxy's `/v1`) only when usage is
+    /// metered; otherwise the agent's own is left alone.
     pub fn env(&self) -> Vec<(&'static str, String)> {
         let path = |p: PathBuf| p.to_string_lossy().into_owned();
-        vec![
+        let mut env = vec![
             ("AUTOMATON_TASK", self.task.clone()),
             ("AUTOMATON_PHASE", self.phase.name().to_string()),
             ("AUTOMATON_LEASE_ID", self.lease_id.clone()),
@@ -184,11 +199,16 @@ impl RunSpec {
                 "AUTOMATON_NUM_CTX",
                 self.num_ctx.map(|n| n.to_string()).unwrap_or_default(),
             ),
-        ]
+            ("AUTOMATON_MODEL_URL", self.model_url()),
+        ];
+        if self.model_url.is_some() {
+            env.push(("OPENAI_BASE_URL", format!("{}/v1", self.model_url())));
+        }
+        env
     }
 
     /// The command line for `sh -c`: `template` with `{workspace}`, `{prompt_file}`,
-    /// `{task}`, `{phase}` and `{artifact}` replaced by their shell-quoted values. Other
+    /// `{task}`, `{phase}`, `{artifact}` and `{model_url}` replaced by their shell-quoted values. Other
     /// braces (`${HOME}`, `{x}`) are left alone.
     pub fn render(&self, template: &str) -> String {
         let path = |p: PathBuf| p.to_string_lossy().into_owned();
@@ -199,6 +219,7 @@ impl RunSpec {
                 "task" => self.task.clone(),
                 "phase" => self.phase.name().to_string(),
                 "artifact" => self.artifact_path().map(path).unwrap_or_default(),
+                "model_url" => self.model_url(),
                 _ => return None,
             })
         };
@@ -942,9 +963,37 @@ mod tests {
             "AUTOMATON_BUDGET_TOKENS=24000".into(),
             "AUTOMATON_MODEL_SERVER=http://127.0.0.1:11434".into(),
             "AUTOMATON_NUM_CTX=32768".into(),
+            // Not metered: the model server itself.
+            "AUTOMATON_MODEL_URL=http://127.0.0.1:11434".into(),
         ] {
             assert!(got.lines().any(|l| l == line), "missing {line} in:\n{got}");
         }
+    }
+
+    #[test]
+    fn a_metered_run_gets_its_proxy_prefix_as_model_url_and_openai_base_url() {
+        let ws = Path::new("/ws");
+        let mut s = env_spec(ws);
+        let get = |s: &RunSpec, k: &str| s.env().into_iter().find(|(n, _)| *n == k).map(|(_, v)| v);
+        assert_eq!(get(&s, "OPENAI_BASE_URL"), None, "not metered: left alone");
+        assert_eq!(s.render("{model_url}"), "'http://127.0.0.1:11434'");
+        s.model_url = Some("http://127.0.0.1:4242/run/r7".into());
+        assert_eq!(
+            get(&s, "AUTOMATON_MODEL_URL").as_deref(),
+            Some("http://127.0.0.1:4242/run/r7")
+        );
+        assert_eq!(
+            get(&s, "OPENAI_BASE_URL").as_deref(),
+            Some("http://127.0.0.1:4242/run/r7/v1")
+        );
+        assert_eq!(
+            get(&s, "AUTOMATON_MODEL_SERVER").as_deref(),
+            Some("http://127.0.0.1:11434")
+        );
+        assert_eq!(
+            s.render("curl {model_url}/v1/models"),
+            "curl 'http://127.0.0.1:4242/run/r7'/v1/models"
+        );
     }
 
     /// Run by `worker_token_is_not_passed_to_the_agent` in a copy of this test binary whose

@@ -41,8 +41,8 @@ struct Cli {
     /// The agent to run for each assignment: `scripted` (the built-in deterministic agent)
     /// or a command template run with `sh -c` in the workspace, e.g.
     /// `aider --yes-always --message-file {prompt_file}` (placeholders: {workspace},
-    /// {prompt_file}, {task}, {phase}, {artifact}; see docs/worker.md). Without it the worker
-    /// holds its session but takes no work.
+    /// {prompt_file}, {task}, {phase}, {artifact}, {model_url}; see docs/worker.md). Without
+    /// it the worker holds its session but takes no work.
     #[arg(long, value_name = "AGENT")]
     agent: Option<String>,
     /// Where fresh workspaces are made (default: a folder under the system's temp dir).
@@ -54,6 +54,11 @@ struct Cli {
     /// Between SIGTERM and SIGKILL of a stopped agent's process group.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     kill_grace: Duration,
+    /// Read each run's peak context from the model server's answers: agents are pointed at a
+    /// proxy in front of `--model-server` ($AUTOMATON_MODEL_URL, $OPENAI_BASE_URL). Default:
+    /// on whenever an agent runs and `--model-server` is a plain http:// URL.
+    #[arg(long, value_name = "on|off", value_parser = ["on", "off"])]
+    meter_usage: Option<String>,
     /// Log format on stderr: text (default) or json.
     #[arg(long, value_name = "FORMAT", default_value = "text")]
     log_format: String,
@@ -164,6 +169,32 @@ fn join(cli: Cli) -> anyhow::Result<()> {
         replace: cli.replace,
         max_backoff: cli.max_backoff.max(Duration::from_millis(100)),
     };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let meter = match (
+        cli.meter_usage.as_deref(),
+        cli.detect.model_server.as_deref(),
+    ) {
+        (Some("off"), _) | (None, None) => None,
+        _ if cli.agent.is_none() => None,
+        (Some(_), None) => {
+            anyhow::bail!("--meter-usage on needs --model-server URL: the model server to meter")
+        }
+        (None, Some(url)) if !url.starts_with("http://") => {
+            tracing::info!(server = %url, "usage not metered: the metering proxy forwards plain http:// only");
+            None
+        }
+        (_, Some(url)) => {
+            let m = runtime
+                .block_on(automaton_worker::meter::Meter::start(url))
+                .context("give --model-server as http://HOST:PORT, or --meter-usage off")?;
+            tracing::info!(server = %url, proxy = %m.addr(), "metering model server usage");
+            Some(std::sync::Arc::new(m))
+        }
+    };
     let runner = match cli.agent.as_deref() {
         None => {
             tracing::info!("no --agent: this worker holds its session and takes no work");
@@ -202,17 +233,13 @@ fn join(cli: Cli) -> anyhow::Result<()> {
                 cache,
                 budget_tokens: probe.budget.max_peak_context_kb,
                 model_server: cli.detect.model_server.clone(),
+                meter,
                 num_ctx: probe.budget.num_ctx,
                 grace: cli.kill_grace,
                 bearer,
             }))
         }
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
     runtime.block_on(async move {
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         install_signals(stop_tx)?;

@@ -18,6 +18,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 use crate::agent::{AgentSpec, Outcome, RunSpec, RunState, Running, StopReason};
+use crate::meter::Peak;
 use crate::workspace::{Cache, InputFile, TreeFile, Workspace};
 
 /// Bytes per upload message.
@@ -31,6 +32,8 @@ pub struct Runner {
     pub cache: Cache,
     pub budget_tokens: u64,
     pub model_server: Option<String>,
+    /// The metering proxy in front of the model server, when usage is metered.
+    pub meter: Option<Arc<crate::meter::Meter>>,
     pub num_ctx: Option<u64>,
     /// Between SIGTERM and SIGKILL of the agent's group.
     pub grace: Duration,
@@ -95,7 +98,7 @@ impl Report {
         reason: Option<StopReason>,
         detail: &str,
         code: Option<i32>,
-        peak: Option<u64>,
+        peak: Option<Peak>,
     ) {
         let _ = self.tx.send(pb::RunUpdate {
             lease_id: self.lease_id.clone(),
@@ -106,7 +109,8 @@ impl Report {
             stop_reason: reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
             detail: detail.into(),
             exit_code: code.unwrap_or(-1),
-            peak_context_tokens: peak.unwrap_or(0),
+            peak_context_tokens: peak.map_or(0, |p| p.tokens),
+            peak_context_source: peak.map(|p| p.source.as_str().into()).unwrap_or_default(),
         });
     }
 }
@@ -149,7 +153,15 @@ pub async fn run(
             Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
             Err(Failed::Error(why)) => (StopReason::AgentError, why, None, None),
         };
-    tracing::info!(task = %a.task, phase = %a.phase, reason = %reason, detail = %detail, "run stopped");
+    tracing::info!(
+        task = %a.task,
+        phase = %a.phase,
+        reason = %reason,
+        detail = %detail,
+        peak_context_tokens = peak.map_or(0, |p| p.tokens),
+        peak_source = peak.map_or("none", |p| p.source.as_str()),
+        "run stopped"
+    );
     report.send_peak(RunState::Stopped, Some(reason), &detail, code, peak);
 }
 
@@ -161,7 +173,7 @@ async fn attempt(
     stop: watch::Receiver<Option<StopReason>>,
     report: &Report,
     finishing: &std::sync::atomic::AtomicBool,
-) -> Result<(Outcome, Option<u64>), Failed> {
+) -> Result<(Outcome, Option<Peak>), Failed> {
     let phase: State = a
         .phase
         .parse()
@@ -195,6 +207,9 @@ async fn attempt(
     );
     spec.budget_tokens = runner.budget_tokens;
     spec.model_server = runner.model_server.clone();
+    // Held to the end of the attempt: the run's prefix answers 404 once it is dropped.
+    let metered = runner.meter.as_ref().map(|m| m.register());
+    spec.model_url = metered.as_ref().map(|m| m.url().to_string());
     spec.num_ctx = runner.num_ctx;
     spec.estimated_tokens = (a.estimated_tokens > 0).then_some(a.estimated_tokens);
     spec.grace = runner.grace;
@@ -213,7 +228,17 @@ async fn attempt(
     };
     let max = Duration::from_millis(a.max_phase_time_ms.max(1));
     let outcome = running.wait(max, stopped(stop.clone())).await;
-    let peak = crate::agent::reported_peak(ws.dir());
+    let usage = metered.as_ref().map(|m| m.usage());
+    if let Some(u) = usage {
+        tracing::info!(
+            task = %a.task,
+            requests = u.requests,
+            with_usage = u.counted,
+            peak_context_tokens = u.peak.unwrap_or(0),
+            "model server usage"
+        );
+    }
+    let peak = crate::meter::peak_of(crate::agent::reported_peak(ws.dir()), usage);
     if outcome.reason != StopReason::Completed {
         // Nothing of a run that did not complete is kept or sent.
         let _ = ws.discard();
