@@ -9,6 +9,8 @@
 mod backend;
 mod demo;
 mod render;
+mod top;
+mod watch;
 mod workers;
 
 use std::io::Write;
@@ -47,6 +49,10 @@ pub enum Command {
     Approve(workers::ApproveArgs),
     /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
     Tasks(workers::TasksArgs),
+    /// The coordinator's events as they happen, one line each (`--json`: one object each).
+    Watch(watch::WatchArgs),
+    /// A live dashboard of the fleet and the tasks (needs a terminal; `q` quits).
+    Top(top::TopArgs),
     /// The whole product on this machine: a coordinator and three simulated GPU workers take
     /// a task planned in two waves of sub-tasks to `complete`, approving gates themselves.
     Demo(demo::DemoArgs),
@@ -245,6 +251,8 @@ pub fn run(cli: Cli) -> i32 {
             }
         }
         Command::Tasks(args) => workers::tasks(&args),
+        Command::Watch(args) => watch::run(&args),
+        Command::Top(args) => top::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Status(args) => {
             let json = args.json;
