@@ -1,6 +1,7 @@
 //! `automaton top`: a full-screen dashboard of the fleet and the tasks. Each event on the
 //! coordinator's stream triggers a re-fetch of `ListWorkers` and `ListTasks` (at most four a
-//! second), a 1 s tick ages the heartbeats; `q`, Esc or Ctrl-C quit and restore the terminal.
+//! second); a quiet second re-fetches the workers alone and a 1 s tick redraws, so heartbeat
+//! ages stay true; `q`, Esc or Ctrl-C quit and restore the terminal.
 //!
 //! The proto messages become a [`Snapshot`] in one function ([`snapshot`]); drawing is a pure
 //! function of that snapshot ([`render`]), tested with ratatui's `TestBackend`.
@@ -466,15 +467,22 @@ impl Drop for Tui {
     }
 }
 
-/// Fetches both lists from the coordinator's current address (re-using the channel while
-/// the address stays the same).
-async fn fetch(link: &Link, cache: &mut Option<(String, Channel)>) -> Result<Snapshot, Failure> {
+/// What the refresher keeps between fetches: the channel (while the address stays the same)
+/// and the last task list (a tick re-fetches only the workers).
+#[derive(Default)]
+struct Cache {
+    channel: Option<(String, Channel)>,
+    tasks: Option<Vec<pb::TaskSummary>>,
+}
+
+/// Fetches the workers, and the tasks when `tasks` is set or none were fetched yet.
+async fn fetch(link: &Link, cache: &mut Cache, tasks: bool) -> Result<Snapshot, Failure> {
     let address = link.address(WHAT)?;
-    let channel = match cache {
+    let channel = match &cache.channel {
         Some((a, c)) if *a == address => c.clone(),
         _ => {
             let c = Link::channel(&address)?;
-            *cache = Some((address, c.clone()));
+            cache.channel = Some((address, c.clone()));
             c
         }
     };
@@ -483,11 +491,18 @@ async fn fetch(link: &Link, cache: &mut Option<(String, Channel)>) -> Result<Sna
         .await?
         .into_inner()
         .workers;
-    let tasks = pb::tasks_client::TasksClient::new(channel)
-        .list_tasks(link.request(pb::ListTasksRequest {}, Some(CALL)))
-        .await?
-        .into_inner()
-        .tasks;
+    let tasks = match (&cache.tasks, tasks) {
+        (Some(t), false) => t.clone(),
+        _ => {
+            let t = pb::tasks_client::TasksClient::new(channel)
+                .list_tasks(link.request(pb::ListTasksRequest {}, Some(CALL)))
+                .await?
+                .into_inner()
+                .tasks;
+            cache.tasks = Some(t.clone());
+            t
+        }
+    };
     Ok(snapshot(workers, tasks))
 }
 
@@ -526,17 +541,47 @@ async fn follow(link: Arc<Link>, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
     }
 }
 
-/// Re-fetches when woken; at most four times a second, however fast events come (wake-ups
-/// during a fetch or the pause after it collapse into one).
-async fn refresh(link: Arc<Link>, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
-    let mut cache = None;
+/// When to fetch: everything when an event woke it, at most four times a second however
+/// fast events come (wake-ups during a fetch or the pause after it collapse into one); the
+/// workers alone after a quiet second, so heartbeat ages stay true between events.
+struct Pacer {
+    wake: Arc<Notify>,
+    last_full: Option<tokio::time::Instant>,
+}
+
+impl Pacer {
+    const GAP: Duration = Duration::from_millis(250);
+    const QUIET: Duration = Duration::from_secs(1);
+
+    /// Waits for the next fetch; true when it should fetch everything.
+    async fn next(&mut self) -> bool {
+        if let Some(t) = self.last_full {
+            tokio::time::sleep_until(t + Pacer::GAP).await;
+        }
+        let everything = tokio::select! {
+            _ = self.wake.notified() => true,
+            _ = tokio::time::sleep(Pacer::QUIET) => false,
+        };
+        if everything {
+            self.last_full = Some(tokio::time::Instant::now());
+        }
+        everything
+    }
+}
+
+async fn refresh(link: Arc<Link>, mut cache: Cache, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
+    let mut pacer = Pacer {
+        wake,
+        last_full: None,
+    };
     loop {
-        wake.notified().await;
-        let s = fetch(&link, &mut cache).await.map_err(|f| describe(&f));
+        let everything = pacer.next().await;
+        let s = fetch(&link, &mut cache, everything)
+            .await
+            .map_err(|f| describe(&f));
         if tx.send(Update::Snapshot(s)).await.is_err() {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 
@@ -575,8 +620,8 @@ fn keys(tx: mpsc::Sender<Update>) {
 async fn dashboard(link: Link) -> Result<(), Failure> {
     let mut address = link.address(WHAT)?;
     // Before the screen changes: a coordinator that cannot answer is a one-line error.
-    let mut cache = None;
-    let mut snap = fetch(&link, &mut cache).await?;
+    let mut cache = Cache::default();
+    let mut snap = fetch(&link, &mut cache, true).await?;
     let mut fetched = Instant::now();
     let mut stream_state = "connecting".to_string();
     let mut fetch_error: Option<String> = None;
@@ -587,7 +632,7 @@ async fn dashboard(link: Link) -> Result<(), Failure> {
     let (tx, mut rx) = mpsc::channel(64);
     let wake = Arc::new(Notify::new());
     let follower = tokio::spawn(follow(link.clone(), tx.clone(), wake.clone()));
-    let refresher = tokio::spawn(refresh(link.clone(), tx.clone(), wake));
+    let refresher = tokio::spawn(refresh(link.clone(), cache, tx.clone(), wake));
     keys(tx);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let interrupted = tokio::signal::ctrl_c();
@@ -847,6 +892,47 @@ mod tests {
         }
         // At the minimum, the dashboard itself.
         assert!(draw(&fleet(), MIN_WIDTH, MIN_HEIGHT).contains("gpu-a"));
+    }
+
+    #[tokio::test]
+    async fn refreshes_are_paced_to_four_a_second_however_fast_events_come() {
+        let wake = Arc::new(Notify::new());
+        let storm = {
+            let wake = wake.clone();
+            tokio::spawn(async move {
+                loop {
+                    wake.notify_one();
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        };
+        let mut pacer = Pacer {
+            wake,
+            last_full: None,
+        };
+        let start = tokio::time::Instant::now();
+        let mut full = 0;
+        while start.elapsed() < Duration::from_secs(2) {
+            assert!(
+                pacer.next().await,
+                "events keep coming: every fetch is a full one"
+            );
+            full += 1;
+        }
+        storm.abort();
+        // 2 s at one per 250 ms, plus the first at once.
+        assert!((5..=9).contains(&full), "{full} full fetches in 2 s");
+    }
+
+    #[tokio::test]
+    async fn a_quiet_second_fetches_the_workers_alone() {
+        let mut pacer = Pacer {
+            wake: Arc::new(Notify::new()),
+            last_full: None,
+        };
+        let start = tokio::time::Instant::now();
+        assert!(!pacer.next().await);
+        assert!(start.elapsed() >= Pacer::QUIET);
     }
 
     #[test]
