@@ -423,8 +423,31 @@ impl Tmux {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    fn screen(&self) -> String {
-        self.cmd(&["capture-pane", "-p", "-t", "top"])
+    /// Runs `script` (sh) in a new detached session `name` of 120×32.
+    fn session(&self, name: &str, script: &str) {
+        let path = self.dir.path().join(format!("{name}.sh"));
+        std::fs::write(&path, script).expect("write the session's script");
+        let run = format!("sh '{}'", path.to_string_lossy());
+        self.cmd(&[
+            "new-session",
+            "-d",
+            "-s",
+            name,
+            "-x",
+            "120",
+            "-y",
+            "32",
+            &run,
+        ]);
+    }
+
+    /// What session `name` shows, `-e`: with its colours as escape sequences.
+    fn screen_of(&self, name: &str, escapes: bool) -> String {
+        let mut args = vec!["capture-pane", "-p", "-t", name];
+        if escapes {
+            args.push("-e");
+        }
+        self.cmd(&args)
     }
 
     fn format(&self, f: &str) -> String {
@@ -433,11 +456,15 @@ impl Tmux {
             .to_string()
     }
 
-    /// Waits (bounded) until the screen shows every one of `needles`.
     fn wait_screen(&self, needles: &[&str], timeout: Duration) -> String {
+        self.wait_screen_of("top", needles, timeout)
+    }
+
+    /// Waits (bounded) until session `name` shows every one of `needles`.
+    fn wait_screen_of(&self, name: &str, needles: &[&str], timeout: Duration) -> String {
         let deadline = Instant::now() + timeout;
         loop {
-            let s = self.screen();
+            let s = self.screen_of(name, false);
             if needles.iter().all(|n| s.contains(n)) {
                 return s;
             }
@@ -460,19 +487,18 @@ impl Drop for Tmux {
     }
 }
 
-fn top_script(env: &Env, dir: &Path) -> std::path::PathBuf {
-    let q = |p: &Path| format!("'{}'", p.to_string_lossy().replace('\'', r"'\''"));
-    let unset: Vec<&str> = SCRUBBED_ENV.to_vec();
-    let script = format!(
-        "unset {unset}\nexport HOME={home}\ncd {root}\n{cli} top --project {root}\necho \"top exited $?\"\nstty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e -icanon -e echo -e -echo | tr '\\n' ' '; echo\nexec sleep 600\n",
-        unset = unset.join(" "),
-        home = q(env.home.path()),
-        root = q(env.root()),
-        cli = q(&cli_bin()),
-    );
-    let path = dir.join("top.sh");
-    std::fs::write(&path, script).expect("write top.sh");
-    path
+/// A shell script's opening: no `AUTOMATON_*` from the machine, the test's HOME, the project.
+fn prelude(env: &Env) -> String {
+    format!(
+        "unset {}\nexport HOME={}\ncd {}\n",
+        SCRUBBED_ENV.join(" "),
+        quote(env.home.path()),
+        quote(env.root()),
+    )
+}
+
+fn quote(p: &Path) -> String {
+    format!("'{}'", p.to_string_lossy().replace('\'', r"'\''"))
 }
 
 #[tokio::test]
@@ -488,19 +514,16 @@ async fn top_in_tmux_shows_the_fleet_and_quits_on_q() {
     let mut api = coord.api().await;
     api.create("shown-task").await.expect("create");
 
-    let script = top_script(&env, tmux.dir.path());
-    let run = format!("sh '{}'", script.to_string_lossy());
-    tmux.cmd(&[
-        "new-session",
-        "-d",
-        "-s",
+    // After top: its exit code, then whether the terminal is back in cooked mode with echo.
+    tmux.session(
         "top",
-        "-x",
-        "120",
-        "-y",
-        "32",
-        &run,
-    ]);
+        &format!(
+            "{}{} top --project {}\necho \"top exited $?\"\nstty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e -icanon -e echo -e -echo | tr '\\n' ' '; echo\nexec sleep 600\n",
+            prelude(&env),
+            quote(&cli_bin()),
+            quote(env.root()),
+        ),
+    );
     let screen = tmux.wait_screen(
         &["gpu-top", "sim-top 48.0/48.0 GiB", "Tasks by phase (1)"],
         Duration::from_secs(30),
@@ -537,6 +560,51 @@ async fn top_in_tmux_shows_the_fleet_and_quits_on_q() {
     assert!(
         !after.contains("gpu-top"),
         "the dashboard is gone:\n{after}"
+    );
+}
+
+#[tokio::test]
+async fn watch_colours_kinds_on_a_terminal_unless_no_color() {
+    let tmux = Tmux::new();
+    let env = Env::new();
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    let watch = format!(
+        "{}{} watch --coordinator {}\nexec sleep 600\n",
+        prelude(&env),
+        quote(&cli_bin()),
+        coord.url
+    );
+    tmux.session("col", &watch);
+    tmux.session("nocol", &format!("export NO_COLOR=1\n{watch}"));
+    let mut shown = false;
+    for i in 1..=100 {
+        api.create(&format!("tty-{i}")).await.expect("create");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if ["col", "nocol"]
+            .iter()
+            .all(|s| tmux.screen_of(s, false).contains("task_created"))
+        {
+            shown = true;
+            break;
+        }
+    }
+    assert!(
+        shown,
+        "both watches show events:\n{}\n{}",
+        tmux.screen_of("col", false),
+        tmux.screen_of("nocol", false)
+    );
+    let coloured = tmux.screen_of("col", true);
+    assert!(
+        coloured.contains("\x1b[32mtask_created"),
+        "task_created in green on a terminal: {coloured:?}"
+    );
+    let plain = tmux.screen_of("nocol", true);
+    assert!(plain.contains("task_created"), "{plain:?}");
+    assert!(
+        !plain.contains("\x1b["),
+        "NO_COLOR: no colour at all: {plain:?}"
     );
 }
 

@@ -1,7 +1,8 @@
 //! The `automaton` command. `automaton status …` implements every command of the status
 //! script spec (seed 004) plus seed 001's leases, with the flags, output lines, messages
 //! and exit codes that prompts written for `status.py` expect; `--json` gives the same facts
-//! to machines.
+//! to machines. The operators' commands talk to the coordinator: `workers`, `tasks`, `stop`,
+//! `approve`, and the live views `watch` (the event stream) and `top` (a dashboard).
 //!
 //! This crate parses arguments and renders results. It must not decide policy: every check
 //! lives in `automaton-workflow` and every file operation in `automaton-store`.

@@ -179,17 +179,17 @@ fn colour(stdout_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> boo
 }
 
 /// The ANSI colour of a kind: green for progress, cyan for leases and dispatch, yellow for
-/// what ended or stalls, red for refusals and lost workers.
+/// what ended or stalls, red for refusals, lost workers and what needs a person.
 fn kind_colour(kind: &str) -> Option<&'static str> {
     Some(match kind {
-        "task_created" | "transitioned" | "approved" | "run_started" | "worker_joined"
-        | "worker_resumed" | "worker_undrained" | "task_resumed" => "32",
-        "lease_granted" | "lease_renewed" | "lease_released" | "dispatched" | "sizing_learned" => {
-            "36"
-        }
+        "task_created" | "subtask_created" | "transitioned" | "approved" | "run_started"
+        | "artifact_uploaded" | "code_committed" | "follow_up_created" | "parent_ended"
+        | "worker_joined" | "worker_resumed" | "worker_undrained" | "task_resumed" => "32",
+        "lease_granted" | "lease_renewed" | "lease_released" | "dispatched" | "assigned"
+        | "sizing_learned" => "36",
         "lease_expired" | "lease_lost" | "run_stopped" | "worker_left" | "worker_drained"
-        | "task_held" | "lagged" => "33",
-        "lease_refused" | "worker_lost" => "31",
+        | "task_held" | "subtask_orphaned" | "lagged" => "33",
+        "lease_refused" | "worker_lost" | "subtask_too_large" | "human_intervention" => "31",
         _ => return None,
     })
 }
@@ -205,7 +205,7 @@ fn text(e: &EventLine, colour: bool) -> String {
     };
     // The time of day: an event stream is read live; `--json` carries the whole timestamp.
     let time = e.at.split_once('T').map_or(e.at.as_str(), |(_, t)| t);
-    let kind = format!("{:<16}", e.kind);
+    let kind = format!("{:<17}", e.kind);
     let kind = match kind_colour(&e.kind) {
         Some(c) if colour => format!("\x1b[{c}m{kind}\x1b[0m"),
         _ => kind,
