@@ -542,7 +542,7 @@ async fn top_in_tmux_shows_the_fleet_and_quits_on_q() {
     tmux.wait_screen(&["1  research"], Duration::from_secs(10));
 
     tmux.cmd(&["send-keys", "-t", "top", "q"]);
-    let after = tmux.wait_screen(&["top exited"], Duration::from_secs(10));
+    let after = tmux.wait_screen(&["top exited", "icanon"], Duration::from_secs(10));
     assert!(after.contains("top exited 0"), "{after}");
     // The terminal is given back: cooked mode with echo, main screen, cursor shown.
     let modes = after
@@ -561,6 +561,47 @@ async fn top_in_tmux_shows_the_fleet_and_quits_on_q() {
         !after.contains("gpu-top"),
         "the dashboard is gone:\n{after}"
     );
+}
+
+#[tokio::test]
+async fn top_restores_the_terminal_on_sigterm() {
+    let tmux = Tmux::new();
+    let env = Env::new();
+    let coord = Coord::start(&env, &[]);
+    let pid_file = tmux.dir.path().join("top.pid");
+    // The inner shell becomes `automaton top` (exec), in the foreground of the terminal.
+    tmux.session(
+        "top",
+        &format!(
+            "{}sh -c 'echo $$ > \"$0\"; exec \"$1\" top --coordinator \"$2\"' {} {} {}\necho \"top exited $?\"\nstty -a | tr ' ;' '\\n\\n' | grep -x -e icanon -e -icanon -e echo -e -echo | tr '\\n' ' '; echo\nexec sleep 600\n",
+            prelude(&env),
+            quote(&pid_file),
+            quote(&cli_bin()),
+            coord.url,
+        ),
+    );
+    tmux.wait_screen(&["automaton top", "No workers"], Duration::from_secs(30));
+    assert_eq!(tmux.format("#{alternate_on}"), "1");
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .expect("top's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    signal(pid, "-TERM");
+    let after = tmux.wait_screen(&["top exited", "icanon"], Duration::from_secs(10));
+    assert!(after.contains("top exited 0"), "{after}");
+    let modes = after
+        .lines()
+        .skip_while(|l| !l.contains("top exited"))
+        .nth(1)
+        .unwrap_or("");
+    assert_eq!(
+        modes.split_whitespace().collect::<Vec<_>>(),
+        ["icanon", "echo"],
+        "{after}"
+    );
+    assert_eq!(tmux.format("#{alternate_on}"), "0", "{after}");
+    assert_eq!(tmux.format("#{cursor_flag}"), "1", "{after}");
 }
 
 #[tokio::test]

@@ -1,7 +1,7 @@
 //! `automaton top`: a full-screen dashboard of the fleet and the tasks. Each event on the
 //! coordinator's stream triggers a re-fetch of `ListWorkers` and `ListTasks` (at most four a
 //! second); a quiet second re-fetches the workers alone and a 1 s tick redraws, so heartbeat
-//! ages stay true; `q`, Esc or Ctrl-C quit and restore the terminal.
+//! ages stay true; `q`, Esc, Ctrl-C (or SIGINT, SIGTERM, SIGHUP) quit and restore the terminal.
 //!
 //! The proto messages become a [`Snapshot`] in one function ([`snapshot`]); drawing is a pure
 //! function of that snapshot ([`render`]), tested with ratatui's `TestBackend`.
@@ -617,6 +617,25 @@ fn keys(tx: mpsc::Sender<Update>) {
     });
 }
 
+/// Resolves on SIGINT, SIGTERM or SIGHUP (the terminal went away): every way the dashboard is
+/// told to stop gives the terminal back. A signal that cannot be watched never fires.
+async fn stopped() {
+    use tokio::signal::unix::{Signal, SignalKind, signal};
+    async fn on(s: Option<Signal>) {
+        match s {
+            Some(mut s) => {
+                s.recv().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+    tokio::select! {
+        _ = on(signal(SignalKind::interrupt()).ok()) => {}
+        _ = on(signal(SignalKind::terminate()).ok()) => {}
+        _ = on(signal(SignalKind::hangup()).ok()) => {}
+    }
+}
+
 async fn dashboard(link: Link) -> Result<(), Failure> {
     let mut address = link.address(WHAT)?;
     // Before the screen changes: a coordinator that cannot answer is a one-line error.
@@ -635,7 +654,7 @@ async fn dashboard(link: Link) -> Result<(), Failure> {
     let refresher = tokio::spawn(refresh(link.clone(), cache, tx.clone(), wake));
     keys(tx);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    let interrupted = tokio::signal::ctrl_c();
+    let interrupted = stopped();
     tokio::pin!(interrupted);
     let outcome = loop {
         let link_text = fetch_error.as_deref().unwrap_or(&stream_state);
