@@ -311,6 +311,30 @@ fn watch_without_a_coordinator_fails_in_one_line() {
     );
 }
 
+#[test]
+fn watch_with_a_wrong_token_fails_in_one_line() {
+    let env = Env::with_config(TOKENS_TOML);
+    let coord = Coord::start(&env, &[]);
+    for (token, says) in [
+        (None, "no bearer token"),
+        (Some("not-a-token"), "unknown bearer token"),
+    ] {
+        let mut c = Command::new(cli_bin());
+        c.args(["watch", "--coordinator", &coord.url]);
+        for k in SCRUBBED_ENV {
+            c.env_remove(k);
+        }
+        if let Some(t) = token {
+            c.env("AUTOMATON_TOKEN", t);
+        }
+        c.env("HOME", env.home.path()).current_dir(env.root());
+        let run = run_bounded(c, Duration::from_secs(30));
+        run.code(1);
+        assert_eq!(run.stderr.lines().count(), 1, "{}", run.stderr);
+        assert!(run.error_line().contains(says), "{}", run.stderr);
+    }
+}
+
 // Multi-threaded: the restart below blocks this thread while the coordinator waits for this
 // test's own connection to close.
 #[tokio::test(flavor = "multi_thread")]

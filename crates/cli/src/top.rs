@@ -217,6 +217,10 @@ fn age(d: Duration) -> String {
     }
 }
 
+fn count(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
 fn gpu_text(w: &WorkerRow) -> String {
     if w.gpus.is_empty() {
         return "none".into();
@@ -285,14 +289,15 @@ pub(crate) fn render(frame: &mut Frame, s: &Screen) {
     frame.render_widget(
         Paragraph::new(Line::from(vec![
             Span::styled("automaton top", Style::new().add_modifier(Modifier::BOLD)),
-            Span::raw(format!("  {}  ", s.address)),
-            Span::styled(s.link.to_string(), link_style),
             Span::raw(format!(
-                "  {} workers, {} tasks, updated {} ago  (q quits)",
-                snap.workers.len(),
-                snap.tasks,
+                " (q quits)  {}  {}, {}, updated {} ago  ",
+                s.address,
+                count(snap.workers.len(), "worker"),
+                count(snap.tasks, "task"),
                 age(s.since)
             )),
+            // Last: the reason the screen may be behind can be long.
+            Span::styled(s.link.to_string(), link_style),
         ])),
         head,
     );
@@ -794,11 +799,15 @@ mod tests {
     }
 
     fn draw(snap: &Snapshot, w: u16, h: u16) -> String {
+        draw_with(snap, w, h, "live")
+    }
+
+    fn draw_with(snap: &Snapshot, w: u16, h: u16, link: &str) -> String {
         let mut terminal = Terminal::new(TestBackend::new(w, h)).expect("test backend");
         let screen = Screen {
             snapshot: snap,
             address: "http://127.0.0.1:7070",
-            link: "live",
+            link,
             since: Duration::from_millis(600),
         };
         terminal
@@ -952,6 +961,28 @@ mod tests {
         let start = tokio::time::Instant::now();
         assert!(!pacer.next().await);
         assert!(start.elapsed() >= Pacer::QUIET);
+    }
+
+    #[test]
+    fn header_shows_the_counts_and_why_the_screen_may_be_behind() {
+        let screen = draw_with(&fleet(), 140, 30, "reconnecting (connection refused)");
+        let head = screen.lines().next().unwrap_or("");
+        assert!(head.contains("(q quits)  http://127.0.0.1:7070"), "{head}");
+        assert!(
+            head.contains("3 workers, 7 tasks, updated 0.6s ago"),
+            "{head}"
+        );
+        assert!(
+            head.trim_end()
+                .ends_with("reconnecting (connection refused)"),
+            "{head}"
+        );
+        let one = snapshot(
+            vec![worker("gpu-a", "idle", vec![], 0)],
+            vec![task("t", "new")],
+        );
+        let head = draw(&one, 140, 30);
+        assert!(head.contains("1 worker, 1 task,"), "{head}");
     }
 
     #[test]

@@ -106,7 +106,14 @@ impl Link {
         let mut client = pb::events_client::EventsClient::new(Link::channel(&address)?);
         let stream = client
             .watch_events(self.request(pb::WatchEventsRequest {}, None))
-            .await?
+            .await
+            .map_err(|s| match s.code() {
+                // Retrying cannot cure these: the caller is told, not made to wait.
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                    Failure::Refused(s.message().to_string())
+                }
+                _ => Failure::from(s),
+            })?
             .into_inner();
         Ok((address, stream))
     }
@@ -306,10 +313,16 @@ async fn watch(args: &WatchArgs, filter: Option<&TaskName>) -> Result<End, Failu
                 o = link.events(WHAT) => o,
                 _ = &mut interrupted => return Ok(End::Stopped),
             };
-            if let Ok((a, s)) = opened {
-                (address, stream) = (a, s);
-                eprintln!("automaton watch: reconnected to {address}");
-                break;
+            match opened {
+                Ok((a, s)) => {
+                    (address, stream) = (a, s);
+                    eprintln!("automaton watch: reconnected to {address}");
+                    break;
+                }
+                // The restarted coordinator does not accept our token.
+                Err(f @ Failure::Refused(_)) => return Err(f),
+                // Not back yet.
+                Err(_) => {}
             }
         }
     }
