@@ -15,6 +15,7 @@ mod model_server;
 mod restart;
 mod service;
 mod usage;
+mod views;
 mod waves;
 mod work;
 mod workers;

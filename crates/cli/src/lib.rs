@@ -1,7 +1,8 @@
 //! The `automaton` command. `automaton status …` implements every command of the status
 //! script spec (seed 004) plus seed 001's leases, with the flags, output lines, messages
 //! and exit codes that prompts written for `status.py` expect; `--json` gives the same facts
-//! to machines.
+//! to machines. The operators' commands talk to the coordinator: `workers`, `tasks`, `stop`,
+//! `approve`, and the live views `watch` (the event stream) and `top` (a dashboard).
 //!
 //! This crate parses arguments and renders results. It must not decide policy: every check
 //! lives in `automaton-workflow` and every file operation in `automaton-store`.
@@ -9,6 +10,8 @@
 mod backend;
 mod demo;
 mod render;
+mod top;
+mod watch;
 mod workers;
 
 use std::io::Write;
@@ -47,6 +50,10 @@ pub enum Command {
     Approve(workers::ApproveArgs),
     /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
     Tasks(workers::TasksArgs),
+    /// The coordinator's events as they happen, one line each (`--json`: one object each).
+    Watch(watch::WatchArgs),
+    /// A live dashboard of the fleet and the tasks (needs a terminal; `q` quits).
+    Top(top::TopArgs),
     /// The whole product on this machine: a coordinator and three simulated GPU workers take
     /// a task planned in two waves of sub-tasks to `complete`, approving gates themselves.
     Demo(demo::DemoArgs),
@@ -245,6 +252,8 @@ pub fn run(cli: Cli) -> i32 {
             }
         }
         Command::Tasks(args) => workers::tasks(&args),
+        Command::Watch(args) => watch::run(&args),
+        Command::Top(args) => top::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Status(args) => {
             let json = args.json;

@@ -1,0 +1,998 @@
+//! `automaton top`: a full-screen dashboard of the fleet and the tasks. Each event on the
+//! coordinator's stream triggers a re-fetch of `ListWorkers` and `ListTasks` (at most four a
+//! second); a quiet second re-fetches the workers alone and a 1 s tick redraws, so heartbeat
+//! ages stay true; `q`, Esc, Ctrl-C (or SIGINT, SIGTERM, SIGHUP) quit and restore the terminal.
+//!
+//! The proto messages become a [`Snapshot`] in one function ([`snapshot`]); drawing is a pure
+//! function of that snapshot ([`render`]), tested with ratatui's `TestBackend`.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Stdout};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use automaton_proto::v1 as pb;
+use automaton_workflow::State;
+use clap::Args;
+use ratatui::Frame;
+use ratatui::Terminal;
+use ratatui::backend::CrosstermBackend;
+use ratatui::layout::{Constraint, Layout};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Cell, Paragraph, Row, Table};
+use tokio::sync::{Notify, mpsc};
+use tonic::transport::Channel;
+
+use crate::backend::Failure;
+use crate::watch::{Link, backoff, describe};
+
+const WHAT: &str = "automaton top";
+
+/// The deadline of each `ListWorkers` / `ListTasks` call.
+const CALL: Duration = Duration::from_secs(5);
+
+/// The smallest terminal the dashboard is drawn in; below it, one line says so.
+pub(crate) const MIN_WIDTH: u16 = 72;
+pub(crate) const MIN_HEIGHT: u16 = 16;
+
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Project folder (default: the current directory): finds its coordinator.
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+}
+
+/// The fleet and the tasks as of one fetch.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Snapshot {
+    pub workers: Vec<WorkerRow>,
+    /// Tasks and sub-tasks.
+    pub tasks: usize,
+    /// `(state, how many)`, in lifecycle order; unknown states last.
+    pub phases: Vec<(String, usize)>,
+    /// Decomposed tasks and their waves.
+    pub parents: Vec<Parent>,
+    /// `(task, why it waits)`: for a worker, for a person, or held.
+    pub waiting: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct WorkerRow {
+    pub name: String,
+    /// `idle`, `busy`, `draining`, `reconnecting`, `lost`.
+    pub state: String,
+    pub gpus: Vec<Gpu>,
+    pub simulated: bool,
+    /// The largest sub-task it takes (estimated peak context, tokens).
+    pub budget_tokens: u64,
+    /// `task (phase, run state)` per lease.
+    pub work: Vec<String>,
+    /// Heartbeat age when fetched.
+    pub heard: Duration,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Gpu {
+    pub name: String,
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Parent {
+    pub task: String,
+    pub state: String,
+    pub waves: Vec<Wave>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Wave {
+    pub number: u32,
+    /// Sub-tasks that reached a terminal state (`complete`, `human_intervention`).
+    pub done: usize,
+    pub total: usize,
+}
+
+/// The only place that reads the coordinator's messages: everything `top` shows comes
+/// through here.
+pub(crate) fn snapshot(workers: Vec<pb::WorkerInfo>, tasks: Vec<pb::TaskSummary>) -> Snapshot {
+    let workers = workers
+        .into_iter()
+        .map(|w| WorkerRow {
+            work: w
+                .leases
+                .iter()
+                .map(|l| match w.runs.iter().find(|r| r.phase == l.phase) {
+                    Some(r) => format!("{} ({}, run {})", l.task, l.phase, r.state),
+                    None => format!("{} ({})", l.task, l.phase),
+                })
+                .collect(),
+            gpus: w
+                .gpus
+                .into_iter()
+                .map(|g| Gpu {
+                    name: g.name,
+                    free_bytes: g.free_bytes,
+                    total_bytes: g.total_bytes,
+                })
+                .collect(),
+            budget_tokens: w.budget.map_or(0, |b| b.max_peak_context_kb),
+            heard: Duration::from_millis(w.heartbeat_age_ms),
+            name: w.name,
+            state: w.state,
+            simulated: w.simulated,
+        })
+        .collect();
+    let all: Vec<&pb::TaskSummary> = tasks
+        .iter()
+        .flat_map(|t| std::iter::once(t).chain(t.subtasks.iter()))
+        .collect();
+    // Known states in lifecycle order (`State`'s order), then whatever else came.
+    let mut phases: BTreeMap<(Option<State>, String), usize> = BTreeMap::new();
+    for t in &all {
+        let key = match t.state.parse::<State>() {
+            Ok(s) => (Some(s), t.state.clone()),
+            Err(_) if t.state.is_empty() => (None, "unknown".to_string()),
+            Err(_) => (None, t.state.clone()),
+        };
+        *phases.entry(key).or_default() += 1;
+    }
+    let (known, unknown): (Vec<_>, Vec<_>) =
+        phases.into_iter().partition(|((s, _), _)| s.is_some());
+    let phases = known
+        .into_iter()
+        .chain(unknown)
+        .map(|((_, name), n)| (name, n))
+        .collect();
+    let parents = tasks
+        .iter()
+        .filter_map(|t| {
+            let mut waves: BTreeMap<u32, Wave> = BTreeMap::new();
+            for s in t.subtasks.iter().filter(|s| s.wave > 0) {
+                let w = waves.entry(s.wave).or_insert_with(|| Wave {
+                    number: s.wave,
+                    ..Wave::default()
+                });
+                w.total += 1;
+                if s.state.parse::<State>().is_ok_and(State::is_terminal) {
+                    w.done += 1;
+                }
+            }
+            (!waves.is_empty()).then(|| Parent {
+                task: t.task.clone(),
+                state: t.state.clone(),
+                waves: waves.into_values().collect(),
+            })
+        })
+        .collect();
+    let waiting = all
+        .iter()
+        .filter_map(|t| {
+            let why = if !t.held.is_empty() {
+                format!("HELD: {}", t.held)
+            } else if !t.waiting.is_empty() {
+                t.waiting.clone()
+            } else if t.state.ends_with(":awaiting_approval") {
+                format!("awaits approval: automaton approve {}", t.task)
+            } else {
+                return None;
+            };
+            Some((t.task.clone(), why))
+        })
+        .collect();
+    Snapshot {
+        workers,
+        tasks: all.len(),
+        phases,
+        parents,
+        waiting,
+    }
+}
+
+/// Everything one frame shows.
+pub(crate) struct Screen<'a> {
+    pub snapshot: &'a Snapshot,
+    pub address: &'a str,
+    /// `live`, or why the dashboard may be behind.
+    pub link: &'a str,
+    /// Since the snapshot was fetched (heartbeat ages grow by it).
+    pub since: Duration,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn age(d: Duration) -> String {
+    let s = d.as_secs();
+    if s < 60 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if s < 3600 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
+    }
+}
+
+fn count(n: usize, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
+fn gpu_text(w: &WorkerRow) -> String {
+    if w.gpus.is_empty() {
+        return "none".into();
+    }
+    let list: Vec<String> = w
+        .gpus
+        .iter()
+        .map(|g| {
+            format!(
+                "{} {:.1}/{:.1} GiB",
+                g.name,
+                g.free_bytes as f64 / GIB,
+                g.total_bytes as f64 / GIB
+            )
+        })
+        .collect();
+    format!(
+        "{}{}",
+        list.join(", "),
+        if w.simulated { " (sim)" } else { "" }
+    )
+}
+
+fn state_style(state: &str) -> Style {
+    match state {
+        "idle" => Style::new().fg(Color::Green),
+        "busy" => Style::new().fg(Color::Cyan),
+        "draining" | "reconnecting" => Style::new().fg(Color::Yellow),
+        "lost" => Style::new().fg(Color::Red),
+        _ => Style::new(),
+    }
+}
+
+fn width(cells: impl Iterator<Item = usize>, head: &str, cap: usize) -> Constraint {
+    let w = cells.max().unwrap_or(0).max(head.chars().count()).min(cap);
+    Constraint::Length(u16::try_from(w).unwrap_or(u16::MAX))
+}
+
+/// Draws one frame. Pure: the same screen gives the same cells.
+pub(crate) fn render(frame: &mut Frame, s: &Screen) {
+    let area = frame.area();
+    if area.width < MIN_WIDTH || area.height < MIN_HEIGHT {
+        let msg = format!(
+            "Terminal too small ({}x{}): automaton top needs {MIN_WIDTH}x{MIN_HEIGHT}. q quits.",
+            area.width, area.height
+        );
+        frame.render_widget(Paragraph::new(msg), area);
+        return;
+    }
+    let snap = s.snapshot;
+    let workers_h = u16::try_from(snap.workers.len().max(1) + 3).unwrap_or(u16::MAX);
+    let waiting_h = u16::try_from(snap.waiting.len().clamp(1, 8) + 2).unwrap_or(10);
+    let [head, workers, middle, waiting] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Max(workers_h),
+        Constraint::Min(5),
+        Constraint::Length(waiting_h),
+    ])
+    .areas(area);
+
+    let link_style = if s.link == "live" {
+        Style::new().fg(Color::Green)
+    } else {
+        Style::new().fg(Color::Yellow)
+    };
+    frame.render_widget(
+        Paragraph::new(Line::from(vec![
+            Span::styled("automaton top", Style::new().add_modifier(Modifier::BOLD)),
+            Span::raw(format!(
+                " (q quits)  {}  {}, {}, updated {} ago  ",
+                s.address,
+                count(snap.workers.len(), "worker"),
+                count(snap.tasks, "task"),
+                age(s.since)
+            )),
+            // Last: the reason the screen may be behind can be long.
+            Span::styled(s.link.to_string(), link_style),
+        ])),
+        head,
+    );
+
+    let block = |title: String| Block::new().borders(Borders::ALL).title(title);
+    if snap.workers.is_empty() {
+        frame.render_widget(
+            Paragraph::new(
+                "No workers: start automaton-worker --coordinator URL on each GPU machine.",
+            )
+            .block(block(" Workers ".into())),
+            workers,
+        );
+    } else {
+        let rows: Vec<[String; 6]> = snap
+            .workers
+            .iter()
+            .map(|w| {
+                [
+                    w.name.clone(),
+                    w.state.clone(),
+                    gpu_text(w),
+                    format!("{}k", w.budget_tokens / 1000),
+                    if w.work.is_empty() {
+                        "-".into()
+                    } else {
+                        w.work.join(", ")
+                    },
+                    age(w.heard + s.since),
+                ]
+            })
+            .collect();
+        let head = [
+            "NAME",
+            "STATE",
+            "GPU (FREE/TOTAL VRAM)",
+            "BUDGET",
+            "TASK (PHASE)",
+            "HEARD",
+        ];
+        let col =
+            |i: usize, cap: usize| width(rows.iter().map(|r| r[i].chars().count()), head[i], cap);
+        let widths = [
+            col(0, 24),
+            col(1, 12),
+            col(2, 48),
+            col(3, 8),
+            Constraint::Fill(1),
+            col(5, 8),
+        ];
+        let table = Table::new(
+            rows.iter().zip(&snap.workers).map(|(r, w)| {
+                Row::new(r.iter().enumerate().map(|(i, c)| {
+                    let cell = Cell::from(c.clone());
+                    if i == 1 {
+                        cell.style(state_style(&w.state))
+                    } else {
+                        cell
+                    }
+                }))
+            }),
+            widths,
+        )
+        .header(Row::new(head).style(Style::new().add_modifier(Modifier::BOLD)))
+        .block(block(format!(" Workers ({}) ", snap.workers.len())));
+        frame.render_widget(table, workers);
+    }
+
+    let [phases, waves] =
+        Layout::horizontal([Constraint::Length(36), Constraint::Fill(1)]).areas(middle);
+    let phase_lines: Vec<Line> = if snap.phases.is_empty() {
+        vec![Line::raw("No tasks")]
+    } else {
+        snap.phases
+            .iter()
+            .map(|(p, n)| Line::raw(format!("{n:>4}  {p}")))
+            .collect()
+    };
+    frame.render_widget(
+        Paragraph::new(phase_lines).block(block(format!(" Tasks by phase ({}) ", snap.tasks))),
+        phases,
+    );
+
+    let mut wave_lines: Vec<Line> = Vec::new();
+    for p in &snap.parents {
+        wave_lines.push(Line::from(vec![
+            Span::styled(p.task.clone(), Style::new().add_modifier(Modifier::BOLD)),
+            Span::raw(format!("  {}", p.state)),
+        ]));
+        let current = p.waves.iter().find(|w| w.done < w.total).map(|w| w.number);
+        for w in &p.waves {
+            let mut l = format!("  wave {}: {}/{}", w.number, w.done, w.total);
+            if Some(w.number) == current {
+                l.push_str("  <- now");
+            }
+            wave_lines.push(Line::raw(l));
+        }
+    }
+    if wave_lines.is_empty() {
+        wave_lines.push(Line::raw("No decomposed tasks"));
+    }
+    frame.render_widget(
+        Paragraph::new(wave_lines).block(block(" Waves (done/total) ".into())),
+        waves,
+    );
+
+    let wait_lines: Vec<Line> = if snap.waiting.is_empty() {
+        vec![Line::raw("Nothing waits")]
+    } else {
+        snap.waiting
+            .iter()
+            .map(|(t, why)| {
+                Line::from(vec![
+                    Span::styled(t.clone(), Style::new().add_modifier(Modifier::BOLD)),
+                    Span::raw(format!("  {why}")),
+                ])
+            })
+            .collect()
+    };
+    frame.render_widget(
+        Paragraph::new(wait_lines).block(block(format!(" Waiting ({}) ", snap.waiting.len()))),
+        waiting,
+    );
+}
+
+/// What the dashboard's loop reacts to.
+enum Update {
+    Snapshot(Result<Snapshot, String>),
+    /// `live`, or why the event stream is down.
+    Link(String),
+    Redraw,
+    Quit,
+}
+
+/// Raw mode and the alternate screen for as long as it lives; restored on drop, so every
+/// way out (quit, error, panic) gives the terminal back as it was.
+struct Tui;
+
+impl Tui {
+    fn enter() -> std::io::Result<(Tui, Terminal<CrosstermBackend<Stdout>>)> {
+        use ratatui::crossterm::{cursor, execute, terminal};
+        terminal::enable_raw_mode()?;
+        let tui = Tui;
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            Tui::restore();
+            previous(info);
+        }));
+        execute!(
+            std::io::stdout(),
+            terminal::EnterAlternateScreen,
+            cursor::Hide
+        )?;
+        let terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))?;
+        Ok((tui, terminal))
+    }
+
+    fn restore() {
+        use ratatui::crossterm::{cursor, execute, terminal};
+        let _ = terminal::disable_raw_mode();
+        let _ = execute!(
+            std::io::stdout(),
+            terminal::LeaveAlternateScreen,
+            cursor::Show
+        );
+    }
+}
+
+impl Drop for Tui {
+    fn drop(&mut self) {
+        Tui::restore();
+    }
+}
+
+/// What the refresher keeps between fetches: the channel (while the address stays the same)
+/// and the last task list (a tick re-fetches only the workers).
+#[derive(Default)]
+struct Cache {
+    channel: Option<(String, Channel)>,
+    tasks: Option<Vec<pb::TaskSummary>>,
+}
+
+/// Fetches the workers, and the tasks when `tasks` is set or none were fetched yet.
+async fn fetch(link: &Link, cache: &mut Cache, tasks: bool) -> Result<Snapshot, Failure> {
+    let address = link.address(WHAT)?;
+    let channel = match &cache.channel {
+        Some((a, c)) if *a == address => c.clone(),
+        _ => {
+            let c = Link::channel(&address)?;
+            cache.channel = Some((address, c.clone()));
+            c
+        }
+    };
+    let workers = pb::workers_client::WorkersClient::new(channel.clone())
+        .list_workers(link.request(pb::ListWorkersRequest {}, Some(CALL)))
+        .await?
+        .into_inner()
+        .workers;
+    let tasks = match (&cache.tasks, tasks) {
+        (Some(t), false) => t.clone(),
+        _ => {
+            let t = pb::tasks_client::TasksClient::new(channel)
+                .list_tasks(link.request(pb::ListTasksRequest {}, Some(CALL)))
+                .await?
+                .into_inner()
+                .tasks;
+            cache.tasks = Some(t.clone());
+            t
+        }
+    };
+    Ok(snapshot(workers, tasks))
+}
+
+/// Follows the event stream: every event wakes the refresher; a broken stream is reopened
+/// with backoff, and the dashboard says so meanwhile.
+async fn follow(link: Arc<Link>, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
+    let mut attempt = 0;
+    loop {
+        let why = match link.events(WHAT).await {
+            Ok((_, mut stream)) => {
+                attempt = 0;
+                if tx.send(Update::Link("live".into())).await.is_err() {
+                    return;
+                }
+                // What changed while the stream was down.
+                wake.notify_one();
+                loop {
+                    match stream.message().await {
+                        Ok(Some(_)) => wake.notify_one(),
+                        Ok(None) => break "the stream ended".to_string(),
+                        Err(s) => break s.message().to_string(),
+                    }
+                }
+            }
+            Err(f) => describe(&f),
+        };
+        if tx
+            .send(Update::Link(format!("reconnecting ({why})")))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        tokio::time::sleep(backoff(attempt)).await;
+        attempt = attempt.saturating_add(1);
+    }
+}
+
+/// When to fetch: everything when an event woke it, at most four times a second however
+/// fast events come (wake-ups during a fetch or the pause after it collapse into one); the
+/// workers alone after a quiet second, so heartbeat ages stay true between events.
+struct Pacer {
+    wake: Arc<Notify>,
+    last_full: Option<tokio::time::Instant>,
+}
+
+impl Pacer {
+    const GAP: Duration = Duration::from_millis(250);
+    const QUIET: Duration = Duration::from_secs(1);
+
+    /// Waits for the next fetch; true when it should fetch everything.
+    async fn next(&mut self) -> bool {
+        if let Some(t) = self.last_full {
+            tokio::time::sleep_until(t + Pacer::GAP).await;
+        }
+        let everything = tokio::select! {
+            _ = self.wake.notified() => true,
+            _ = tokio::time::sleep(Pacer::QUIET) => false,
+        };
+        if everything {
+            self.last_full = Some(tokio::time::Instant::now());
+        }
+        everything
+    }
+}
+
+async fn refresh(link: Arc<Link>, mut cache: Cache, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
+    let mut pacer = Pacer {
+        wake,
+        last_full: None,
+    };
+    loop {
+        let everything = pacer.next().await;
+        let s = fetch(&link, &mut cache, everything)
+            .await
+            .map_err(|f| describe(&f));
+        if tx.send(Update::Snapshot(s)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Reads keys on a thread of its own (crossterm's reads block) until the dashboard ends.
+fn keys(tx: mpsc::Sender<Update>) {
+    use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
+    std::thread::spawn(move || {
+        while !tx.is_closed() {
+            match event::poll(Duration::from_millis(100)) {
+                Ok(false) => continue,
+                Ok(true) => {}
+                Err(_) => {
+                    let _ = tx.blocking_send(Update::Quit);
+                    return;
+                }
+            }
+            let update = match event::read() {
+                Ok(Event::Key(k)) if k.kind == KeyEventKind::Press => match k.code {
+                    KeyCode::Char('q') | KeyCode::Esc => Update::Quit,
+                    KeyCode::Char('c') if k.modifiers.contains(KeyModifiers::CONTROL) => {
+                        Update::Quit
+                    }
+                    _ => continue,
+                },
+                Ok(Event::Resize(..)) => Update::Redraw,
+                Ok(_) => continue,
+                Err(_) => Update::Quit,
+            };
+            if tx.blocking_send(update).is_err() {
+                return;
+            }
+        }
+    });
+}
+
+/// Resolves on SIGINT, SIGTERM or SIGHUP (the terminal went away): every way the dashboard is
+/// told to stop gives the terminal back. A signal that cannot be watched never fires.
+async fn stopped() {
+    use tokio::signal::unix::{Signal, SignalKind, signal};
+    async fn on(s: Option<Signal>) {
+        match s {
+            Some(mut s) => {
+                s.recv().await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+    tokio::select! {
+        _ = on(signal(SignalKind::interrupt()).ok()) => {}
+        _ = on(signal(SignalKind::terminate()).ok()) => {}
+        _ = on(signal(SignalKind::hangup()).ok()) => {}
+    }
+}
+
+async fn dashboard(link: Link) -> Result<(), Failure> {
+    let mut address = link.address(WHAT)?;
+    // Before the screen changes: a coordinator that cannot answer is a one-line error.
+    let mut cache = Cache::default();
+    let mut snap = fetch(&link, &mut cache, true).await?;
+    let mut fetched = Instant::now();
+    let mut stream_state = "connecting".to_string();
+    let mut fetch_error: Option<String> = None;
+
+    let (_tui, mut terminal) =
+        Tui::enter().map_err(|e| Failure::Usage(format!("cannot take over the terminal: {e}")))?;
+    let link = Arc::new(link);
+    let (tx, mut rx) = mpsc::channel(64);
+    let wake = Arc::new(Notify::new());
+    let follower = tokio::spawn(follow(link.clone(), tx.clone(), wake.clone()));
+    let refresher = tokio::spawn(refresh(link.clone(), cache, tx.clone(), wake));
+    keys(tx);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let interrupted = stopped();
+    tokio::pin!(interrupted);
+    let outcome = loop {
+        let link_text = fetch_error.as_deref().unwrap_or(&stream_state);
+        let screen = Screen {
+            snapshot: &snap,
+            address: &address,
+            link: link_text,
+            since: fetched.elapsed(),
+        };
+        if let Err(e) = terminal.draw(|f| render(f, &screen)) {
+            break Err(Failure::Usage(format!("cannot draw on the terminal: {e}")));
+        }
+        tokio::select! {
+            u = rx.recv() => match u {
+                Some(Update::Snapshot(Ok(s))) => {
+                    snap = s;
+                    fetched = Instant::now();
+                    fetch_error = None;
+                    if let Ok(a) = link.address(WHAT) {
+                        address = a;
+                    }
+                }
+                Some(Update::Snapshot(Err(e))) => fetch_error = Some(format!("refresh failed ({e})")),
+                Some(Update::Link(l)) => stream_state = l,
+                Some(Update::Redraw) => {}
+                Some(Update::Quit) | None => break Ok(()),
+            },
+            _ = tick.tick() => {}
+            _ = &mut interrupted => break Ok(()),
+        }
+    };
+    follower.abort();
+    refresher.abort();
+    drop(terminal);
+    outcome
+}
+
+/// Runs `automaton top`; returns the exit code.
+pub fn run(args: &TopArgs) -> i32 {
+    let out = (|| {
+        if !std::io::stdout().is_terminal() {
+            return Err(Failure::Usage(
+                "automaton top needs a terminal; use `automaton watch --json`".into(),
+            ));
+        }
+        let link = Link::new(args.project.as_deref(), args.coordinator.as_deref())?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Failure::Usage(format!("cannot start the async runtime: {e}")))?;
+        runtime.block_on(dashboard(link))
+    })();
+    match out {
+        Ok(()) => 0,
+        Err(f) => crate::report_failure(f, false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratatui::backend::TestBackend;
+
+    fn gpu(name: &str, gib: u64, free_gib: u64) -> pb::Gpu {
+        pb::Gpu {
+            name: name.into(),
+            total_bytes: gib << 30,
+            free_bytes: free_gib << 30,
+            ..Default::default()
+        }
+    }
+
+    fn worker(name: &str, state: &str, gpus: Vec<pb::Gpu>, budget: u64) -> pb::WorkerInfo {
+        pb::WorkerInfo {
+            name: name.into(),
+            state: state.into(),
+            gpus,
+            simulated: true,
+            budget: Some(pb::Budget {
+                max_peak_context_kb: budget,
+                ..Default::default()
+            }),
+            heartbeat_age_ms: 400,
+            ..Default::default()
+        }
+    }
+
+    fn task(name: &str, state: &str) -> pb::TaskSummary {
+        pb::TaskSummary {
+            task: name.into(),
+            state: state.into(),
+            ..Default::default()
+        }
+    }
+
+    fn sub(name: &str, state: &str, wave: u32) -> pb::TaskSummary {
+        pb::TaskSummary {
+            wave,
+            ..task(name, state)
+        }
+    }
+
+    /// Three workers of different GPUs, a parent in wave 2, a task waiting for a worker.
+    fn fleet() -> Snapshot {
+        let mut busy = worker("gpu-b", "busy", vec![gpu("sim-b", 24, 20)], 38_000);
+        busy.leases = vec![pb::WorkerLease {
+            task: "feature/api".into(),
+            phase: "implement".into(),
+        }];
+        busy.runs = vec![pb::Run {
+            phase: "implement".into(),
+            state: "active".into(),
+            ..Default::default()
+        }];
+        let workers = vec![
+            worker("gpu-a", "idle", vec![gpu("sim-a", 8, 8)], 9_000),
+            busy,
+            worker(
+                "gpu-h",
+                "draining",
+                vec![gpu("sim-h0", 80, 80), gpu("sim-h1", 80, 79)],
+                120_000,
+            ),
+        ];
+        let mut parent = task("feature", "decomposition:approved");
+        parent.subtasks = vec![
+            sub("feature/schema", "complete", 1),
+            sub("feature/model", "complete", 1),
+            sub("feature/api", "implement", 2),
+            sub("feature/ui", "new", 2),
+            sub("feature/docs", "new", 3),
+        ];
+        parent.subtasks[3].waiting =
+            "waiting: needs 90k tokens; largest idle worker holds 9k (gpu-a, 8 GiB)".into();
+        let gate = task("fix-login", "design:awaiting_approval");
+        snapshot(workers, vec![parent, gate])
+    }
+
+    fn draw(snap: &Snapshot, w: u16, h: u16) -> String {
+        draw_with(snap, w, h, "live")
+    }
+
+    fn draw_with(snap: &Snapshot, w: u16, h: u16, link: &str) -> String {
+        let mut terminal = Terminal::new(TestBackend::new(w, h)).expect("test backend");
+        let screen = Screen {
+            snapshot: snap,
+            address: "http://127.0.0.1:7070",
+            link,
+            since: Duration::from_millis(600),
+        };
+        terminal
+            .draw(|f| render(f, &screen))
+            .expect("draw on the test backend");
+        let buf = terminal.backend().buffer();
+        buf.content()
+            .chunks(usize::from(w))
+            .map(|row| row.iter().map(|c| c.symbol()).collect::<String>())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn line_with<'a>(screen: &'a str, needle: &str) -> &'a str {
+        screen
+            .lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line shows {needle:?}:\n{screen}"))
+    }
+
+    #[test]
+    fn render_shows_three_workers_with_their_gpus_budget_task_and_heartbeat() {
+        let screen = draw(&fleet(), 140, 30);
+        let a = line_with(&screen, "gpu-a");
+        assert!(
+            a.contains("idle") && a.contains("sim-a 8.0/8.0 GiB") && a.contains("9k"),
+            "{a}"
+        );
+        let b = line_with(&screen, "gpu-b");
+        assert!(
+            b.contains("busy") && b.contains("sim-b 20.0/24.0 GiB") && b.contains("38k"),
+            "{b}"
+        );
+        assert!(b.contains("feature/api (implement, run active)"), "{b}");
+        // The heartbeat age as fetched plus the time since: 0.4 s + 0.6 s.
+        assert!(b.contains("1.0s"), "{b}");
+        let h = line_with(&screen, "gpu-h");
+        assert!(
+            h.contains("draining") && h.contains("sim-h0 80.0/80.0 GiB, sim-h1 79.0/80.0 GiB"),
+            "{h}"
+        );
+        assert!(h.contains("120k"), "{h}");
+        assert!(screen.contains("Workers (3)"), "{screen}");
+    }
+
+    #[test]
+    fn render_shows_the_decomposed_parent_in_wave_2_and_phase_counts() {
+        let screen = draw(&fleet(), 140, 30);
+        assert!(line_with(&screen, "wave 1: 2/2").contains("wave 1: 2/2"));
+        assert!(
+            line_with(&screen, "wave 2: 0/2").contains("<- now"),
+            "{screen}"
+        );
+        assert!(
+            !line_with(&screen, "wave 3: 0/1").contains("<- now"),
+            "{screen}"
+        );
+        assert!(line_with(&screen, "   2  complete").contains("complete"));
+        assert!(line_with(&screen, "   2  new").contains("new"));
+        assert!(screen.contains("Tasks by phase (7)"), "{screen}");
+    }
+
+    #[test]
+    fn render_shows_waiting_tasks_with_their_reasons() {
+        let screen = draw(&fleet(), 140, 30);
+        let ui = line_with(&screen, "feature/ui  waiting: needs 90k tokens");
+        assert!(ui.contains("largest idle worker holds 9k"), "{ui}");
+        assert!(
+            line_with(&screen, "fix-login  awaits approval")
+                .contains("automaton approve fix-login"),
+            "{screen}"
+        );
+        assert!(screen.contains("Waiting (2)"), "{screen}");
+    }
+
+    #[test]
+    fn phases_are_counted_in_lifecycle_order() {
+        let snap = fleet();
+        let counts: Vec<(&str, usize)> =
+            snap.phases.iter().map(|(p, n)| (p.as_str(), *n)).collect();
+        assert_eq!(
+            counts,
+            [
+                ("new", 2),
+                ("decomposition:approved", 1),
+                ("design:awaiting_approval", 1),
+                ("implement", 1),
+                ("complete", 2),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_terminal_too_small_gets_one_line_not_a_panic() {
+        for (w, h) in [
+            (40, 10),
+            (1, 1),
+            (MIN_WIDTH - 1, MIN_HEIGHT),
+            (MIN_WIDTH, MIN_HEIGHT - 1),
+        ] {
+            let screen = draw(&fleet(), w, h);
+            let message = format!("Terminal too small ({w}x{h}): automaton top needs");
+            let first = screen.lines().next().unwrap_or("").trim_end();
+            assert!(!first.is_empty(), "{w}x{h}: an empty screen");
+            assert!(
+                message.starts_with(first) || first.starts_with(&message),
+                "{w}x{h}: {screen}"
+            );
+            assert!(!screen.contains("gpu-a"), "{w}x{h}: {screen}");
+        }
+        // At the minimum, the dashboard itself.
+        assert!(draw(&fleet(), MIN_WIDTH, MIN_HEIGHT).contains("gpu-a"));
+    }
+
+    #[tokio::test]
+    async fn refreshes_are_paced_to_four_a_second_however_fast_events_come() {
+        let wake = Arc::new(Notify::new());
+        let storm = {
+            let wake = wake.clone();
+            tokio::spawn(async move {
+                loop {
+                    wake.notify_one();
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        };
+        let mut pacer = Pacer {
+            wake,
+            last_full: None,
+        };
+        let start = tokio::time::Instant::now();
+        let mut full = 0;
+        while start.elapsed() < Duration::from_secs(2) {
+            assert!(
+                pacer.next().await,
+                "events keep coming: every fetch is a full one"
+            );
+            full += 1;
+        }
+        storm.abort();
+        // 2 s at one per 250 ms, plus the first at once.
+        assert!((5..=9).contains(&full), "{full} full fetches in 2 s");
+    }
+
+    #[tokio::test]
+    async fn a_quiet_second_fetches_the_workers_alone() {
+        let mut pacer = Pacer {
+            wake: Arc::new(Notify::new()),
+            last_full: None,
+        };
+        let start = tokio::time::Instant::now();
+        assert!(!pacer.next().await);
+        assert!(start.elapsed() >= Pacer::QUIET);
+    }
+
+    #[test]
+    fn header_shows_the_counts_and_why_the_screen_may_be_behind() {
+        let screen = draw_with(&fleet(), 140, 30, "reconnecting (connection refused)");
+        let head = screen.lines().next().unwrap_or("");
+        assert!(head.contains("(q quits)  http://127.0.0.1:7070"), "{head}");
+        assert!(
+            head.contains("3 workers, 7 tasks, updated 0.6s ago"),
+            "{head}"
+        );
+        assert!(
+            head.trim_end()
+                .ends_with("reconnecting (connection refused)"),
+            "{head}"
+        );
+        let one = snapshot(
+            vec![worker("gpu-a", "idle", vec![], 0)],
+            vec![task("t", "new")],
+        );
+        let head = draw(&one, 140, 30);
+        assert!(head.contains("1 worker, 1 task,"), "{head}");
+    }
+
+    #[test]
+    fn no_workers_and_no_tasks_say_so() {
+        let screen = draw(&snapshot(vec![], vec![]), 100, 20);
+        assert!(
+            screen.contains("No workers: start automaton-worker"),
+            "{screen}"
+        );
+        assert!(screen.contains("No tasks"), "{screen}");
+        assert!(screen.contains("Nothing waits"), "{screen}");
+    }
+}

@@ -1,0 +1,454 @@
+//! `automaton watch`: the coordinator's event stream, one line per event (coloured on a
+//! terminal) or one JSON object per line (`--json`), reconnecting when the coordinator
+//! restarts. Also the link to the coordinator that `watch` and `top` share: a stream needs a
+//! channel without the per-call deadline the status commands stamp on every request.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use automaton_proto::v1 as pb;
+use automaton_store::Project;
+use automaton_workflow::TaskName;
+use clap::Args;
+use tonic::transport::Channel;
+
+use crate::backend::{self, Failure};
+
+#[derive(Debug, Args)]
+pub struct WatchArgs {
+    /// Only this task's events; a parent's include its sub-tasks' (`parent/…`).
+    #[arg(long, value_name = "NAME")]
+    pub task: Option<String>,
+    /// Project folder (default: the current directory): finds its coordinator.
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+    /// One JSON object per event and line: seq, at, kind, task, agent, token, detail.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where the coordinator is and how to reach it; shared by `watch` and `top`.
+pub(crate) struct Link {
+    project: Project,
+    flag: Option<String>,
+    bearer: Option<tonic::metadata::AsciiMetadataValue>,
+}
+
+impl Link {
+    /// The project and `AUTOMATON_TOKEN`; the address is looked up at each connection, so a
+    /// coordinator restarted on another port (`coordinator.lock`) is found again.
+    pub(crate) fn new(project: Option<&Path>, flag: Option<&str>) -> Result<Link, Failure> {
+        let cwd = std::env::current_dir()
+            .map_err(|e| Failure::Usage(format!("cannot read the current directory: {e}")))?;
+        let home = std::env::var_os("HOME").map(PathBuf::from);
+        let project = Project::open(project.unwrap_or(&cwd), home.as_deref());
+        let bearer = match std::env::var("AUTOMATON_TOKEN") {
+            Ok(t) if !t.is_empty() => Some(format!("Bearer {t}").parse().map_err(|_| {
+                Failure::Usage("AUTOMATON_TOKEN holds characters a header cannot carry".into())
+            })?),
+            _ => None,
+        };
+        Ok(Link {
+            project,
+            flag: flag.map(str::to_string),
+            bearer,
+        })
+    }
+
+    /// The coordinator's address now: `--coordinator`, `AUTOMATON_COORDINATOR`, or the live
+    /// owner of the project. `what` names the command in the error when there is none.
+    pub(crate) fn address(&self, what: &str) -> Result<String, Failure> {
+        backend::find_coordinator(&self.project, self.flag.as_deref())?.ok_or_else(|| {
+            Failure::Usage(format!(
+                "{what} needs a running coordinator: start automaton-coordinator, or pass --coordinator URL (or AUTOMATON_COORDINATOR)"
+            ))
+        })
+    }
+
+    /// A lazily connecting channel (inside a runtime). HTTP/2 keep-alives notice a coordinator
+    /// that stopped answering while a stream is quiet.
+    pub(crate) fn channel(address: &str) -> Result<Channel, Failure> {
+        Ok(Channel::from_shared(address.to_string())
+            .map_err(|_| {
+                Failure::Usage(format!(
+                    "invalid coordinator address '{address}': write e.g. http://127.0.0.1:7070"
+                ))
+            })?
+            .connect_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true)
+            .connect_lazy())
+    }
+
+    /// A request with the bearer token and, for unary calls, a deadline (none for streams).
+    pub(crate) fn request<T>(&self, msg: T, deadline: Option<Duration>) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        if let Some(v) = &self.bearer {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        if let Some(d) = deadline {
+            req.set_timeout(d);
+        }
+        req
+    }
+
+    /// Opens the event stream at the coordinator's current address.
+    pub(crate) async fn events(
+        &self,
+        what: &str,
+    ) -> Result<(String, tonic::Streaming<pb::Event>), Failure> {
+        let address = self.address(what)?;
+        let mut client = pb::events_client::EventsClient::new(Link::channel(&address)?);
+        let stream = client
+            .watch_events(self.request(pb::WatchEventsRequest {}, None))
+            .await
+            .map_err(|s| match s.code() {
+                // Retrying cannot cure these: the caller is told, not made to wait.
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                    Failure::Refused(s.message().to_string())
+                }
+                _ => Failure::from(s),
+            })?
+            .into_inner();
+        Ok((address, stream))
+    }
+}
+
+/// A failure as one line, for a status line or a reconnection notice.
+pub(crate) fn describe(f: &Failure) -> String {
+    match f {
+        Failure::Store(e) => e.to_string(),
+        Failure::Usage(m) | Failure::Refused(m) => m.clone(),
+        Failure::Remote { message, .. } => message.clone(),
+    }
+}
+
+/// Waits before reconnection attempt `attempt` (0, 1, …): 100 ms doubling to 5 s, with up to
+/// a quarter of jitter so that many watchers do not return in step.
+pub(crate) fn backoff(attempt: u32) -> Duration {
+    let base = Duration::from_millis(100).saturating_mul(1u32 << attempt.min(6));
+    let base = base.min(Duration::from_secs(5));
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    base + base / 4 * (nanos % 1000) / 1000
+}
+
+/// One event as `watch` prints it. The only place that reads a `pb::Event`'s fields; the
+/// JSON field names are stable (README: `automaton watch`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub(crate) struct EventLine {
+    pub seq: u64,
+    /// RFC 3339, UTC, milliseconds.
+    pub at: String,
+    pub kind: String,
+    pub task: String,
+    pub agent: String,
+    pub token: u64,
+    pub detail: String,
+}
+
+pub(crate) fn event_line(e: pb::Event) -> EventLine {
+    EventLine {
+        seq: e.seq,
+        at: e.at,
+        kind: e.kind,
+        task: e.task,
+        agent: e.agent,
+        token: e.token,
+        detail: e.detail,
+    }
+}
+
+/// Whether `--task T` shows an event: T's own, its sub-tasks' when T is a parent, and the
+/// notice that events were dropped (some may have been T's).
+fn shown(filter: Option<&TaskName>, e: &EventLine) -> bool {
+    match filter {
+        None => true,
+        Some(_) if e.kind == "lagged" => true,
+        Some(t) => {
+            let t = t.to_string();
+            e.task == t
+                || e.task
+                    .strip_prefix(t.as_str())
+                    .is_some_and(|rest| rest.starts_with('/'))
+        }
+    }
+}
+
+/// Control characters (a newline, an escape sequence) written as escapes: one event stays one
+/// line, and nothing a field holds can drive the reader's terminal.
+fn printable(s: &str) -> String {
+    if !s.contains(char::is_control) {
+        return s.to_string();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// Colours only for a terminal, and never when NO_COLOR is set to anything (no-color.org).
+fn colour(stdout_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    stdout_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+/// The ANSI colour of a kind: green for progress, cyan for leases and dispatch, yellow for
+/// what ended or stalls, red for refusals, lost workers and what needs a person.
+fn kind_colour(kind: &str) -> Option<&'static str> {
+    Some(match kind {
+        "task_created" | "subtask_created" | "transitioned" | "approved" | "run_started"
+        | "artifact_uploaded" | "code_committed" | "follow_up_created" | "parent_ended"
+        | "worker_joined" | "worker_resumed" | "worker_undrained" | "task_resumed" => "32",
+        "lease_granted" | "lease_renewed" | "lease_released" | "dispatched" | "assigned"
+        | "sizing_learned" => "36",
+        "lease_expired" | "lease_lost" | "run_stopped" | "worker_left" | "worker_drained"
+        | "task_held" | "subtask_orphaned" | "lagged" => "33",
+        "lease_refused" | "worker_lost" | "subtask_too_large" | "human_intervention" => "31",
+        _ => return None,
+    })
+}
+
+/// `08:12:03.123Z  transitioned    t1                       agent-a       #5   new → research`
+fn text(e: &EventLine, colour: bool) -> String {
+    let or_dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_string()
+        } else {
+            printable(s)
+        }
+    };
+    // The time of day: an event stream is read live; `--json` carries the whole timestamp.
+    let time = e.at.split_once('T').map_or(e.at.as_str(), |(_, t)| t);
+    let kind = format!("{:<17}", printable(&e.kind));
+    let kind = match kind_colour(&e.kind) {
+        Some(c) if colour => format!("\x1b[{c}m{kind}\x1b[0m"),
+        _ => kind,
+    };
+    let token = if e.token == 0 {
+        "-".to_string()
+    } else {
+        format!("#{}", e.token)
+    };
+    let detail = printable(&e.detail);
+    let line = format!(
+        "{:<13} {kind} {:<24} {:<14} {token:<5} {detail}",
+        or_dash(time),
+        or_dash(&e.task),
+        or_dash(&e.agent),
+    );
+    line.trim_end().to_string()
+}
+
+fn json(e: &EventLine) -> String {
+    serde_json::to_string(e)
+        .unwrap_or_else(|err| format!("{{\"error\": \"cannot encode JSON: {err}\"}}"))
+}
+
+/// How the watch ended, when it ended well.
+enum End {
+    /// Ctrl-C, or stdout closed (`| head -3`).
+    Stopped,
+}
+
+async fn watch(args: &WatchArgs, filter: Option<&TaskName>) -> Result<End, Failure> {
+    const WHAT: &str = "automaton watch";
+    let link = Link::new(args.project.as_deref(), args.coordinator.as_deref())?;
+    let colour = colour(
+        std::io::stdout().is_terminal(),
+        std::env::var_os("NO_COLOR"),
+    );
+    let (mut address, mut stream) = link.events(WHAT).await?;
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
+    loop {
+        let next = tokio::select! {
+            m = stream.message() => m,
+            _ = &mut interrupted => return Ok(End::Stopped),
+        };
+        let why = match next {
+            Ok(Some(e)) => {
+                let e = event_line(e);
+                if !shown(filter, &e) {
+                    continue;
+                }
+                let line = if args.json {
+                    json(&e)
+                } else {
+                    text(&e, colour)
+                };
+                let mut out = std::io::stdout().lock();
+                // A closed stdout is the reader saying it has seen enough.
+                if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+                    return Ok(End::Stopped);
+                }
+                continue;
+            }
+            Ok(None) => "the stream ended".to_string(),
+            Err(s) => s.message().to_string(),
+        };
+        eprintln!(
+            "automaton watch: lost the coordinator at {address} ({why}); reconnecting, events until then are not shown"
+        );
+        let mut attempt = 0;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(backoff(attempt)) => {}
+                _ = &mut interrupted => return Ok(End::Stopped),
+            }
+            attempt = attempt.saturating_add(1);
+            // Connecting is bounded by the channel's connect timeout.
+            let opened = tokio::select! {
+                o = link.events(WHAT) => o,
+                _ = &mut interrupted => return Ok(End::Stopped),
+            };
+            match opened {
+                Ok((a, s)) => {
+                    (address, stream) = (a, s);
+                    eprintln!("automaton watch: reconnected to {address}");
+                    break;
+                }
+                // The restarted coordinator does not accept our token.
+                Err(f @ Failure::Refused(_)) => return Err(f),
+                // Not back yet.
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+/// Runs `automaton watch`; returns the exit code (0 on Ctrl-C or a closed stdout).
+pub fn run(args: &WatchArgs) -> i32 {
+    let filter = match args.task.as_deref().map(str::parse::<TaskName>).transpose() {
+        Ok(f) => f,
+        Err(e) => return crate::report_failure(Failure::Store(e.into()), args.json),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            return crate::report_failure(
+                Failure::Usage(format!("cannot start the async runtime: {e}")),
+                args.json,
+            );
+        }
+    };
+    match runtime.block_on(watch(args, filter.as_ref())) {
+        Ok(End::Stopped) => 0,
+        Err(f) => crate::report_failure(f, args.json),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(kind: &str, task: &str) -> EventLine {
+        event_line(pb::Event {
+            seq: 7,
+            at: "2026-12-01T08:12:03.123Z".into(),
+            kind: kind.into(),
+            task: task.into(),
+            agent: "agent-a".into(),
+            token: 5,
+            detail: "new → research".into(),
+        })
+    }
+
+    #[test]
+    fn task_filter_shows_the_task_and_its_subtasks_only() {
+        let on = |task: &str| event("transitioned", task);
+        let p: TaskName = "p".parse().expect("name");
+        assert!(shown(Some(&p), &on("p")));
+        assert!(shown(Some(&p), &on("p/s1")));
+        assert!(!shown(Some(&p), &on("p-x")));
+        assert!(!shown(Some(&p), &on("px/s1")));
+        assert!(!shown(Some(&p), &on("")));
+        assert!(shown(None, &on("")));
+        let sub: TaskName = "p/s1".parse().expect("name");
+        assert!(!shown(Some(&sub), &on("p")));
+        assert!(shown(Some(&sub), &on("p/s1")));
+        // Dropped events may have been p's: the notice passes every filter.
+        assert!(shown(Some(&p), &event("lagged", "")));
+    }
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(!colour(false, None));
+        assert!(!colour(true, Some("1".into())));
+        // An empty NO_COLOR does not count (no-color.org).
+        assert!(colour(true, Some("".into())));
+    }
+
+    #[test]
+    fn text_line_has_time_kind_task_agent_token_detail_and_colours_the_kind() {
+        let e = event("transitioned", "t1");
+        let plain = text(&e, false);
+        assert_eq!(
+            plain.split_whitespace().collect::<Vec<_>>(),
+            [
+                "08:12:03.123Z",
+                "transitioned",
+                "t1",
+                "agent-a",
+                "#5",
+                "new",
+                "→",
+                "research"
+            ]
+        );
+        assert!(!plain.contains('\x1b'));
+        assert!(text(&e, true).contains("\x1b[32mtransitioned"));
+    }
+
+    #[test]
+    fn control_characters_are_escaped_so_a_line_stays_one_line_and_inert() {
+        let mut e = event("lease_refused", "t1");
+        e.detail = "one\ntwo \x1b[2J".into();
+        e.agent = "a\x1b]0;x\x07".into();
+        let line = text(&e, false);
+        assert_eq!(line.lines().count(), 1, "{line}");
+        assert!(!line.contains(char::is_control), "{line:?}");
+        assert!(line.ends_with(r"one\ntwo \u{1b}[2J"), "{line}");
+    }
+
+    #[test]
+    fn json_line_has_the_documented_fields() {
+        let v: serde_json::Value =
+            serde_json::from_str(&json(&event("lease_granted", "t1"))).expect("json");
+        let mut keys: Vec<&str> = v
+            .as_object()
+            .expect("object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            ["agent", "at", "detail", "kind", "seq", "task", "token"]
+        );
+        assert_eq!(v["at"], "2026-12-01T08:12:03.123Z");
+    }
+
+    #[test]
+    fn backoff_grows_to_five_seconds_with_jitter() {
+        assert!(backoff(0) >= Duration::from_millis(100));
+        assert!(backoff(0) <= Duration::from_millis(125));
+        assert!(backoff(30) >= Duration::from_secs(5));
+        assert!(backoff(30) <= Duration::from_millis(6250));
+    }
+}
