@@ -8,6 +8,7 @@
 
 mod backend;
 mod demo;
+mod from_wire;
 mod render;
 mod workers;
 
