@@ -289,3 +289,40 @@ pub fn audit(r: &pb::AuditResponse) -> Result<AuditReport, Failure> {
         unaddressable: r.unaddressable.iter().map(unaddressable).collect(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_cut_to_the_second_as_the_files_hold_them() {
+        let t = prost_types::Timestamp {
+            seconds: 1_796_083_200,
+            nanos: 999_999_999,
+        };
+        assert_eq!(time_text(Some(&t)), "2026-12-01T00:00:00Z");
+        assert_eq!(time_text(None), "");
+    }
+
+    #[test]
+    fn durations_read_as_whole_milliseconds_and_never_negative() {
+        let d = |seconds, nanos| prost_types::Duration { seconds, nanos };
+        assert_eq!(millis(Some(&d(1, 999_999))), 1000);
+        assert_eq!(millis(Some(&d(-1, 0))), 0);
+        assert_eq!(millis(None), 0);
+        assert_eq!(millis(Some(&d(i64::MAX, 0))), u64::MAX);
+    }
+
+    #[test]
+    fn an_unreadable_state_from_the_coordinator_is_a_usage_error() {
+        let row = pb::TaskSummary {
+            task: "t".into(),
+            state: "not-a-phase".into(),
+            ..Default::default()
+        };
+        match list_entry(&row) {
+            Err(Failure::Usage(m)) => assert!(m.contains("unreadable state 'not-a-phase'"), "{m}"),
+            _ => panic!("accepted an unknown state"),
+        }
+    }
+}

@@ -37,9 +37,11 @@ fn agent_id(s: &str) -> Result<AgentId, Status> {
         .map_err(|e| Error::Store(e.into()).into())
 }
 
-/// A time as the wire carries it.
+/// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
+/// files hold: 1970 to 9999), so that no client's JSON mapping refuses it.
 pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
-    t.into()
+    let last = SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+    t.clamp(SystemTime::UNIX_EPOCH, last).into()
 }
 
 /// A length of time as the wire carries it (saturating at the largest it can hold).
@@ -673,5 +675,50 @@ impl pb::events_server::Events for Service {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(seconds: i64, nanos: i32) -> prost_types::Duration {
+        prost_types::Duration { seconds, nanos }
+    }
+
+    #[test]
+    fn duration_arg_refuses_negative_and_out_of_range_nanos_in_one_line() {
+        for (bad, says) in [
+            (d(-1, 0), "ttl is negative"),
+            (d(0, -1), "ttl is negative"),
+            (d(i64::MIN, -999_999_999), "ttl is negative"),
+            (d(0, 1_000_000_000), "ttl.nanos is 1000000000"),
+            (d(i64::MAX, i32::MAX), "outside 0..999999999"),
+        ] {
+            let s = duration_arg("ttl", &bad).expect_err("refused");
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{bad:?}");
+            assert!(s.message().contains(says), "{bad:?}: {}", s.message());
+            assert!(!s.message().contains('\n'));
+        }
+        assert_eq!(
+            duration_arg("ttl", &d(i64::MAX, 999_999_999)).ok(),
+            Some(Duration::new(i64::MAX as u64, 999_999_999))
+        );
+        assert_eq!(duration_arg("ttl", &d(0, 0)).ok(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_out_saturate_and_round_trip() {
+        assert_eq!(duration(Duration::MAX), d(i64::MAX, 999_999_999));
+        let x = Duration::new(1800, 5);
+        assert_eq!(duration_arg("x", &duration(x)).ok(), Some(x));
+    }
+
+    #[test]
+    fn timestamps_out_stay_within_what_json_can_hold() {
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40);
+        assert_eq!(timestamp(far).seconds, 253_402_300_799);
+        let before = SystemTime::UNIX_EPOCH - Duration::from_secs(5);
+        assert_eq!(timestamp(before), prost_types::Timestamp::default());
     }
 }
