@@ -53,7 +53,7 @@ async fn second_coordinator_on_same_project_refuses_naming_the_owner() {
 }
 
 /// The same read-only command forwarded and with `--local`: identical stdout, stderr, exit.
-fn same_as_local(env: &Env, args: &[&str]) -> Run {
+pub(crate) fn same_as_local(env: &Env, args: &[&str]) -> Run {
     let forwarded = env.cli(args);
     let mut local_args = args.to_vec();
     local_args.push("--local");

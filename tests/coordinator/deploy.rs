@@ -83,7 +83,7 @@ fn deploy_files_pass_their_validators() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     if out.status.code() == Some(3) {
         panic!(
-            "deploy/check cannot run, a validator is missing (.ci/run installs them):\n{stderr}"
+            "deploy/check cannot run, a validator is missing (tests/setup installs them):\n{stderr}"
         );
     }
     assert!(

@@ -11,6 +11,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
+use automaton_proto::prost_types;
 use automaton_proto::v1 as pb;
 use pb::events_client::EventsClient;
 use pb::leases_client::LeasesClient;
@@ -501,6 +502,21 @@ impl Drop for Coord {
 }
 
 /// `kill SIG PID`.
+/// `ms` milliseconds as the wire carries a duration.
+pub fn wire_ms(ms: u64) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: (ms / 1000) as i64,
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    }
+}
+
+/// A wire duration in whole milliseconds (0 when unset).
+pub fn ms(d: &Option<prost_types::Duration>) -> u64 {
+    d.map_or(0, |d| {
+        (d.seconds as u64) * 1000 + (d.nanos as u64) / 1_000_000
+    })
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let st = Command::new("kill")
         .arg(sig)
@@ -641,11 +657,12 @@ impl Api {
         self.tasks.approve(r).await.map(|r| r.into_inner())
     }
 
+    /// A claim for `ttl_ms` milliseconds; 0 leaves the TTL unset (the project's default).
     pub async fn claim(&mut self, task: &str, agent: &str, ttl_ms: u64) -> R<pb::Lease> {
         let r = self.req(pb::ClaimRequest {
             task: task.into(),
             agent: agent.into(),
-            ttl_ms,
+            ttl: (ttl_ms != 0).then(|| wire_ms(ttl_ms)),
             ..Default::default()
         });
         self.leases.claim(r).await.map(|r| r.into_inner())

@@ -260,10 +260,9 @@ fn info(l: &pb::Lease, known: &LeaseInfo) -> LeaseInfo {
         agent: or(&l.agent, &known.agent),
         lease_id: l.lease_id.clone(),
         token: l.token,
-        ttl_ms: if l.ttl_ms == 0 {
-            known.ttl_ms
-        } else {
-            l.ttl_ms
+        ttl_ms: match crate::harness::ms(&l.ttl) {
+            0 => known.ttl_ms,
+            ms => ms,
         },
         state: or(&l.state, &known.state),
     }
@@ -1141,7 +1140,9 @@ async fn renew_answered_not_found_while_a_release_commits_stays_ended_after_kill
         if let Some(s) = shown.filter(|s| s.lease_id == l.lease_id) {
             revived.push(format!(
                 "{task}: {} (token {}) answered NOT_FOUND before the kill, live after it with {} ms left",
-                s.lease_id, s.token, s.remaining_ms
+                s.lease_id,
+                s.token,
+                crate::harness::ms(&s.remaining)
             ));
         }
     }

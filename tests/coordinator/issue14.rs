@@ -26,13 +26,7 @@ async fn issue14_item1_validate_folder_rpc_with_empty_task_validates_every_task(
         .expect("ValidateFolder without a task")
         .into_inner();
     assert_eq!(r.exit_code, 0, "{r:?}");
-    let v: serde_json::Value = serde_json::from_str(&r.report_json).expect("JSON");
-    let tasks: Vec<&str> = v["reports"]
-        .as_array()
-        .expect("reports")
-        .iter()
-        .filter_map(|x| x["task"].as_str())
-        .collect();
+    let tasks: Vec<&str> = r.reports.iter().map(|x| x.task.as_str()).collect();
     assert_eq!(tasks, ["alpha", "alpha/sub-a", "beta"]);
 
     env.artifact("alpha/sub-a", "DESIGN.md", "early\n");

@@ -10,7 +10,7 @@ use automaton_proto::v1 as pb;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
-use crate::harness::{Coord, Env, Events, expect_err, poll};
+use crate::harness::{Coord, Env, Events, expect_err, ms, poll};
 
 /// Issue §Tests "claim, renew, release … and the events each one emits".
 #[tokio::test(flavor = "multi_thread")]
@@ -38,8 +38,11 @@ async fn claim_renew_release_each_emit_their_event() {
         ("lease-me", "agent-a", "research")
     );
     assert!(l.token > 0 && !l.lease_id.is_empty() && !l.renewed, "{l:?}");
-    assert_eq!(l.ttl_ms, 30_000);
-    assert!(l.remaining_ms > 29_000 && l.remaining_ms <= 30_000, "{l:?}");
+    assert_eq!(ms(&l.ttl), 30_000);
+    assert!(
+        ms(&l.remaining) > 29_000 && ms(&l.remaining) <= 30_000,
+        "{l:?}"
+    );
     let e = ev.expect("lease_granted", "lease-me").await;
     assert_eq!((e.agent.as_str(), e.token), ("agent-a", l.token));
     let held = api
@@ -84,7 +87,7 @@ async fn claim_renew_release_each_emit_their_event() {
     // Renew RPC.
     let r = api.renew(&l.lease_id, l.token).await.expect("renew");
     assert!(
-        r.renewed && r.token == l.token && r.remaining_ms > 29_000,
+        r.renewed && r.token == l.token && ms(&r.remaining) > 29_000,
         "{r:?}"
     );
     let e = ev.expect("lease_renewed", "lease-me").await;
@@ -178,7 +181,7 @@ async fn short_ttl_expires_emits_lease_expired_and_keepalive_reports_lost() {
         .into_inner();
 
     let l = api.claim("short", "agent-a", 300).await.expect("claim");
-    assert_eq!(l.ttl_ms, 300);
+    assert_eq!(ms(&l.ttl), 300);
     // Name it once on the stream (this renews it), then go silent. The server renews after
     // this send, so the lease must outlive `sent + TTL`.
     let sent = Instant::now();

@@ -2,6 +2,7 @@
 //! `automaton-coordinator` binary on `127.0.0.1:0` over a fresh temporary project and talks
 //! to it over real gRPC (and through the real `automaton` CLI).
 
+mod api;
 mod cli;
 mod deploy;
 mod faults;

@@ -166,7 +166,11 @@ async fn watch_prints_one_line_per_event() {
     for (line, e) in shown.iter().zip(&sent) {
         let cols: Vec<&str> = line.split_whitespace().collect();
         // time, kind, task, agent, token, detail
-        assert!(e.at.ends_with(cols[0]), "time of day of {}: {line}", e.at);
+        let at =
+            e.at.and_then(|t| std::time::SystemTime::try_from(t).ok())
+                .map(|t| humantime::format_rfc3339_millis(t).to_string())
+                .expect("every event has a time");
+        assert!(at.ends_with(cols[0]), "time of day of {at}: {line}");
         assert_eq!(cols[1], e.kind, "{line}");
         let agent = if e.agent.is_empty() { "-" } else { &e.agent };
         assert_eq!(cols[3], agent, "{line}");
@@ -425,7 +429,7 @@ impl Tmux {
             .is_ok_and(|o| o.status.success());
         assert!(
             ok,
-            "tmux is missing: install it (apt-get install tmux); .ci/run does. This test drives `automaton top` in a real terminal."
+            "tmux is missing: install it (run tests/setup). This test drives `automaton top` in a real terminal."
         );
         Tmux {
             dir: tempfile::tempdir().expect("tmux dir"),

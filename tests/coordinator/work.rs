@@ -607,7 +607,7 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
                 let mut api = api.clone();
                 async move {
                     let d = api.get("t").await.ok()?;
-                    (!d.held.is_empty()).then_some(d)
+                    (!held(&d).is_empty()).then_some(d)
                 }
             },
         )
@@ -623,9 +623,9 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
             assert!(r.detail.contains(detail), "{behaviour}: {r:?}");
         }
         assert!(
-            detail_of.held.contains("2 failed runs of research"),
+            held(&detail_of).contains("2 failed runs of research"),
             "{behaviour}: {}",
-            detail_of.held
+            held(&detail_of)
         );
         // Held: nothing more is dispatched; the CLI shows why and the runs.
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -706,8 +706,13 @@ async fn automaton_stop_kills_the_run_with_operator_stopped_and_holds_the_task()
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let d = api.get("t").await.expect("GetTask");
-    assert!(d.held.contains("stopped by an operator"), "{}", d.held);
+    assert!(held(&d).contains("stopped by an operator"), "{}", held(&d));
     assert!(d.lease.is_none(), "held: not dispatched again");
+}
+
+/// Why the task is held from dispatch ("" when it is not).
+fn held(d: &pb::TaskDetail) -> &str {
+    d.summary.as_ref().map_or("", |s| s.held.as_str())
 }
 
 /// Drives `task` until it is terminal, approving every gate as an operator.
@@ -724,7 +729,8 @@ async fn to_the_end(api: &mut Api, task: &str) -> String {
             let d = api.get(task).await.expect("GetTask");
             panic!(
                 "{task} stuck in {state}; held: {:?}; runs: {:#?}",
-                d.held, d.runs
+                held(&d),
+                d.runs
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

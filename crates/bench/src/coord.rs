@@ -71,7 +71,10 @@ impl Backend for Coordinator {
         let request = ClaimRequest {
             task: self.task(client, slot),
             agent: agent(client),
-            ttl_ms: self.ttl_ms,
+            ttl: Some(automaton_proto::prost_types::Duration {
+                seconds: (self.ttl_ms / 1000) as i64,
+                nanos: ((self.ttl_ms % 1000) * 1_000_000) as i32,
+            }),
             ..Default::default()
         };
         let lease: Lease = self.client(client).unary(CLAIM, request).await?;

@@ -303,7 +303,8 @@ async fn session(
         }
     };
     let _ = registered.send(Ok(index));
-    let interval = Duration::from_millis(granted.heartbeat_interval_ms.max(1));
+    let interval = crate::workers::wire_duration(granted.heartbeat_interval.as_ref())
+        .max(Duration::from_millis(1));
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut seq = 0u64;

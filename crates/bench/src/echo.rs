@@ -22,6 +22,12 @@ struct Echo {
 // The answers, shared with the `--inline` server (`inline.rs`).
 
 /// A claim granted from nothing, with the next token.
+/// The TTL an echo lease reports.
+const MINUTE: automaton_proto::prost_types::Duration = automaton_proto::prost_types::Duration {
+    seconds: 60,
+    nanos: 0,
+};
+
 pub(crate) fn claimed(r: pb::ClaimRequest, tokens: &AtomicU64) -> pb::Lease {
     let token = tokens.fetch_add(1, Ordering::Relaxed) + 1;
     pb::Lease {
@@ -30,8 +36,8 @@ pub(crate) fn claimed(r: pb::ClaimRequest, tokens: &AtomicU64) -> pb::Lease {
         agent: r.agent,
         token,
         state: "research".into(),
-        ttl_ms: 60_000,
-        remaining_ms: 60_000,
+        ttl: Some(MINUTE),
+        remaining: Some(MINUTE),
         ..Default::default()
     }
 }
@@ -61,8 +67,8 @@ pub(crate) fn kept_alive(m: pb::KeepAliveRequest) -> pb::KeepAliveResponse {
     pb::KeepAliveResponse {
         lease: Some(pb::Lease {
             lease_id: id.clone(),
-            ttl_ms: 60_000,
-            remaining_ms: 60_000,
+            ttl: Some(MINUTE),
+            remaining: Some(MINUTE),
             renewed: true,
             ..Default::default()
         }),
@@ -88,10 +94,13 @@ impl pb::tasks_server::Tasks for Echo {
     async fn approve(&self, _r: Request<pb::ApproveRequest>) -> Res<pb::ApproveResponse> {
         Err(Status::unimplemented("the echo server approves nothing"))
     }
-    async fn validate_folder(&self, _r: Request<pb::ValidateFolderRequest>) -> Res<pb::Report> {
+    async fn validate_folder(
+        &self,
+        _r: Request<pb::ValidateFolderRequest>,
+    ) -> Res<pb::ValidateFolderResponse> {
         Err(Status::unimplemented("the echo server has no folders"))
     }
-    async fn audit(&self, _r: Request<pb::AuditRequest>) -> Res<pb::Report> {
+    async fn audit(&self, _r: Request<pb::AuditRequest>) -> Res<pb::AuditResponse> {
         Err(Status::unimplemented(
             "the echo server has nothing to audit",
         ))

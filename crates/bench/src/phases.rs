@@ -96,17 +96,10 @@ struct Seen {
     wall: SystemTime,
 }
 
-/// `…THH:MM:SS.mmm…` → milliseconds since midnight.
-fn at_ms(at: &str) -> Option<i64> {
-    let t = &at[at.find('T')? + 1..];
-    let h: i64 = t.get(0..2)?.parse().ok()?;
-    let m: i64 = t.get(3..5)?.parse().ok()?;
-    let s: i64 = t.get(6..8)?.parse().ok()?;
-    let ms: i64 = match t.get(8..9) {
-        Some(".") => t.get(9..12)?.parse().ok()?,
-        _ => 0,
-    };
-    Some(((h * 60 + m) * 60 + s) * 1000 + ms)
+/// An event's time → milliseconds since midnight UTC.
+fn at_ms(at: Option<&automaton_proto::prost_types::Timestamp>) -> Option<i64> {
+    let t = at?;
+    Some(t.seconds.rem_euclid(86_400) * 1000 + i64::from(t.nanos.clamp(0, 999_999_999)) / 1_000_000)
 }
 
 /// `YYYY-MM-DDTHH:MM:SS[.frac]Z` → the instant (UTC).
@@ -298,7 +291,7 @@ async fn watch(channel: Channel) -> Result<mpsc::UnboundedReceiver<Seen>> {
             let seen = Seen {
                 rx: Instant::now(),
                 wall: SystemTime::now(),
-                at_ms: at_ms(&e.at),
+                at_ms: at_ms(e.at.as_ref()),
                 kind: e.kind,
                 task: e.task,
                 agent: e.agent,
@@ -424,7 +417,10 @@ async fn measure_uploads(channel: &Channel, scratch: &Path, n: usize) -> Result<
             .claim(pb::ClaimRequest {
                 task: UPLOAD_TASK.into(),
                 agent: "bench-uploader".into(),
-                ttl_ms: 3_600_000,
+                ttl: Some(automaton_proto::prost_types::Duration {
+                    seconds: 3600,
+                    nanos: 0,
+                }),
                 ..Default::default()
             })
             .await,
@@ -1001,7 +997,11 @@ mod tests {
             transition("implement → code_review"),
             Some(("implement".into(), "code_review".into()))
         );
-        assert_eq!(at_ms("2026-12-01T06:04:06.123Z"), Some(21_846_123));
+        let at = automaton_proto::prost_types::Timestamp {
+            seconds: 1_796_083_200 + 21_846, // 2026-12-01T06:04:06Z
+            nanos: 123_000_000,
+        };
+        assert_eq!(at_ms(Some(&at)), Some(21_846_123));
         assert_eq!(
             parse_utc("1970-01-02T00:00:01.5Z"),
             Some(UNIX_EPOCH + Duration::from_millis(86_401_500))

@@ -86,7 +86,10 @@ async fn claim(url: &str, task: &str, deadline: Instant) -> Result<pb::Lease> {
                 .claim(pb::ClaimRequest {
                     task: task.into(),
                     agent: "bench".into(),
-                    ttl_ms: 600_000,
+                    ttl: Some(automaton_proto::prost_types::Duration {
+                        seconds: 600,
+                        nanos: 0,
+                    }),
                     ..Default::default()
                 })
                 .await?

@@ -480,7 +480,10 @@ mod tests {
         pb::ClaimRequest {
             task,
             agent: "a".into(),
-            ttl_ms: 1000,
+            ttl: Some(automaton_proto::prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
             ..Default::default()
         }
     }
@@ -501,7 +504,10 @@ mod tests {
     async fn a_grpc_error_is_a_failed_call_and_the_connection_goes_on() {
         let mut c = Conn::connect(&echo_server().await).await.expect("connect");
         let refused = c
-            .unary::<_, pb::Report>("/automaton.v1.Tasks/Audit", &pb::AuditRequest::default())
+            .unary::<_, pb::AuditResponse>(
+                "/automaton.v1.Tasks/Audit",
+                &pb::AuditRequest::default(),
+            )
             .await
             .expect_err("the echo server refuses Audit");
         assert!(

@@ -32,6 +32,12 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
+/// A length of time the coordinator sent; zero when unset or negative.
+pub(crate) fn wire_duration(d: Option<&automaton_proto::prost_types::Duration>) -> Duration {
+    d.and_then(|d| Duration::try_from(*d).ok())
+        .unwrap_or_default()
+}
+
 use crate::stats::fmt_ms;
 use crate::{coord, parse_duration, spawn};
 
@@ -295,12 +301,12 @@ async fn session(
             return out;
         }
     };
-    let interval = Duration::from_millis(granted.heartbeat_interval_ms.max(1));
+    let interval = wire_duration(granted.heartbeat_interval.as_ref()).max(Duration::from_millis(1));
     let _ = registered.send(Ok(Registered {
         index,
         session_id: granted.session_id.clone(),
         heartbeat: interval,
-        timeout: Duration::from_millis(granted.session_timeout_ms),
+        timeout: wire_duration(granted.session_timeout.as_ref()),
     }));
     // The session's place on the grid: epoch + interval·index/N + k·interval.
     let offset = interval.mul_f64(index as f64 / n.max(1) as f64);

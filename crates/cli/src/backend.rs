@@ -8,10 +8,12 @@ use std::time::{Duration, SystemTime};
 use automaton_proto::v1 as pb;
 use automaton_store::{
     Approval, ApproveOutcome, AuditReport, Error, ErrorKind, FolderReport, Lease, ListEntry,
-    Project, ProjectFolders, TaskView, TransitionOutcome, parse_time,
+    Project, ProjectFolders, TaskView, TransitionOutcome,
 };
 use automaton_workflow::{AgentId, State, TaskName};
 use tonic::transport::Channel;
+
+use crate::from_wire::{self, lease as lease_from_pb, state};
 
 /// A failure, with the exit code it ends the command with.
 pub enum Failure {
@@ -183,27 +185,12 @@ fn owner_of(project: &Project) -> Option<String> {
         .find_map(|l| l.strip_prefix("address: ").map(|a| a.trim().to_string()))
 }
 
-fn lease_from_pb(l: &pb::Lease) -> Result<Lease, Failure> {
-    let bad =
-        |what: &str| Failure::Usage(format!("the coordinator sent an unreadable lease ({what})"));
-    Ok(Lease {
-        agent: l.agent.parse().map_err(|_| bad("agent"))?,
-        phase: l.state.parse().map_err(|_| bad("state"))?,
-        claimed: SystemTime::now(),
-        expires: parse_time(&l.expires_at).ok_or_else(|| bad("expires_at"))?,
-        lease_id: l.lease_id.clone(),
-        token: l.token,
-    })
-}
-
-fn from_json<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Failure> {
-    serde_json::from_str(text)
-        .map_err(|e| Failure::Usage(format!("the coordinator sent unreadable JSON: {e}")))
-}
-
-fn state(s: &str) -> Result<State, Failure> {
-    s.parse()
-        .map_err(|_| Failure::Usage(format!("the coordinator sent an unknown state '{s}'")))
+/// A length of time as the wire carries it (saturating at the largest it can hold).
+fn pb_duration(d: Duration) -> automaton_proto::prost_types::Duration {
+    automaton_proto::prost_types::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: d.subsec_nanos() as i32,
+    }
 }
 
 impl Backend {
@@ -304,7 +291,12 @@ impl Backend {
                     task: task.to_string(),
                 };
                 let d = r.run(r.tasks().get_task(req))?;
-                Ok((from_json(&d.view_json)?, d.runs, d.held))
+                let held = d
+                    .summary
+                    .as_ref()
+                    .map(|s| s.held.clone())
+                    .unwrap_or_default();
+                Ok((from_wire::view(&d)?, d.runs, held))
             }
         }
     }
@@ -345,10 +337,12 @@ impl Backend {
     pub fn list(&self) -> Result<Vec<ListEntry>, Failure> {
         match self {
             Backend::Local(p) => Ok(p.list(SystemTime::now())?),
-            Backend::Remote(r) => from_json(
-                &r.run(r.tasks().list_tasks(pb::ListTasksRequest {}))?
-                    .list_json,
-            ),
+            Backend::Remote(r) => r
+                .run(r.tasks().list_tasks(pb::ListTasksRequest {}))?
+                .tasks
+                .iter()
+                .map(from_wire::list_entry)
+                .collect(),
         }
     }
 
@@ -399,7 +393,8 @@ impl Backend {
                     to: state(&out.to)?,
                     approval: Approval {
                         phase: from.phase,
-                        at: parse_time(&out.approved_at).unwrap_or_else(SystemTime::now),
+                        at: from_wire::time(out.approved_at.as_ref())
+                            .unwrap_or_else(SystemTime::now),
                         approver: out.approver,
                         sha256: (!out.sha256.is_empty()).then_some(out.sha256),
                     },
@@ -415,7 +410,12 @@ impl Backend {
                 let req = pb::ValidateFolderRequest {
                     task: task.to_string(),
                 };
-                from_json(&r.run(r.tasks().validate_folder(req))?.report_json)
+                match r.run(r.tasks().validate_folder(req))?.reports.first() {
+                    Some(report) => from_wire::folder_report(report),
+                    None => Err(Failure::Usage(format!(
+                        "the coordinator sent no report for '{task}': use an automaton built from the same proto as the coordinator"
+                    ))),
+                }
             }
         }
     }
@@ -428,7 +428,7 @@ impl Backend {
                 let req = pb::ValidateFolderRequest {
                     task: String::new(),
                 };
-                from_json(&r.run(r.tasks().validate_folder(req))?.report_json)
+                from_wire::project_folders(&r.run(r.tasks().validate_folder(req))?)
             }
         }
     }
@@ -436,9 +436,7 @@ impl Backend {
     pub fn audit(&self) -> Result<AuditReport, Failure> {
         match self {
             Backend::Local(p) => Ok(p.audit()?),
-            Backend::Remote(r) => {
-                from_json(&r.run(r.tasks().audit(pb::AuditRequest {}))?.report_json)
-            }
+            Backend::Remote(r) => from_wire::audit(&r.run(r.tasks().audit(pb::AuditRequest {}))?),
         }
     }
 
@@ -454,7 +452,7 @@ impl Backend {
                 let req = pb::ClaimRequest {
                     task: task.to_string(),
                     agent: agent.to_string(),
-                    ttl_ms: ttl.map_or(0, |t| t.as_millis() as u64),
+                    ttl: ttl.map(pb_duration),
                     ..Default::default()
                 };
                 let out = r.run(r.leases().claim(req))?;

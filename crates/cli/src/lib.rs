@@ -9,6 +9,7 @@
 
 mod backend;
 mod demo;
+mod from_wire;
 mod render;
 mod top;
 mod watch;

@@ -46,7 +46,11 @@ pub fn runs(runs: &[automaton_proto::v1::Run], held: &str) -> String {
             let _ = writeln!(
                 out,
                 "  - {} by {} (token {}): {}{reason}{detail}, started {}",
-                r.phase, r.worker, r.token, r.state, r.started_at
+                r.phase,
+                r.worker,
+                r.token,
+                r.state,
+                crate::from_wire::time_text(r.started_at.as_ref())
             );
         }
     }

@@ -122,7 +122,7 @@ pub(crate) fn snapshot(workers: Vec<pb::WorkerInfo>, tasks: Vec<pb::TaskSummary>
                 })
                 .collect(),
             budget_tokens: w.budget.map_or(0, |b| b.max_peak_context_kb),
-            heard: Duration::from_millis(w.heartbeat_age_ms),
+            heard: Duration::from_millis(crate::from_wire::millis(w.heartbeat_age.as_ref())),
             name: w.name,
             state: w.state,
             simulated: w.simulated,
@@ -742,7 +742,10 @@ mod tests {
                 max_peak_context_kb: budget,
                 ..Default::default()
             }),
-            heartbeat_age_ms: 400,
+            heartbeat_age: Some(automaton_proto::prost_types::Duration {
+                seconds: 0,
+                nanos: 400_000_000,
+            }),
             ..Default::default()
         }
     }

@@ -157,7 +157,12 @@ pub(crate) struct EventLine {
 pub(crate) fn event_line(e: pb::Event) -> EventLine {
     EventLine {
         seq: e.seq,
-        at: e.at,
+        // RFC 3339 with milliseconds, as `--json` documents it; empty when unset.
+        at: e
+            .at
+            .and_then(|t| std::time::SystemTime::try_from(t).ok())
+            .map(|t| humantime::format_rfc3339_millis(t).to_string())
+            .unwrap_or_default(),
         kind: e.kind,
         task: e.task,
         agent: e.agent,
@@ -359,7 +364,10 @@ mod tests {
     fn event(kind: &str, task: &str) -> EventLine {
         event_line(pb::Event {
             seq: 7,
-            at: "2026-12-01T08:12:03.123Z".into(),
+            at: Some(automaton_proto::prost_types::Timestamp {
+                seconds: 1_796_112_723,
+                nanos: 123_000_000,
+            }),
             kind: kind.into(),
             task: task.into(),
             agent: "agent-a".into(),

@@ -7,6 +7,7 @@ use automaton_store::Project;
 use clap::{Args, Subcommand};
 
 use crate::backend::{self, Backend, Failure};
+use crate::from_wire;
 
 #[derive(Debug, Args)]
 pub struct WorkersArgs {
@@ -171,8 +172,8 @@ fn json(w: &pb::WorkerInfo) -> serde_json::Value {
         "capacity": w.capacity,
         "leases": w.leases.iter().map(|l| serde_json::json!({"task": l.task, "phase": l.phase})).collect::<Vec<_>>(),
         "runs": runs_json(&w.runs),
-        "heartbeat_age_ms": w.heartbeat_age_ms,
-        "since": w.since,
+        "heartbeat_age_ms": from_wire::millis(w.heartbeat_age.as_ref()),
+        "since": from_wire::time_text(w.since.as_ref()),
         "session_id": w.session_id,
         "version": w.version,
     })
@@ -191,8 +192,8 @@ pub fn runs_json(runs: &[pb::Run]) -> serde_json::Value {
                     "stop_reason": r.stop_reason,
                     "detail": r.detail,
                     "exit_code": r.exit_code,
-                    "started_at": r.started_at,
-                    "ended_at": r.ended_at,
+                    "started_at": from_wire::time_text(r.started_at.as_ref()),
+                    "ended_at": from_wire::time_text(r.ended_at.as_ref()),
                 })
             })
             .collect(),
@@ -259,7 +260,10 @@ fn table(workers: &[pb::WorkerInfo]) -> String {
                 gpus(w),
                 format!("{}k ({})", budget.max_peak_context_kb / 1000, budget.source),
                 work,
-                format!("{:.1}s", w.heartbeat_age_ms as f64 / 1000.0),
+                format!(
+                    "{:.1}s",
+                    from_wire::millis(w.heartbeat_age.as_ref()) as f64 / 1000.0
+                ),
             ]
         })
         .collect();

@@ -672,7 +672,7 @@ impl Coordinator {
                     .map(|a| a.file_name().to_string())
                     .unwrap_or_default(),
                 can_edit: state.phase.allows_code_edits(),
-                max_phase_time_ms: self.work.max_phase_time.as_millis() as u64,
+                max_phase_time: Some(crate::service::duration(self.work.max_phase_time)),
                 attempt,
                 why: why.clone(),
                 estimated_tokens: need.unwrap_or(0),
@@ -767,7 +767,7 @@ impl Coordinator {
         detail: &str,
         exit_code: i32,
     ) {
-        let now = automaton_store::format_time(SystemTime::now());
+        let now = Some(crate::service::timestamp(SystemTime::now()));
         let mut inner = self.work.inner();
         let runs = inner.runs.entry(task.clone()).or_default();
         match runs.iter_mut().rev().find(|r| r.token == token) {
@@ -790,7 +790,7 @@ impl Coordinator {
                     detail: detail.into(),
                     exit_code,
                     started_at: now,
-                    ended_at: String::new(),
+                    ended_at: None,
                     estimated_tokens: 0,
                     peak_context_tokens: 0,
                     why: String::new(),

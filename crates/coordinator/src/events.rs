@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::SystemTime;
 
-use automaton_store::format_time;
 use tokio::sync::broadcast;
 
 use crate::state::Coordinator;
@@ -85,14 +84,4 @@ impl Coordinator {
         // Not `events.receiver_count()`: that takes the channel's lock, on every request.
         self.watchers_of_events.load(Ordering::Relaxed) > 0
     }
-}
-
-/// RFC 3339 with milliseconds, for events.
-pub fn format_millis(t: SystemTime) -> String {
-    let secs = format_time(t);
-    let ms = t
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.subsec_millis())
-        .unwrap_or(0);
-    format!("{}.{ms:03}Z", secs.trim_end_matches('Z'))
 }

@@ -73,8 +73,8 @@ impl KeepAlive {
             let lease = pb::Lease {
                 lease_id: l.lease_id.clone(),
                 token: l.token,
-                ttl_ms: l.ttl.as_millis() as u64,
-                remaining_ms: l.ttl.as_millis() as u64,
+                ttl: Some(crate::service::duration(l.ttl)),
+                remaining: Some(crate::service::duration(l.ttl)),
                 renewed: true,
                 ..Default::default()
             };

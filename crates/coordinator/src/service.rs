@@ -4,8 +4,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use automaton_proto::prost_types;
 use automaton_proto::v1 as pb;
-use automaton_store::format_time;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
@@ -15,7 +15,6 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::Error;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
-use crate::events::format_millis;
 use crate::lease_ops::Presented;
 use crate::state::Coordinator;
 use crate::table::Live;
@@ -38,8 +37,151 @@ fn agent_id(s: &str) -> Result<AgentId, Status> {
         .map_err(|e| Error::Store(e.into()).into())
 }
 
-fn json<T: serde::Serialize>(v: &T) -> Result<String, Status> {
-    serde_json::to_string(v).map_err(|e| Status::internal(format!("cannot encode JSON: {e}")))
+/// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
+/// files hold: 1970 to 9999), so that no client's JSON mapping refuses it.
+pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    let last = SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+    t.clamp(SystemTime::UNIX_EPOCH, last).into()
+}
+
+/// A length of time as the wire carries it (saturating at the largest it can hold).
+pub(crate) fn duration(d: Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+/// A duration a request sent, checked: negative or with `nanos` outside 0..1e9 it is
+/// INVALID_ARGUMENT (prost would normalise the latter silently).
+pub(crate) fn duration_arg(field: &str, d: &prost_types::Duration) -> Result<Duration, Status> {
+    if d.seconds < 0 || d.nanos < 0 {
+        return Err(Error::Invalid(format!(
+            "{field} is negative ({}s {}ns): send a positive duration, or leave {field} unset for the default",
+            d.seconds, d.nanos
+        ))
+        .into());
+    }
+    if d.nanos >= 1_000_000_000 {
+        return Err(Error::Invalid(format!(
+            "{field}.nanos is {}, outside 0..999999999: carry whole seconds in {field}.seconds",
+            d.nanos
+        ))
+        .into());
+    }
+    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
+}
+
+fn state_str(s: Option<State>) -> String {
+    s.map(|s| s.to_string()).unwrap_or_default()
+}
+
+fn unaddressable(u: &automaton_store::Unaddressable) -> pb::Unaddressable {
+    pb::Unaddressable {
+        folder: u.folder.clone(),
+        path: u.path.display().to_string(),
+        why: u.why.clone(),
+        rename_to: u.rename_to.clone().unwrap_or_default(),
+    }
+}
+
+fn folder_report(r: &automaton_store::FolderReport) -> pb::FolderReport {
+    pb::FolderReport {
+        task: r.task.to_string(),
+        state: state_str(r.state),
+        tracked: r.tracked,
+        out_of_order: r.out_of_order.iter().map(|a| a.to_string()).collect(),
+    }
+}
+
+fn audit_pb(r: &automaton_store::AuditReport) -> pb::AuditResponse {
+    use automaton_store::Category3;
+    let code_edits = match &r.category3 {
+        Category3::Skipped { reason } => pb::code_edits::Result::Skipped(reason.clone()),
+        Category3::Checked {
+            checked,
+            modifications,
+        } => pb::code_edits::Result::Checked(pb::CodeEditsChecked {
+            checked: checked.iter().map(|t| t.to_string()).collect(),
+            modifications: modifications
+                .iter()
+                .map(|m| pb::Modification {
+                    task: m.task.to_string(),
+                    state: m.state.to_string(),
+                    path: m.path.clone(),
+                    commit: m.commit.clone(),
+                    commit_time: automaton_store::parse_time(&m.commit_time).map(timestamp),
+                    attributed: m.attributed,
+                })
+                .collect(),
+        }),
+    };
+    pb::AuditResponse {
+        exit_code: r.exit_code(),
+        project: r.project.display().to_string(),
+        tasks: r
+            .tasks
+            .iter()
+            .map(|t| pb::AuditTask {
+                task: t.task.to_string(),
+                state: state_str(t.state),
+                tracked: t.tracked,
+                present: t.present.iter().map(|a| a.to_string()).collect(),
+                out_of_order: t.out_of_order.iter().map(|a| a.to_string()).collect(),
+                consistency: t
+                    .consistency
+                    .iter()
+                    .map(|f| pb::Finding {
+                        severity: match f.severity {
+                            automaton_workflow::Severity::Warn => "warn",
+                            automaton_workflow::Severity::Fail => "fail",
+                        }
+                        .into(),
+                        message: f.message.clone(),
+                        suggestion: state_str(f.suggestion),
+                    })
+                    .collect(),
+                error: t.error.clone().unwrap_or_default(),
+            })
+            .collect(),
+        code_edits: Some(pb::CodeEdits {
+            result: Some(code_edits),
+        }),
+        violations: r.violations.clone(),
+        errors: r.errors.clone(),
+        unaddressable: r.unaddressable.iter().map(unaddressable).collect(),
+    }
+}
+
+fn approval_pb(a: &automaton_store::ApprovalView) -> pb::ApprovalStatus {
+    use automaton_store::ApprovalView;
+    match a {
+        ApprovalView::Required { artifact } => pb::ApprovalStatus {
+            status: "required".into(),
+            artifact: artifact.to_string(),
+            ..Default::default()
+        },
+        ApprovalView::Awaiting { artifact } => pb::ApprovalStatus {
+            status: "awaiting".into(),
+            artifact: artifact.to_string(),
+            ..Default::default()
+        },
+        ApprovalView::Approved {
+            artifact,
+            record,
+            stale,
+        } => pb::ApprovalStatus {
+            status: "approved".into(),
+            artifact: artifact.to_string(),
+            record: record.as_ref().map(|r| pb::ApprovalRecord {
+                phase: r.phase.to_string(),
+                approved_at: Some(timestamp(r.at)),
+                approver: r.approver.clone(),
+                sha256: r.sha256.clone().unwrap_or_default(),
+            }),
+            stale: *stale,
+        },
+    }
 }
 
 pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
@@ -132,11 +274,12 @@ pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {
         lease_id: l.lease_id.clone(),
         token: l.token,
         state: l.state.to_string(),
-        ttl_ms: l.ttl.as_millis() as u64,
-        expires_at: format_time(l.expires_at(now)),
-        remaining_ms: l.deadline.saturating_duration_since(now).as_millis() as u64,
+        ttl: Some(duration(l.ttl)),
+        expires_at: Some(timestamp(l.expires_at(now))),
+        remaining: Some(duration(l.deadline.saturating_duration_since(now))),
         renewed,
         session_id: l.session.as_deref().unwrap_or_default().to_string(),
+        claimed_at: Some(timestamp(l.claimed)),
     }
 }
 
@@ -147,10 +290,12 @@ fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
         wave: 0,
         estimated_tokens: 0,
         task: e.task.to_string(),
-        state: e.state.map(|s| s.to_string()).unwrap_or_default(),
+        state: state_str(e.state),
         tracked: e.tracked,
         next: e.next.iter().map(State::to_string).collect(),
         approval_stale: e.approval_stale,
+        approval_missing: e.approval_missing,
+        error: e.error.clone().unwrap_or_default(),
         lease_holder: e
             .lease_holder
             .as_ref()
@@ -187,31 +332,22 @@ impl pb::tasks_server::Tasks for Service {
             .coord
             .read(move |p| p.view(&t, SystemTime::now()))
             .await?;
-        // The coordinator's table is the truth; the file view may lag it. One lookup serves
-        // both the view and the typed lease.
+        // The coordinator's table is the truth; the file view may lag it.
         self.coord.implementers(&task, &mut view.implementers);
         let live = self.coord.live_of(&task);
         let secrets = live.as_ref().is_some_and(|l| may_see_secrets(&who, l));
-        let hide = |id: &mut String, token: &mut u64| {
-            if !secrets {
-                id.clear();
-                *token = 0;
-            }
-        };
-        view.lease = live.as_ref().map(|l| {
-            let mut shown = l.as_store_lease(std::time::Instant::now());
-            hide(&mut shown.lease_id, &mut shown.token);
-            shown
-        });
         let lease = live.as_ref().map(|l| {
             let mut shown = lease_pb(l, false);
-            hide(&mut shown.lease_id, &mut shown.token);
+            if !secrets {
+                shown.lease_id.clear();
+                shown.token = 0;
+            }
             shown
         });
         Ok(Response::new(pb::TaskDetail {
             summary: Some(pb::TaskSummary {
                 task: task.to_string(),
-                state: view.state.map(|s| s.to_string()).unwrap_or_default(),
+                state: state_str(view.state),
                 tracked: view.tracked,
                 next: view
                     .state
@@ -224,8 +360,9 @@ impl pb::tasks_server::Tasks for Service {
                     view.approval,
                     Some(automaton_store::ApprovalView::Approved { stale: true, .. })
                 ),
-                lease_holder: view
-                    .lease
+                approval_missing: false,
+                error: String::new(),
+                lease_holder: live
                     .as_ref()
                     .map(|l| l.agent.to_string())
                     .unwrap_or_default(),
@@ -237,9 +374,30 @@ impl pb::tasks_server::Tasks for Service {
             }),
             lease,
             implementers: view.implementers.iter().map(|a| a.to_string()).collect(),
-            view_json: json(&view)?,
             runs: self.coord.work.runs(&task),
-            held: self.coord.work.held(&task).unwrap_or_default(),
+            state_file: view.state_file.display().to_string(),
+            parent: view.parent.as_ref().map(|(p, s)| pb::ParentTask {
+                task: p.to_string(),
+                state: state_str(*s),
+            }),
+            artifacts: view
+                .artifacts
+                .iter()
+                .map(|a| pb::ArtifactFile {
+                    artifact: a.artifact.to_string(),
+                    bytes: a.bytes,
+                    blank: a.blank,
+                })
+                .collect(),
+            approval: view.approval.as_ref().map(approval_pb),
+            subtasks: view.subtasks.iter().map(|t| t.to_string()).collect(),
+            guidance: view.guidance.as_ref().map(|g| pb::Guidance {
+                allowed: g.allowed.clone(),
+                forbidden: g.forbidden.clone(),
+                next_artifact: g.next_artifact.clone().unwrap_or_default(),
+                next: g.next.iter().map(State::to_string).collect(),
+                command: g.command.clone(),
+            }),
         }))
     }
 
@@ -271,7 +429,6 @@ impl pb::tasks_server::Tasks for Service {
         Ok(Response::new(pb::ListTasksResponse {
             sizing_ratio: self.coord.work.learned_ratio().unwrap_or(0.0),
             tasks,
-            list_json: json(&entries)?,
         }))
     }
 
@@ -332,34 +489,44 @@ impl pb::tasks_server::Tasks for Service {
             from: out.from.to_string(),
             to: out.to.to_string(),
             approver: out.approval.approver.clone(),
-            approved_at: format_time(out.approval.at),
+            approved_at: Some(timestamp(out.approval.at)),
             sha256: out.approval.sha256.clone().unwrap_or_default(),
         }))
     }
 
-    async fn validate_folder(&self, req: Request<pb::ValidateFolderRequest>) -> Res<pb::Report> {
+    async fn validate_folder(
+        &self,
+        req: Request<pb::ValidateFolderRequest>,
+    ) -> Res<pb::ValidateFolderResponse> {
         // No task: every task and sub-task, as `--validate-folder` without `--task`.
         if req.get_ref().task.is_empty() {
             let all = self.coord.read(|p| p.validate_all()).await?;
-            return Ok(Response::new(pb::Report {
+            return Ok(Response::new(pb::ValidateFolderResponse {
                 exit_code: all.exit_code(),
-                report_json: json(&all)?,
+                reports: all.reports.iter().map(folder_report).collect(),
+                errors: all
+                    .errors
+                    .iter()
+                    .map(|e| pb::TaskError {
+                        task: e.task.to_string(),
+                        error: e.error.clone(),
+                    })
+                    .collect(),
+                unaddressable: all.unaddressable.iter().map(unaddressable).collect(),
             }));
         }
         let task = task_name(&req.get_ref().task)?;
         let report = self.coord.read(move |p| p.validate_folder(&task)).await?;
-        Ok(Response::new(pb::Report {
+        Ok(Response::new(pb::ValidateFolderResponse {
             exit_code: if report.passed() { 0 } else { 1 },
-            report_json: json(&report)?,
+            reports: vec![folder_report(&report)],
+            ..Default::default()
         }))
     }
 
-    async fn audit(&self, _req: Request<pb::AuditRequest>) -> Res<pb::Report> {
+    async fn audit(&self, _req: Request<pb::AuditRequest>) -> Res<pb::AuditResponse> {
         let report = self.coord.read(|p| p.audit()).await?;
-        Ok(Response::new(pb::Report {
-            exit_code: report.exit_code(),
-            report_json: json(&report)?,
-        }))
+        Ok(Response::new(audit_pb(&report)))
     }
 }
 
@@ -412,7 +579,7 @@ impl pb::leases_server::Leases for Service {
             _ => (acting_agent(&who, &r.agent)?, None),
         };
         let g = {
-            let ttl = (r.ttl_ms != 0).then(|| Duration::from_millis(r.ttl_ms));
+            let ttl = r.ttl.as_ref().map(|d| duration_arg("ttl", d)).transpose()?;
             self.coord.claim_in(&task, &agent, ttl, session).await?
         };
         Ok(Response::new(lease_pb(&g.live, g.renewed)))
@@ -487,7 +654,7 @@ impl pb::events_server::Events for Service {
                 let msg = match e {
                     Ok(e) => pb::Event {
                         seq: e.seq,
-                        at: format_millis(e.at),
+                        at: Some(timestamp(e.at)),
                         kind: e.kind.into(),
                         task: e.task,
                         agent: e.agent,
@@ -497,7 +664,7 @@ impl pb::events_server::Events for Service {
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => pb::Event {
                         kind: "lagged".into(),
                         detail: format!("{n} events were dropped: this watcher reads too slowly"),
-                        at: format_millis(SystemTime::now()),
+                        at: Some(timestamp(SystemTime::now())),
                         ..Default::default()
                     },
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
@@ -508,5 +675,50 @@ impl pb::events_server::Events for Service {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(seconds: i64, nanos: i32) -> prost_types::Duration {
+        prost_types::Duration { seconds, nanos }
+    }
+
+    #[test]
+    fn duration_arg_refuses_negative_and_out_of_range_nanos_in_one_line() {
+        for (bad, says) in [
+            (d(-1, 0), "ttl is negative"),
+            (d(0, -1), "ttl is negative"),
+            (d(i64::MIN, -999_999_999), "ttl is negative"),
+            (d(0, 1_000_000_000), "ttl.nanos is 1000000000"),
+            (d(i64::MAX, i32::MAX), "outside 0..999999999"),
+        ] {
+            let s = duration_arg("ttl", &bad).expect_err("refused");
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{bad:?}");
+            assert!(s.message().contains(says), "{bad:?}: {}", s.message());
+            assert!(!s.message().contains('\n'));
+        }
+        assert_eq!(
+            duration_arg("ttl", &d(i64::MAX, 999_999_999)).ok(),
+            Some(Duration::new(i64::MAX as u64, 999_999_999))
+        );
+        assert_eq!(duration_arg("ttl", &d(0, 0)).ok(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_out_saturate_and_round_trip() {
+        assert_eq!(duration(Duration::MAX), d(i64::MAX, 999_999_999));
+        let x = Duration::new(1800, 5);
+        assert_eq!(duration_arg("x", &duration(x)).ok(), Some(x));
+    }
+
+    #[test]
+    fn timestamps_out_stay_within_what_json_can_hold() {
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40);
+        assert_eq!(timestamp(far).seconds, 253_402_300_799);
+        let before = SystemTime::UNIX_EPOCH - Duration::from_secs(5);
+        assert_eq!(timestamp(before), prost_types::Timestamp::default());
     }
 }

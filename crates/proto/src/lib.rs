@@ -1,9 +1,12 @@
 //! Code generated from `proto/automaton/v1/*.proto`: messages, clients and servers of the
-//! `automaton.v1` package, and the encoded descriptor set for server reflection.
+//! `automaton.v1` package, and the encoded descriptor set for server reflection. Times and
+//! durations are the well-known `google.protobuf` types, re-exported as [`prost_types`].
 //!
 //! This crate must not contain hand-written logic.
 
 #![allow(clippy::all, missing_docs)]
+
+pub use prost_types;
 
 pub mod v1 {
     tonic::include_proto!("automaton.v1");

@@ -35,7 +35,7 @@ use automaton_workflow::{
     UnknownPhase,
 };
 
-pub use audit::{AuditReport, AuditTask, Category3};
+pub use audit::{AuditReport, AuditTask, Category3, Modification};
 pub use change::{ApproveOutcome, TransitionOutcome, Upgraded};
 pub use git::{
     Applied, BranchHead, Change, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES, TreeFile,

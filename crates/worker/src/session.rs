@@ -353,8 +353,9 @@ async fn stream(
             return Err(Ended::Broken("the outbound stream closed".into()));
         }
     }
-    let interval = Duration::from_millis(granted.heartbeat_interval_ms.max(10));
-    let timeout = Duration::from_millis(granted.session_timeout_ms.max(30));
+    let interval =
+        wire_duration(granted.heartbeat_interval.as_ref()).max(Duration::from_millis(10));
+    let timeout = wire_duration(granted.session_timeout.as_ref()).max(Duration::from_millis(30));
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
@@ -524,4 +525,10 @@ fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb
         accepted: true,
         reason: String::new(),
     }
+}
+
+/// A length of time the coordinator sent; zero when unset or negative (callers floor it).
+pub(crate) fn wire_duration(d: Option<&automaton_proto::prost_types::Duration>) -> Duration {
+    d.and_then(|d| Duration::try_from(*d).ok())
+        .unwrap_or_default()
 }

@@ -226,7 +226,8 @@ async fn attempt(
             return Err(Failed::Error(format!("cannot start the agent: {e}")));
         }
     };
-    let max = Duration::from_millis(a.max_phase_time_ms.max(1));
+    let max =
+        crate::session::wire_duration(a.max_phase_time.as_ref()).max(Duration::from_millis(1));
     let outcome = running.wait(max, stopped(stop.clone())).await;
     let usage = metered.as_ref().map(|m| m.usage());
     if let Some(u) = usage {
