@@ -78,6 +78,21 @@ async fn model_server_usage_is_read_through_the_metering_proxy() {
         "max(prompt + completion): {run:#?}"
     );
     assert_eq!(run.peak_context_source, "model_server", "{run:#?}");
+    // Operators see it too: `automaton status --task` and its JSON name the peak and its source.
+    let shown = env.cli(&["--task", "p/calls"]);
+    assert!(
+        shown
+            .stdout
+            .contains("peak 6000 of 8000 tokens sized (model_server)"),
+        "{shown:?}"
+    );
+    let json = env.cli(&["--task", "p/calls", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json.stdout).expect("--json is JSON");
+    assert_eq!(v["runs"][0]["peak_context_tokens"], 6000, "{json:?}");
+    assert_eq!(
+        v["runs"][0]["peak_context_source"], "model_server",
+        "{json:?}"
+    );
     // The coordinator learned from it: 6000 used of 8000 estimated.
     let ratio = api.list().await.expect("ListTasks").sizing_ratio;
     assert!((ratio - 0.75).abs() < 1e-9, "sizing_ratio {ratio}");

@@ -43,9 +43,21 @@ pub fn runs(runs: &[automaton_proto::v1::Run], held: &str) -> String {
             } else {
                 format!(": {}", r.detail)
             };
+            // What the run used against what it was sized for, and who said so.
+            let source = if r.peak_context_source.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", r.peak_context_source)
+            };
+            let peak = match (r.peak_context_tokens, r.estimated_tokens) {
+                (0, 0) => String::new(),
+                (0, e) => format!(", sized {e} tokens"),
+                (p, 0) => format!(", peak {p} tokens{source}"),
+                (p, e) => format!(", peak {p} of {e} tokens sized{source}"),
+            };
             let _ = writeln!(
                 out,
-                "  - {} by {} (token {}): {}{reason}{detail}, started {}",
+                "  - {} by {} (token {}): {}{reason}{detail}, started {}{peak}",
                 r.phase,
                 r.worker,
                 r.token,

@@ -194,6 +194,10 @@ pub fn runs_json(runs: &[pb::Run]) -> serde_json::Value {
                     "exit_code": r.exit_code,
                     "started_at": from_wire::time_text(r.started_at.as_ref()),
                     "ended_at": from_wire::time_text(r.ended_at.as_ref()),
+                    "estimated_tokens": r.estimated_tokens,
+                    "peak_context_tokens": r.peak_context_tokens,
+                    "peak_context_source": r.peak_context_source,
+                    "why": r.why,
                 })
             })
             .collect(),
