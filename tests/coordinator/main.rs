@@ -9,6 +9,7 @@ mod history;
 mod issue14;
 mod leases;
 mod limits;
+mod metrics;
 mod restart;
 mod service;
 mod waves;

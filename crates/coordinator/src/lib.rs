@@ -24,6 +24,7 @@ mod holders;
 mod keepalive;
 mod layers;
 mod lease_ops;
+pub mod metrics;
 pub mod owner;
 mod recovery;
 mod service;
