@@ -8,13 +8,9 @@ use std::process::Command;
 
 use crate::harness::{COORDINATOR, worker_bin};
 
-/// Flags being added in parallel (issue 13's metrics part): accepted before the binaries
-/// list them. Trim this once they are merged.
-const EXPECTED_SOON: &[&str] = &["--metrics-listen"];
-
 /// The metric names the dashboard is built against, each with its labels (issue 13).
 /// Histograms also give `_bucket` (with `le`), `_sum` and `_count`.
-const METRICS: &[(&str, &[&str])] = &[
+pub(crate) const METRICS: &[(&str, &[&str])] = &[
     // The coordinator's /metrics.
     ("automaton_workers_connected", &["gpu_model"]),
     ("automaton_workers", &["state"]),
@@ -266,7 +262,7 @@ fn deploy_files_use_only_flags_the_binaries_accept() {
                         seen.insert(bin);
                     }
                     for flag in flags {
-                        if !accepted[&bin].contains(&flag) && !EXPECTED_SOON.contains(&&*flag) {
+                        if !accepted[&bin].contains(&flag) {
                             unknown.push(format!(
                                 "{}:{line}: {} has no {flag}",
                                 path.display(),

@@ -11,6 +11,7 @@ mod history;
 mod issue14;
 mod leases;
 mod limits;
+mod metrics;
 #[path = "../common/model_server.rs"]
 mod model_server;
 mod restart;

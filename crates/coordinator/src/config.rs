@@ -51,6 +51,10 @@ pub struct Config {
     /// The project whose task store this coordinator owns.
     pub project: PathBuf,
     pub listen: SocketAddr,
+    /// Where to serve Prometheus metrics (`GET /metrics`, no authentication); off when
+    /// absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Serve a non-loopback address without any token.
     pub insecure: bool,
     /// After a restart every lease lives at least this long, so holders can reconnect.
@@ -106,6 +110,7 @@ impl Default for Config {
         Config {
             project: PathBuf::from("."),
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            metrics_listen: None,
             insecure: false,
             grace_period: Duration::from_secs(30),
             rpc_timeout: Duration::from_secs(30),
@@ -135,6 +140,7 @@ pub struct Overrides {
     pub config_file: Option<PathBuf>,
     pub project: Option<PathBuf>,
     pub listen: Option<SocketAddr>,
+    pub metrics_listen: Option<SocketAddr>,
     pub insecure: bool,
     pub grace_period: Option<Duration>,
     pub lease_ttl_min: Option<Duration>,
@@ -212,6 +218,9 @@ impl Config {
         if let Some(l) = flags.listen {
             cfg.listen = l;
         }
+        if let Some(l) = flags.metrics_listen {
+            cfg.metrics_listen = Some(l);
+        }
         if flags.insecure {
             cfg.insecure = true;
         }
@@ -262,6 +271,15 @@ impl Config {
             self.listen = v
                 .parse()
                 .map_err(|_| bad("AUTOMATON_LISTEN", &v, "an address like 127.0.0.1:7070"))?;
+        }
+        if let Some(v) = env_var("AUTOMATON_METRICS_LISTEN") {
+            self.metrics_listen = Some(v.parse().map_err(|_| {
+                bad(
+                    "AUTOMATON_METRICS_LISTEN",
+                    &v,
+                    "an address like 127.0.0.1:9464",
+                )
+            })?);
         }
         if let Some(v) = env_var("AUTOMATON_INSECURE") {
             self.insecure = matches!(v.as_str(), "1" | "true" | "yes");
@@ -342,6 +360,17 @@ impl Config {
             return Err(Error::Config(format!(
                 "refusing to listen on {} without authentication: configure [[tokens]] (or AUTOMATON_OPERATOR_TOKEN / AUTOMATON_AGENT_TOKEN), listen on 127.0.0.1, or pass --insecure",
                 self.listen
+            )));
+        }
+        if let Some(m) = self.metrics_listen
+            && m.port() != 0
+            && m.port() == self.listen.port()
+            && (m.ip() == self.listen.ip()
+                || m.ip().is_unspecified()
+                || self.listen.ip().is_unspecified())
+        {
+            return Err(Error::Config(format!(
+                "metrics_listen {m} is the gRPC listen address: give the metrics another port (e.g. 9464)"
             )));
         }
         for t in &self.tokens {
@@ -544,6 +573,36 @@ mod tests {
             !printed.contains("0123456789abcdef0"),
             "tokens must be masked"
         );
+    }
+
+    #[test]
+    fn metrics_listen_is_off_by_default_and_printed_once_set() {
+        let d = Config::default();
+        assert_eq!(d.metrics_listen, None);
+        assert!(!d.to_toml().contains("metrics_listen"));
+        let cfg: Config = toml::from_str("metrics_listen = \"127.0.0.1:9464\"\n").expect("valid");
+        assert_eq!(
+            cfg.metrics_listen,
+            Some("127.0.0.1:9464".parse().expect("addr"))
+        );
+        assert!(
+            cfg.to_toml()
+                .contains("metrics_listen = \"127.0.0.1:9464\""),
+            "{}",
+            cfg.to_toml()
+        );
+    }
+
+    #[test]
+    fn metrics_listen_on_the_grpc_port_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = Config {
+            project: dir.path().to_path_buf(),
+            metrics_listen: Some("0.0.0.0:7070".parse().expect("addr")),
+            ..Config::default()
+        };
+        let e = cfg.validate().expect_err("same port");
+        assert!(e.to_string().contains("another port"), "{e}");
     }
 
     #[test]

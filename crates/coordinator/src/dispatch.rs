@@ -38,6 +38,8 @@ struct Planned {
     work: State,
     slot: Slot,
     need: Option<u64>,
+    /// When the round found the work (the dispatch latency runs from here).
+    found: Instant,
 }
 
 /// A round runs at least this often (the offer timeouts, a worker back from a refusal).
@@ -207,6 +209,23 @@ impl Work {
     /// Why `task` waits for a worker (as of the last dispatch round), if it does.
     pub(crate) fn waiting(&self, task: &TaskName) -> Option<String> {
         self.inner().waiting.get(task).cloned()
+    }
+
+    /// How many tasks wait (as of the last dispatch round) in each class `class` puts their
+    /// reason in, and how many are held (`held`).
+    pub(crate) fn waiting_classes(
+        &self,
+        class: fn(&str) -> &'static str,
+    ) -> HashMap<&'static str, u64> {
+        let inner = self.inner();
+        let mut out: HashMap<&'static str, u64> = HashMap::new();
+        for why in inner.waiting.values() {
+            *out.entry(class(why)).or_insert(0) += 1;
+        }
+        if !inner.held.is_empty() {
+            out.insert("held", inner.held.len() as u64);
+        }
+        out
     }
 
     /// Why `task` is held from dispatch, if it is.
@@ -459,6 +478,7 @@ impl Coordinator {
                 work,
                 slot: idle[first].clone(),
                 need: sizing.need,
+                found: Instant::now(),
             });
             idle.retain(|s| s.free > 0);
         }
@@ -497,7 +517,7 @@ impl Coordinator {
         if p.work != p.from && !self.move_on(&p.task, p.from, p.work).await {
             return;
         }
-        match self.offer(&p.task, p.work, &p.slot, p.need).await {
+        match self.offer(&p.task, p.work, &p.slot, p.need, p.found).await {
             Ok(_) => {}
             Err(e) => {
                 tracing::warn!(task = %p.task, worker = %p.slot.name, error = %e, "cannot offer work")
@@ -593,6 +613,7 @@ impl Coordinator {
         state: State,
         slot: &Slot,
         need: Option<u64>,
+        found: Instant,
     ) -> Result<bool, Error> {
         let granted = match self
             .claim_in(task, &slot.name, None, Some(&slot.session))
@@ -678,6 +699,7 @@ impl Coordinator {
                 estimated_tokens: need.unwrap_or(0),
             }),
         );
+        self.metrics.assigned(state.phase, found.elapsed());
         let span = tracing::Span::current();
         span.record("token", live.token);
         span.record("why", why.as_str());

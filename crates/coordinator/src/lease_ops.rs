@@ -56,6 +56,9 @@ impl Coordinator {
         session: Option<&str>,
     ) -> Result<Granted, Error> {
         let result = self.claim_inner(task, agent, ttl, session).await;
+        if let Err(e) = &result {
+            self.metrics.refused(crate::metrics::Refusal::of(e));
+        }
         if let Err(e) = &result
             && self.watched()
         {
@@ -148,6 +151,7 @@ impl Coordinator {
             if rewrite {
                 self.view_of(&l, true);
             }
+            self.metrics.renewed();
             self.emit_renewed(&l);
             return Ok(Granted {
                 live: l,
@@ -220,6 +224,7 @@ impl Coordinator {
     }
 
     pub(crate) fn after_grant(&self, live: &Live) {
+        self.metrics.granted();
         self.view_of(live, true);
         if self.watched() {
             self.emit(
@@ -276,11 +281,14 @@ impl Coordinator {
         let Some(l) = table.by_id_mut(lease_id, now) else {
             let lapsed = table.lapsed(lease_id, now);
             drop(table);
+            self.metrics.refused(crate::metrics::Refusal::NotFound);
             return Err(self.not_found(lease_id, lapsed));
         };
         if let Some(who) = who
             && who != &l.agent
         {
+            self.metrics
+                .refused(crate::metrics::Refusal::PermissionDenied);
             return Err(Refused::Now(Error::PermissionDenied(format!(
                 "lease '{}' is not held by '{who}': an agent renews only its own leases",
                 automaton_workflow::excerpt(lease_id)
@@ -289,6 +297,7 @@ impl Coordinator {
         if let Some(t) = token
             && t != l.token
         {
+            self.metrics.refused(crate::metrics::Refusal::StaleToken);
             return Err(Refused::Now(Error::Store(
                 automaton_store::Error::StaleToken {
                     task: l.task.clone(),
@@ -298,6 +307,7 @@ impl Coordinator {
             )));
         }
         let rewrite = l.extend(now);
+        self.metrics.renewed();
         let out = answer(l);
         if rewrite {
             // Under the table's lock: no later end's removal can be sent before it.
@@ -460,6 +470,7 @@ impl Coordinator {
     }
 
     pub(crate) fn after_end(&self, l: &Live, reason: &'static str) {
+        self.metrics.ended(l.state.phase, l.claimed, reason);
         self.view_of(l, false);
         self.tell_session(l, reason);
         // The task may be dispatched again.

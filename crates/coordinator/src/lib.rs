@@ -4,7 +4,8 @@
 //! release durable through a group-committed log, holds the workers' sessions (a dead
 //! session's leases end at once), dispatches work to them (waves, best fit by VRAM budget),
 //! takes their artifacts and code under the lease, applies task changes through
-//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`).
+//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`) — and counts what
+//! it does for Prometheus (`metrics.rs`, served by `automaton-telemetry`).
 //!
 //! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,
 //! `automaton-store` reads and writes the files.
@@ -24,6 +25,7 @@ mod holders;
 mod keepalive;
 mod layers;
 mod lease_ops;
+pub mod metrics;
 pub mod owner;
 mod recovery;
 mod service;

@@ -25,6 +25,10 @@ struct Flags {
     /// Address to listen on (port 0 picks a free one; the chosen address is printed).
     #[arg(long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0 picks a free one; the
+    /// chosen address is logged). Off by default.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
     /// TOML configuration file (also AUTOMATON_CONFIG).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -87,6 +91,7 @@ fn run() -> anyhow::Result<()> {
         config_file: flags.config,
         project: flags.project,
         listen: flags.listen,
+        metrics_listen: flags.metrics_listen,
         insecure: flags.insecure,
         grace_period: flags.grace_period,
         lease_ttl_min: flags.lease_ttl_min,
@@ -115,6 +120,14 @@ fn run() -> anyhow::Result<()> {
         let addr = listener
             .local_addr()
             .context("cannot read the bound address")?;
+        let metrics = match cfg.metrics_listen {
+            Some(m) => Some(
+                tokio::net::TcpListener::bind(m)
+                    .await
+                    .with_context(|| format!("cannot listen for metrics on {m}"))?,
+            ),
+            None => None,
+        };
         // Test hooks only: make the lease log's disk fail on purpose (docs/coordinator.md).
         let failpoints = match std::env::var("AUTOMATON_FAILPOINTS") {
             Ok(v) => Failpoints::parse(&v).map_err(anyhow::Error::msg)?,
@@ -129,6 +142,18 @@ fn run() -> anyhow::Result<()> {
         let (coord, notes) = Coordinator::open(project.clone(), cfg.options(failpoints))?;
         for n in &notes {
             tracing::warn!(note = %n, "recovery");
+        }
+        if let Some(listener) = metrics {
+            let at = listener
+                .local_addr()
+                .context("cannot read the metrics address")?;
+            tracing::info!(address = %at, "metrics listening on http://{at}/metrics");
+            // Ends with the process: a scrape needs nothing drained.
+            tokio::spawn(automaton_telemetry::metrics::serve(
+                listener,
+                automaton_coordinator::metrics::render(coord.clone()),
+                std::future::pending(),
+            ));
         }
         let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         ownership.publish(&format!("{scheme}://{addr}"))?;

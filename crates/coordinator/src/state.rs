@@ -106,6 +106,8 @@ pub struct Coordinator {
     pub(crate) sessions: crate::sessions::Sessions,
     /// Dispatch, runs and held tasks (`dispatch.rs`).
     pub(crate) work: crate::dispatch::Work,
+    /// Counters of the lease and dispatch paths (`metrics.rs`).
+    pub(crate) metrics: crate::metrics::Metrics,
 }
 
 impl Coordinator {
@@ -187,6 +189,7 @@ impl Coordinator {
             seq: AtomicU64::new(0),
             sessions,
             work,
+            metrics: crate::metrics::Metrics::default(),
         });
         // Sessions that own live leases wait for their workers to resume them.
         coord.recover_sessions();

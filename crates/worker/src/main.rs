@@ -62,6 +62,10 @@ struct Cli {
     /// Log format on stderr: text (default) or json.
     #[arg(long, value_name = "FORMAT", default_value = "text")]
     log_format: String,
+    /// Serve Prometheus metrics at http://ADDR/metrics (port 0 picks a free one; the chosen
+    /// address is logged). Off by default.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     detect: probe::DetectArgs,
 }
@@ -149,6 +153,18 @@ fn join(cli: Cli) -> anyhow::Result<()> {
         anyhow::bail!("--capacity must be at least 1");
     }
     let probe = probe::detect(&cli.detect);
+    automaton_worker::metrics::METRICS.detected(
+        probe
+            .gpus
+            .iter()
+            .map(|g| automaton_worker::metrics::GpuMemory {
+                index: g.index,
+                total: g.total_bytes,
+                free: g.free_bytes,
+            })
+            .collect(),
+        probe.budget.max_peak_context_kb,
+    );
     let token = cli.token.or_else(|| env("AUTOMATON_TOKEN"));
     // With a token the coordinator knows the name (the token's); without, the host's.
     let name = match (cli.name, &token) {
@@ -243,6 +259,21 @@ fn join(cli: Cli) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let (stop_tx, stop) = tokio::sync::watch::channel(false);
         install_signals(stop_tx)?;
+        if let Some(addr) = cli.metrics_listen {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+            let at = listener
+                .local_addr()
+                .context("cannot read the metrics address")?;
+            tracing::info!(address = %at, "metrics listening on http://{at}/metrics");
+            // Ends with the process.
+            tokio::spawn(automaton_telemetry::metrics::serve(
+                listener,
+                automaton_worker::metrics::render(),
+                std::future::pending(),
+            ));
+        }
         session::run(probe, opts, session::Work::new(runner), stop).await?;
         Ok(())
     })

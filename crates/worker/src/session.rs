@@ -269,7 +269,9 @@ async fn session(
     work: &mut Work,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
-    match stream(channel, bearer, probe, opts, state, work, stop).await {
+    let ended = stream(channel, bearer, probe, opts, state, work, stop).await;
+    crate::metrics::METRICS.connected.set(0);
+    match ended {
         Ok(e) | Err(e) => e,
     }
 }
@@ -316,6 +318,7 @@ async fn stream(
         None => return Err(Ended::Broken("the coordinator closed the stream".into())),
     };
     state.joined = true;
+    crate::metrics::METRICS.connected.set(1);
     let before = state.session.replace(granted.session_id.clone());
     for l in &granted.lost {
         state.leases.remove(&l.lease_id);
@@ -360,6 +363,8 @@ async fn stream(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
     let mut heard = Instant::now();
+    // The last heartbeat sent and when, for its round trip.
+    let mut sent: Option<(u64, Instant)> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {
@@ -370,12 +375,21 @@ async fn stream(
                     )));
                 }
                 seq += 1;
+                sent = Some((seq, Instant::now()));
                 if tx.send(send(Out::Heartbeat(pb::Heartbeat { seq }))).await.is_err() {
                     return Err(Ended::Broken("the outbound stream closed".into()));
                 }
             }
             m = inbound.next() => match m {
-                Some(Ok(pb::CoordinatorMessage { msg: Some(In::Ack(_)) })) => heard = Instant::now(),
+                Some(Ok(pb::CoordinatorMessage { msg: Some(In::Ack(a)) })) => {
+                    heard = Instant::now();
+                    if let Some((s, at)) = sent
+                        && s == a.seq
+                    {
+                        crate::metrics::METRICS.heartbeat_rtt.observe(heard.duration_since(at));
+                        sent = None;
+                    }
+                }
                 Some(Ok(pb::CoordinatorMessage { msg: Some(In::Lost(l)) })) => {
                     heard = Instant::now();
                     state.leases.retain(|_, t| *t != l.token);

@@ -147,12 +147,19 @@ pub async fn run(
         phase: a.phase.clone(),
     };
     report.send(RunState::Starting, None, "", None);
+    let started = std::time::Instant::now();
+    let metrics = &crate::metrics::METRICS;
+    metrics.runs_active.add(1);
     let (reason, detail, code, peak) =
         match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
             Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
             Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
             Err(Failed::Error(why)) => (StopReason::AgentError, why, None, None),
         };
+    metrics.runs_active.add(-1);
+    if let Ok(state) = a.phase.parse::<State>() {
+        metrics.run_stopped(state.phase, reason, started.elapsed());
+    }
     tracing::info!(
         task = %a.task,
         phase = %a.phase,
