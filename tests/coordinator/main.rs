@@ -11,6 +11,7 @@ mod leases;
 mod limits;
 mod restart;
 mod service;
+mod traces;
 mod waves;
 mod work;
 mod workers;

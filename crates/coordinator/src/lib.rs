@@ -249,6 +249,8 @@ pub async fn serve(
         .concurrency_limit_per_connection(cfg.max_in_flight)
         // Dead peers are noticed even on idle KeepAlive streams.
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        // A traced caller's requests join its trace (outermost: refusals are recorded too).
+        .layer(layers::Trace)
         .layer(layers::Gate::new(
             auth::Callers::new(&cfg.tokens),
             cfg.rpc_timeout,

@@ -159,6 +159,8 @@ pub fn init(service: &str, format: LogFormat) -> Result<Guard, Error> {
             // The span tree is the point; threads and code locations add nothing to read.
             .with_location(false)
             .with_threads(false)
+            .with_target(false)
+            .with_tracked_inactivity(false)
     });
     tracing_subscriber::registry()
         .with(filter)
