@@ -4,7 +4,9 @@
 //! release durable through a group-committed log, holds the workers' sessions (a dead
 //! session's leases end at once), dispatches work to them (waves, best fit by VRAM budget),
 //! takes their artifacts and code under the lease, applies task changes through
-//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`).
+//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`). Each dispatch
+//! decision roots the trace of its phase run; traced callers' requests join their trace
+//! (`layers.rs`, `docs/observability.md`).
 //!
 //! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,
 //! `automaton-store` reads and writes the files.
