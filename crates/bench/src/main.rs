@@ -607,13 +607,6 @@ async fn run(
         if let Some(url) = &traced_url {
             let channels = rpc::tonic_channels(url, args.prepare_workers.clamp(1, n)).await?;
             coord::prepare(&channels, c, args.tasks_per_client, args.prepare_workers).await?;
-            drop(channels);
-            traced_backend = Some(Arc::new(coord::Coordinator::new(
-                rpc::connect(args.client, url, n).await?,
-                c,
-                args.tasks_per_client,
-                args.ttl_ms,
-            )));
         }
         if let Some(url) = &coord_url {
             let channels = rpc::tonic_channels(url, args.prepare_workers.clamp(1, n)).await?;
@@ -631,6 +624,17 @@ async fn run(
                 tasks_per_s: tasks as f64 / secs.max(1e-9),
             });
             coord_backend = Some(Arc::new(coord::Coordinator::new(
+                rpc::connect(args.client, url, n).await?,
+                c,
+                args.tasks_per_client,
+                args.ttl_ms,
+            )));
+        }
+        // Connected once both are prepared: a connection left idle through the other's
+        // preparation would meet the server's keep-alive unanswered (the raw client reads
+        // only during its calls) and be closed.
+        if let Some(url) = &traced_url {
+            traced_backend = Some(Arc::new(coord::Coordinator::new(
                 rpc::connect(args.client, url, n).await?,
                 c,
                 args.tasks_per_client,
