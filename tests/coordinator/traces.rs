@@ -228,6 +228,26 @@ async fn one_phase_run_is_one_trace_holding_coordinator_and_worker_spans_with_th
         receiver.spans().is_empty(),
         "a batch left before the shutdown flush"
     );
+    // A traced caller's failed call: its server span joins the caller's trace, and the
+    // error is on it and on the handler's span.
+    let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    let mut call = tonic::Request::new(automaton_proto::v1::CompletePhaseRequest {
+        lease_id: "no-such-lease".into(),
+        token: 1,
+        target: String::new(),
+    });
+    call.metadata_mut().insert(
+        "traceparent",
+        format!("00-{caller_trace}-{caller_span}-01")
+            .parse()
+            .expect("ascii"),
+    );
+    let refused = automaton_proto::v1::work_client::WorkClient::new(coord.channel().await)
+        .complete_phase(call)
+        .await
+        .expect_err("no such lease");
+    assert_eq!(refused.code(), tonic::Code::NotFound);
     // Stopping flushes: SIGTERM both, then read what arrived.
     assert!(worker.terminate().success(), "{}", worker.stderr());
     assert!(coord.terminate().success(), "{}", coord.stderr());
@@ -346,6 +366,30 @@ async fn one_phase_run_is_one_trace_holding_coordinator_and_worker_spans_with_th
     assert_eq!(
         transition.attr("automaton.target"),
         "research:awaiting_approval"
+    );
+    let server = the(
+        &spans,
+        COORD,
+        "automaton.v1.Work/CompletePhase",
+        caller_trace,
+    );
+    assert_eq!(server.parent, caller_span);
+    assert_eq!(server.attr("rpc.grpc.status_code"), "5");
+    assert!(
+        server
+            .error
+            .as_deref()
+            .is_some_and(|m| m.contains("No live lease")),
+        "{server:?}"
+    );
+    let handler = the(&spans, COORD, "work.complete_phase", caller_trace);
+    assert_eq!(handler.parent, server.id);
+    assert!(
+        handler
+            .error
+            .as_deref()
+            .is_some_and(|m| m.starts_with("NotFound: No live lease")),
+        "{handler:?}"
     );
     if std::env::var_os("AUTOMATON_PRINT_TRACE").is_some() {
         eprintln!("{}", listing(&spans));

@@ -150,7 +150,7 @@ impl pb::work_server::Work for Service {
     async fn fetch_workspace(
         &self,
         req: Request<pb::FetchWorkspaceRequest>,
-    ) -> Result<Response<Stream<pb::WorkspaceChunk>>, Status> {
+    ) -> Result<Response<Self::FetchWorkspaceStream>, Status> {
         traced(self.fetch_workspace_in(req).await)
     }
 
