@@ -531,3 +531,26 @@ fn an_unknown_log_format_or_a_bad_rust_log_stops_the_worker_with_one_line() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_collector_is_logged_and_the_coordinator_serves_on() {
+    // Port 1 on loopback: nothing listens there.
+    let envs = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let env = Env::new();
+    let mut coord = Coord::start_with_env(&env, &[], &envs);
+    let mut api = coord.api().await;
+    api.create("t").await.expect("create");
+    assert!(
+        coord.wait_stderr("Export.Failed", Duration::from_secs(20)),
+        "{}",
+        coord.stderr()
+    );
+    // Still serving; and the exit is not held up by spans it cannot send.
+    api.create("u").await.expect("create after a failed export");
+    let stopped = Instant::now();
+    assert!(coord.terminate().success(), "{}", coord.stderr());
+    assert!(stopped.elapsed() < Duration::from_secs(15));
+}
