@@ -51,6 +51,8 @@ const AUTOMATON: &str = "automaton";
 const ETCD: &str = "etcd";
 /// The coordinator exporting traces (`leases --compare-export`).
 const TRACED: &str = "automaton+otlp";
+/// The second coordinator of an A/A control run (`--export-control`): exporting nothing.
+const CONTROL: &str = "automaton-b";
 /// With export on, claims keep at least this share of their throughput with it off.
 const EXPORT_TARGET: f64 = 0.90;
 const OPS: [&str; 3] = ["claim", "renew", "release"];
@@ -160,6 +162,10 @@ struct LeasesArgs {
     /// measured in turns; the ratio is export on / off.
     #[arg(long, requires = "spawn_coordinator", conflicts_with_all = ["etcd", "spawn_etcd"])]
     compare_export: bool,
+    /// With --compare-export: an A/A control, the second coordinator exports nothing either;
+    /// its ratio is the noise floor of the comparison on this machine.
+    #[arg(long, requires = "compare_export")]
+    export_control: bool,
 }
 
 /// `10s`, `500ms`, `1m`, `2.5s`, or a bare number of seconds.
@@ -211,6 +217,8 @@ struct Comparison {
 /// Export on against export off, one operation at one client count.
 #[derive(Serialize)]
 struct ExportComparison {
+    /// The second coordinator: `automaton+otlp`, or `automaton-b` in a control run.
+    system: String,
     op: String,
     clients: usize,
     off_ops_per_s: f64,
@@ -355,13 +363,13 @@ fn compare(results: &[OpStats], clients: &[usize]) -> Vec<Comparison> {
     out
 }
 
-fn compare_export(results: &[OpStats], clients: &[usize]) -> Vec<ExportComparison> {
+fn compare_export(results: &[OpStats], clients: &[usize], second: &str) -> Vec<ExportComparison> {
     let mut out = Vec::new();
     for &c in clients {
         for op in OPS {
             let (Some(off), Some(on)) = (
                 find(results, AUTOMATON, op, c),
-                find(results, TRACED, op, c),
+                find(results, second, op, c),
             ) else {
                 continue;
             };
@@ -371,6 +379,7 @@ fn compare_export(results: &[OpStats], clients: &[usize]) -> Vec<ExportCompariso
                 0.0
             };
             out.push(ExportComparison {
+                system: second.to_string(),
                 op: op.to_string(),
                 clients: c,
                 off_ops_per_s: off.ops_per_s,
@@ -416,7 +425,7 @@ fn table(
     );
     for &c in clients {
         for op in OPS {
-            for system in [AUTOMATON, TRACED, ETCD] {
+            for system in [AUTOMATON, TRACED, CONTROL, ETCD] {
                 if let Some(s) = find(results, system, op, c) {
                     out.push_str(&row(s));
                     out.push('\n');
@@ -424,11 +433,12 @@ fn table(
             }
             if let Some(k) = exports.iter().find(|k| k.op == op && k.clients == c) {
                 out.push_str(&format!(
-                    "{:<12} {:<8} {:>7} {:>8.2}x   (export on / off; p99 on {} vs off {}; target >= {}: {})\n",
+                    "{:<12} {:<8} {:>7} {:>8.2}x   ({} / automaton; p99 {} vs {}; target >= {}: {})\n",
                     "ratio",
                     op,
                     c,
                     k.throughput_ratio,
+                    k.system,
                     fmt_ms(k.on_p99_ms),
                     fmt_ms(k.off_p99_ms),
                     k.target_ratio,
@@ -556,7 +566,7 @@ async fn run(
             for (on, into) in [(false, &mut coord_url), (true, &mut traced_url)] {
                 let d = dir.join(if on { "export-on" } else { "export-off" });
                 std::fs::create_dir_all(d.join("project"))?;
-                let envs = if on {
+                let envs = if on && !args.export_control {
                     vec![("OTEL_EXPORTER_OTLP_ENDPOINT", url.clone())]
                 } else {
                     vec![]
@@ -672,14 +682,14 @@ async fn run(
             results.extend(a.stats(AUTOMATON, c, args));
         }
         if traced_backend.is_some() {
-            results.extend(t.stats(TRACED, c, args));
+            results.extend(t.stats(second_name(args), c, args));
         }
         if etcd_backend.is_some() {
             results.extend(e.stats(ETCD, c, args));
         }
     }
     let comparisons = compare(&results, &args.clients);
-    let exports = compare_export(&results, &args.clients);
+    let exports = compare_export(&results, &args.clients, second_name(args));
     let text = table(&results, &comparisons, &exports, &args.clients);
     let report = Report {
         command: std::env::args().collect::<Vec<_>>().join(" "),
@@ -708,6 +718,11 @@ async fn run(
         shutdown: Vec::new(),
     };
     Ok((report, text, sink))
+}
+
+/// The second coordinator's name in a `--compare-export` run.
+fn second_name(args: &LeasesArgs) -> &'static str {
+    if args.export_control { CONTROL } else { TRACED }
 }
 
 /// A freshly spawned server may need a moment before it accepts connections.
