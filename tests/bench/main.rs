@@ -208,6 +208,58 @@ async fn inline_echo_server_answers_a_stock_grpc_client() {
 }
 
 #[test]
+fn compare_export_measures_claims_with_trace_export_off_and_on_and_the_sink_gets_spans() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("report.json");
+    let coordinator = coordinator_bin();
+    bench(&[
+        "leases",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf-8 path"),
+        "--compare-export",
+        "--clients",
+        "2",
+        "--duration",
+        "300ms",
+        "--slices",
+        "1",
+        "--tasks-per-client",
+        "5",
+        "--ops",
+        "claim-release",
+        "--json-out",
+        json.to_str().expect("utf-8 path"),
+    ])
+    .ok();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("report written"))
+            .expect("report is JSON");
+    for system in ["automaton", "automaton+otlp"] {
+        let claim = report["results"]
+            .as_array()
+            .expect("results")
+            .iter()
+            .find(|r| r["system"] == system && r["op"] == "claim")
+            .unwrap_or_else(|| panic!("no {system} claim row: {report}"));
+        assert_eq!(claim["errors"], 0, "{claim}");
+        assert!(claim["ops"].as_u64().expect("ops") > 0, "{claim}");
+    }
+    let k = report["export_comparisons"]
+        .as_array()
+        .expect("export comparisons")
+        .iter()
+        .find(|k| k["op"] == "claim")
+        .unwrap_or_else(|| panic!("no claim comparison: {report}"));
+    assert!(k["throughput_ratio"].as_f64().expect("ratio") > 0.0, "{k}");
+    assert_eq!(k["target_ratio"], 0.9);
+    // The exporting coordinator did export (its prepare calls' spans), flushed at its stop.
+    assert!(
+        report["otlp_spans_received"].as_u64().expect("span count") > 0,
+        "{report}"
+    );
+}
+
+#[test]
 fn raw_client_refuses_shared_connections_in_one_line() {
     let r = bench(&[
         "leases",

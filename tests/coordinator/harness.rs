@@ -81,6 +81,8 @@ pub const SCRUBBED_ENV: &[&str] = &[
     "AUTOMATON_SESSION_TIMEOUT",
     "AUTOMATON_HEARTBEAT_INTERVAL",
     "AUTOMATON_CALL_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
 ];
 
 /// The `automaton` CLI binary, built next to the coordinator by `cargo test --workspace`.

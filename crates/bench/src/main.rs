@@ -25,6 +25,7 @@ mod dispatch;
 mod echo;
 mod etcd;
 mod inline;
+mod otlp;
 mod phases;
 mod restart;
 mod rpc;
@@ -48,6 +49,12 @@ use crate::stats::{OpStats, Sample, fmt_ms};
 
 const AUTOMATON: &str = "automaton";
 const ETCD: &str = "etcd";
+/// The coordinator exporting traces (`leases --compare-export`).
+const TRACED: &str = "automaton+otlp";
+/// The second coordinator of an A/A control run (`--export-control`): exporting nothing.
+const CONTROL: &str = "automaton-b";
+/// With export on, claims keep at least this share of their throughput with it off.
+const EXPORT_TARGET: f64 = 0.90;
 const OPS: [&str; 3] = ["claim", "renew", "release"];
 
 #[derive(Parser)]
@@ -73,6 +80,12 @@ enum Cmd {
     /// One wave of sub-tasks dispatched to many simulated workers of mixed budgets: the time
     /// from the decomposition's approval to the last assignment, every assignment checked.
     Dispatch(dispatch::DispatchArgs),
+    /// An OTLP/gRPC trace sink that counts what it is sent and keeps nothing (export to it
+    /// with OTEL_EXPORTER_OTLP_ENDPOINT=http://ADDR).
+    OtlpSink {
+        #[arg(long, default_value = "127.0.0.1:4317")]
+        listen: std::net::SocketAddr,
+    },
     /// The coordinator's API with no work behind it (no leases, no disk): what tonic and the
     /// kernel cost here, the ceiling for `leases --coordinator URL`.
     EchoServer {
@@ -144,6 +157,15 @@ struct LeasesArgs {
     /// Keep the temp folder (project, data dirs, logs) of spawned systems.
     #[arg(long)]
     keep_temp: bool,
+    /// The cost of trace export: spawn two coordinators (--spawn-coordinator), one without
+    /// an OTLP endpoint and one exporting (default sampler) to a sink the benchmark serves,
+    /// measured in turns; the ratio is export on / off.
+    #[arg(long, requires = "spawn_coordinator", conflicts_with_all = ["etcd", "spawn_etcd"])]
+    compare_export: bool,
+    /// With --compare-export: an A/A control, the second coordinator exports nothing either;
+    /// its ratio is the noise floor of the comparison on this machine.
+    #[arg(long, requires = "compare_export")]
+    export_control: bool,
 }
 
 /// `10s`, `500ms`, `1m`, `2.5s`, or a bare number of seconds.
@@ -192,6 +214,23 @@ struct Comparison {
     p99_met: bool,
 }
 
+/// Export on against export off, one operation at one client count.
+#[derive(Serialize)]
+struct ExportComparison {
+    /// The second coordinator: `automaton+otlp`, or `automaton-b` in a control run.
+    system: String,
+    op: String,
+    clients: usize,
+    off_ops_per_s: f64,
+    on_ops_per_s: f64,
+    /// on / off.
+    throughput_ratio: f64,
+    target_ratio: f64,
+    throughput_met: bool,
+    off_p99_ms: f64,
+    on_p99_ms: f64,
+}
+
 #[derive(Serialize)]
 struct Report {
     command: String,
@@ -208,6 +247,9 @@ struct Report {
     results: Vec<OpStats>,
     prepare: Vec<Prepared>,
     comparisons: Vec<Comparison>,
+    export_comparisons: Vec<ExportComparison>,
+    /// Spans the sink received from the exporting coordinator (`--compare-export`).
+    otlp_spans_received: Option<u64>,
     shutdown: Vec<String>,
 }
 
@@ -321,6 +363,38 @@ fn compare(results: &[OpStats], clients: &[usize]) -> Vec<Comparison> {
     out
 }
 
+fn compare_export(results: &[OpStats], clients: &[usize], second: &str) -> Vec<ExportComparison> {
+    let mut out = Vec::new();
+    for &c in clients {
+        for op in OPS {
+            let (Some(off), Some(on)) = (
+                find(results, AUTOMATON, op, c),
+                find(results, second, op, c),
+            ) else {
+                continue;
+            };
+            let ratio = if off.ops_per_s > 0.0 {
+                on.ops_per_s / off.ops_per_s
+            } else {
+                0.0
+            };
+            out.push(ExportComparison {
+                system: second.to_string(),
+                op: op.to_string(),
+                clients: c,
+                off_ops_per_s: off.ops_per_s,
+                on_ops_per_s: on.ops_per_s,
+                throughput_ratio: ratio,
+                target_ratio: EXPORT_TARGET,
+                throughput_met: ratio >= EXPORT_TARGET,
+                off_p99_ms: off.p99_ms,
+                on_p99_ms: on.p99_ms,
+            });
+        }
+    }
+    out
+}
+
 fn row(s: &OpStats) -> String {
     let errors = if s.errors > 0 {
         format!("   errors {}", s.errors)
@@ -339,18 +413,37 @@ fn row(s: &OpStats) -> String {
     )
 }
 
-fn table(results: &[OpStats], comparisons: &[Comparison], clients: &[usize]) -> String {
+fn table(
+    results: &[OpStats],
+    comparisons: &[Comparison],
+    exports: &[ExportComparison],
+    clients: &[usize],
+) -> String {
     let mut out = format!(
         "{:<12} {:<8} {:>7} {:>9} {:>8} {:>8} {:>8}\n",
         "system", "op", "clients", "ops/s", "p50", "p99", "max"
     );
     for &c in clients {
         for op in OPS {
-            for system in [AUTOMATON, ETCD] {
+            for system in [AUTOMATON, TRACED, CONTROL, ETCD] {
                 if let Some(s) = find(results, system, op, c) {
                     out.push_str(&row(s));
                     out.push('\n');
                 }
+            }
+            if let Some(k) = exports.iter().find(|k| k.op == op && k.clients == c) {
+                out.push_str(&format!(
+                    "{:<12} {:<8} {:>7} {:>8.2}x   ({} / automaton; p99 {} vs {}; target >= {}: {})\n",
+                    "ratio",
+                    op,
+                    c,
+                    k.throughput_ratio,
+                    k.system,
+                    fmt_ms(k.on_p99_ms),
+                    fmt_ms(k.off_p99_ms),
+                    k.target_ratio,
+                    if k.throughput_met { "met" } else { "NOT met" },
+                ));
             }
             if let Some(k) = comparisons.iter().find(|k| k.op == op && k.clients == c) {
                 let verdict = if !k.target_applies {
@@ -426,8 +519,17 @@ async fn leases(args: LeasesArgs) -> Result<()> {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
-    let (mut report, text) = outcome?;
+    let (mut report, mut text, sink) = outcome?;
     report.shutdown = shutdown;
+    // Read after the coordinators stopped: the exporting one flushed its last spans on SIGTERM.
+    if let Some(s) = sink {
+        text.push_str(&format!(
+            "the OTLP sink received {} spans in {} export requests from the exporting coordinator\n",
+            s.spans(),
+            s.requests()
+        ));
+        report.otlp_spans_received = Some(s.spans());
+    }
     print!("{text}");
     if let Some(path) = &args.json_out {
         let json = serde_json::to_string_pretty(&report)?;
@@ -441,7 +543,7 @@ async fn run(
     args: &LeasesArgs,
     scratch: Option<&std::path::Path>,
     spawned: &mut Vec<spawn::Spawned>,
-) -> Result<(Report, String)> {
+) -> Result<(Report, String, Option<otlp::Counts>)> {
     let mut etcd_url = args.etcd.clone();
     if args.spawn_etcd {
         let dir = scratch.context("no temp dir")?;
@@ -451,18 +553,47 @@ async fn run(
         spawned.push(s);
     }
     let mut coord_url = args.coordinator.clone();
+    let mut traced_url = None;
+    let mut sink = None;
     if let Some(bin) = &args.spawn_coordinator {
         let dir = scratch.context("no temp dir")?;
-        let s = spawn::coordinator(bin, dir)?;
-        eprintln!("spawned coordinator at {} (log {})", s.url, s.log.display());
-        coord_url = Some(s.url.clone());
-        spawned.push(s);
+        if args.compare_export {
+            // Two coordinators on projects of their own: one without an endpoint, one
+            // exporting to the sink served here.
+            let (counts, url) =
+                otlp::start(std::net::SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+            eprintln!("OTLP sink at {url}");
+            for (on, into) in [(false, &mut coord_url), (true, &mut traced_url)] {
+                let d = dir.join(if on { "export-on" } else { "export-off" });
+                std::fs::create_dir_all(d.join("project"))?;
+                let envs = if on && !args.export_control {
+                    vec![("OTEL_EXPORTER_OTLP_ENDPOINT", url.clone())]
+                } else {
+                    vec![]
+                };
+                let s = spawn::coordinator_env(bin, &d.join("project"), &d, &[], &envs)?;
+                eprintln!(
+                    "spawned coordinator (export {}) at {} (log {})",
+                    if on { "on" } else { "off" },
+                    s.url,
+                    s.log.display()
+                );
+                *into = Some(s.url.clone());
+                spawned.push(s);
+            }
+            sink = Some(counts);
+        } else {
+            let s = spawn::coordinator(bin, dir)?;
+            eprintln!("spawned coordinator at {} (log {})", s.url, s.log.display());
+            coord_url = Some(s.url.clone());
+            spawned.push(s);
+        }
     }
     if let Some(url) = &etcd_url {
         let ch = connect_retry(url).await?;
         etcd::wait_ready(&rpc::Client::Tonic(ch), Duration::from_secs(30)).await?;
     }
-    if let Some(url) = &coord_url {
+    for url in coord_url.iter().chain(traced_url.iter()) {
         let ch = connect_retry(url).await?;
         coord::wait_ready(&ch, Duration::from_secs(30)).await?;
     }
@@ -481,7 +612,12 @@ async fn run(
             args.client
         );
         let mut coord_backend = None;
+        let mut traced_backend = None;
         let mut etcd_backend = None;
+        if let Some(url) = &traced_url {
+            let channels = rpc::tonic_channels(url, args.prepare_workers.clamp(1, n)).await?;
+            coord::prepare(&channels, c, args.tasks_per_client, args.prepare_workers).await?;
+        }
         if let Some(url) = &coord_url {
             let channels = rpc::tonic_channels(url, args.prepare_workers.clamp(1, n)).await?;
             let (tasks, secs) =
@@ -504,6 +640,17 @@ async fn run(
                 args.ttl_ms,
             )));
         }
+        // Connected once both are prepared: a connection left idle through the other's
+        // preparation would meet the server's keep-alive unanswered (the raw client reads
+        // only during its calls) and be closed.
+        if let Some(url) = &traced_url {
+            traced_backend = Some(Arc::new(coord::Coordinator::new(
+                rpc::connect(args.client, url, n).await?,
+                c,
+                args.tasks_per_client,
+                args.ttl_ms,
+            )));
+        }
         if let Some(url) = &etcd_url {
             etcd_backend = Some(Arc::new(etcd::Etcd::new(
                 rpc::connect(args.client, url, n).await?,
@@ -515,10 +662,17 @@ async fn run(
         // The systems take turns, slice by slice, so a drift of the shared machine (the
         // disk's sync speed changes from minute to minute) reaches both alike.
         let slice = args.duration / args.slices as u32;
-        let (mut a, mut e) = (Measured::default(), Measured::default());
+        let (mut a, mut t, mut e) = (
+            Measured::default(),
+            Measured::default(),
+            Measured::default(),
+        );
         for _ in 0..args.slices {
             if let Some(b) = &coord_backend {
                 measure_slice(b, c, slice, args, &mut a).await?;
+            }
+            if let Some(b) = &traced_backend {
+                measure_slice(b, c, slice, args, &mut t).await?;
             }
             if let Some(b) = &etcd_backend {
                 measure_slice(b, c, slice, args, &mut e).await?;
@@ -527,12 +681,16 @@ async fn run(
         if coord_backend.is_some() {
             results.extend(a.stats(AUTOMATON, c, args));
         }
+        if traced_backend.is_some() {
+            results.extend(t.stats(second_name(args), c, args));
+        }
         if etcd_backend.is_some() {
             results.extend(e.stats(ETCD, c, args));
         }
     }
     let comparisons = compare(&results, &args.clients);
-    let text = table(&results, &comparisons, &args.clients);
+    let exports = compare_export(&results, &args.clients, second_name(args));
+    let text = table(&results, &comparisons, &exports, &args.clients);
     let report = Report {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         unix_time: std::time::SystemTime::now()
@@ -555,9 +713,16 @@ async fn run(
         results,
         prepare,
         comparisons,
+        export_comparisons: exports,
+        otlp_spans_received: None,
         shutdown: Vec::new(),
     };
-    Ok((report, text))
+    Ok((report, text, sink))
+}
+
+/// The second coordinator's name in a `--compare-export` run.
+fn second_name(args: &LeasesArgs) -> &'static str {
+    if args.export_control { CONTROL } else { TRACED }
 }
 
 /// A freshly spawned server may need a moment before it accepts connections.
@@ -582,6 +747,7 @@ async fn main() -> Result<()> {
         Cmd::Phases(args) => phases::run(args).await,
         Cmd::Dispatch(args) => dispatch::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
+        Cmd::OtlpSink { listen } => otlp::serve(listen).await,
     }
 }
 

@@ -110,6 +110,18 @@ pub fn coordinator_with(
     scratch: &Path,
     extra: &[String],
 ) -> Result<Spawned> {
+    coordinator_env(bin, project, scratch, extra, &[])
+}
+
+/// As `coordinator_with`, with `envs` set for it. The OTLP endpoint variables are never
+/// inherited: a coordinator exports traces only when `envs` says where to.
+pub fn coordinator_env(
+    bin: &Path,
+    project: &Path,
+    scratch: &Path,
+    extra: &[String],
+    envs: &[(&str, String)],
+) -> Result<Spawned> {
     let log = scratch.join("coordinator.log");
     let stderr = fs::OpenOptions::new()
         .create(true)
@@ -120,6 +132,9 @@ pub fn coordinator_with(
         .arg(project)
         .args(["--listen", "127.0.0.1:0"])
         .args(extra)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr)

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 use automaton_proto::v1 as pb;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::{Notify, watch};
+use tracing::Instrument as _;
 
 use crate::Error;
 use crate::lease_ops::Presented;
@@ -513,13 +514,39 @@ impl Coordinator {
     }
 
     /// One decision of a round: move the task on if needed, grant and send the assignment.
+    /// Its span is the root of the phase run's trace and carries the decision (task, phase,
+    /// worker, its GPU and budget, the need, the lease and why); the move, the grant and —
+    /// through the assignment's `traceparent` — the worker's run are its children.
+    #[tracing::instrument(
+        name = "assign",
+        skip_all,
+        fields(
+            automaton.task = %p.task,
+            automaton.phase = %p.work,
+            automaton.worker = %p.slot.name,
+            automaton.agent = %p.slot.name,
+            automaton.gpu = %p.slot.gpu,
+            automaton.budget_tokens = p.slot.budget,
+            automaton.need_tokens = p.need.unwrap_or(0),
+            automaton.lease_id = tracing::field::Empty,
+            automaton.token = tracing::field::Empty,
+            automaton.attempt = tracing::field::Empty,
+            automaton.why = tracing::field::Empty,
+            automaton.outcome = tracing::field::Empty,
+        )
+    )]
     async fn carry_out(self: &Arc<Self>, p: Planned) {
         if p.work != p.from && !self.move_on(&p.task, p.from, p.work).await {
+            tracing::Span::current().record(
+                "automaton.outcome",
+                format!("not moved {} → {}: nothing offered", p.from, p.work),
+            );
             return;
         }
         match self.offer(&p.task, p.work, &p.slot, p.need, p.found).await {
             Ok(_) => {}
             Err(e) => {
+                automaton_telemetry::trace::record_error(&tracing::Span::current(), &e.to_string());
                 tracing::warn!(task = %p.task, worker = %p.slot.name, error = %e, "cannot offer work")
             }
         }
@@ -590,23 +617,8 @@ impl Coordinator {
         }
     }
 
-    /// Grants `task` to the worker of `slot` in its session and sends the assignment.
-    /// `Ok(false)`: the grant was refused for this worker (try another). The span carries
-    /// the decision (task, phase, worker, its GPU and budget, the need, the token and why).
-    #[tracing::instrument(
-        name = "assign",
-        skip_all,
-        fields(
-            task = %task,
-            phase = %state,
-            worker = %slot.name,
-            gpu = %slot.gpu,
-            budget = slot.budget,
-            need = need.unwrap_or(0),
-            token = tracing::field::Empty,
-            why = tracing::field::Empty,
-        )
-    )]
+    /// Grants `task` to the worker of `slot` in its session and sends the assignment, in the
+    /// decision's span (see `carry_out`). `Ok(false)`: the grant was refused for this worker.
     async fn offer(
         &self,
         task: &TaskName,
@@ -615,19 +627,50 @@ impl Coordinator {
         need: Option<u64>,
         found: Instant,
     ) -> Result<bool, Error> {
-        let granted = match self
+        let span = tracing::Span::current();
+        let grant = tracing::info_span!(
+            "lease.grant",
+            automaton.task = %task,
+            automaton.phase = %state,
+            automaton.agent = %slot.name,
+            automaton.worker = %slot.name,
+            automaton.lease_id = tracing::field::Empty,
+            automaton.token = tracing::field::Empty,
+            automaton.ttl_ms = tracing::field::Empty,
+        );
+        let claimed = self
             .claim_in(task, &slot.name, None, Some(&slot.session))
-            .await
-        {
+            .instrument(grant.clone())
+            .await;
+        match &claimed {
+            Ok(g) => {
+                grant.record("automaton.lease_id", g.live.lease_id.as_str());
+                grant.record("automaton.token", g.live.token);
+                grant.record("automaton.ttl_ms", g.live.ttl.as_millis() as u64);
+            }
+            Err(e) => automaton_telemetry::trace::record_error(&grant, &e.to_string()),
+        }
+        drop(grant);
+        let granted = match claimed {
             Ok(g) if !g.renewed => g,
             // It holds the task already (an offer in flight): nothing new to send.
-            Ok(_) => return Ok(false),
-            Err(Error::Store(e)) if e.kind() == automaton_store::ErrorKind::Refused => {
-                tracing::debug!(task = %task, worker = %slot.name, reason = %e, "not this worker");
+            Ok(_) => {
+                span.record("automaton.outcome", "held already");
                 return Ok(false);
             }
-            Err(Error::Refused(_)) => return Ok(false),
-            Err(e) => return Err(e),
+            Err(Error::Store(e)) if e.kind() == automaton_store::ErrorKind::Refused => {
+                tracing::debug!(task = %task, worker = %slot.name, reason = %e, "not this worker");
+                span.record("automaton.outcome", "refused: try the next worker");
+                return Ok(false);
+            }
+            Err(Error::Refused(_)) => {
+                span.record("automaton.outcome", "refused: try the next worker");
+                return Ok(false);
+            }
+            Err(e) => {
+                // The caller records the error on the span.
+                return Err(e);
+            }
         };
         let attempt = self
             .work
@@ -647,7 +690,10 @@ impl Coordinator {
             ),
             None => format!(
                 "oldest waiting task; {} is idle ({} of {} slots free)",
-                slot.name, slot.free, slot.capacity
+                slot.name,
+                // The round counted this assignment already.
+                slot.free + 1,
+                slot.capacity
             ),
         };
         let live = granted.live;
@@ -681,6 +727,12 @@ impl Coordinator {
             r.estimated_tokens = need.unwrap_or(0);
             r.why = why.clone();
         }
+        span.record("automaton.lease_id", live.lease_id.as_str());
+        span.record("automaton.token", live.token);
+        span.record("automaton.attempt", attempt);
+        span.record("automaton.why", why.as_str());
+        span.record("automaton.outcome", "offered");
+        let trace = automaton_telemetry::trace::traceparent(&span);
         self.sessions.push(
             &slot.session,
             pb::coordinator_message::Msg::Assign(pb::Assignment {
@@ -697,12 +749,11 @@ impl Coordinator {
                 attempt,
                 why: why.clone(),
                 estimated_tokens: need.unwrap_or(0),
+                traceparent: trace.traceparent,
+                tracestate: trace.tracestate,
             }),
         );
         self.metrics.assigned(state.phase, found.elapsed());
-        let span = tracing::Span::current();
-        span.record("token", live.token);
-        span.record("why", why.as_str());
         tracing::info!(task = %task, worker = %slot.name, token = live.token, phase = %state, why = %why, "assigned");
         self.emit(
             "assigned",

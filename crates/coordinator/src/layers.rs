@@ -178,3 +178,150 @@ fn is_oversize<R>(resp: &http::Response<R>) -> bool {
                     || m.contains("message length too large")
             })
 }
+
+/// Joins a traced caller's trace: a request that carries a W3C `traceparent` (a worker's
+/// call made under its agent run, an operator's traced tool) gets a server span, child of the
+/// caller's span, around everything the request does; its gRPC error, if any, is recorded
+/// on it. A request without one gets no span here: the lease hot path (claims from agents
+/// that do not trace) pays one header lookup, nothing more.
+#[derive(Clone, Copy, Default)]
+pub struct Trace;
+
+impl<S> tower::Layer<S> for Trace {
+    type Service = TraceService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        TraceService { inner }
+    }
+}
+
+#[derive(Clone)]
+pub struct TraceService<S> {
+    inner: S,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for TraceService<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+{
+    type Response = http::Response<R>;
+    type Error = S::Error;
+    type Future = TraceFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if !automaton_telemetry::trace::has_traceparent(req.headers()) {
+            return TraceFuture::Plain {
+                fut: self.inner.call(req),
+            };
+        }
+        let path = req.uri().path();
+        let (service, method) = path
+            .trim_start_matches('/')
+            .split_once('/')
+            .unwrap_or(("", path));
+        let span = tracing::info_span!(
+            "rpc",
+            otel.name = %path.trim_start_matches('/'),
+            otel.kind = "server",
+            rpc.system = "grpc",
+            rpc.service = %service,
+            rpc.method = %method,
+            rpc.grpc.status_code = tracing::field::Empty,
+        );
+        automaton_telemetry::trace::set_parent_from_headers(&span, req.headers());
+        let fut = span.in_scope(|| self.inner.call(req));
+        TraceFuture::Traced { fut, span }
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = TraceProj]
+    pub enum TraceFuture<F> {
+        Plain { #[pin] fut: F },
+        Traced { #[pin] fut: F, span: tracing::Span },
+    }
+}
+
+impl<F, R, E> Future for TraceFuture<F>
+where
+    F: Future<Output = Result<http::Response<R>, E>>,
+{
+    type Output = Result<http::Response<R>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            TraceProj::Plain { fut } => fut.poll(cx),
+            TraceProj::Traced { fut, span } => {
+                let out = {
+                    let _in = span.enter();
+                    fut.poll(cx)
+                };
+                if let Poll::Ready(Ok(resp)) = &out {
+                    record_status(span, resp);
+                }
+                out
+            }
+        }
+    }
+}
+
+/// The gRPC status of a response whose status is in its headers (an error answered at
+/// once); a status in the trailers (every success) is not seen here: the handlers' own spans
+/// record their errors.
+fn record_status<R>(span: &tracing::Span, resp: &http::Response<R>) {
+    let Some(code) = resp
+        .headers()
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+    else {
+        return;
+    };
+    span.record("rpc.grpc.status_code", code);
+    if code != "0" {
+        let message = resp
+            .headers()
+            .get("grpc-message")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        automaton_telemetry::trace::record_error(
+            span,
+            &format!("gRPC status {code}: {}", percent_decode(message)),
+        );
+    }
+}
+
+/// `grpc-message` is percent-encoded; decoded for people (invalid escapes kept as sent).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |at: usize| b.get(at).and_then(|c| (*c as char).to_digit(16));
+        if b[i] == b'%'
+            && let (Some(h), Some(l)) = (hex(i + 1), hex(i + 2))
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_messages_are_decoded_for_the_span_and_bad_escapes_kept() {
+        assert_eq!(percent_decode("no%20live%20lease"), "no live lease");
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz%2"), "%zz%2");
+        assert_eq!(percent_decode("%C3%A9t%C3%A9"), "été");
+    }
+}

@@ -4,8 +4,10 @@
 //! release durable through a group-committed log, holds the workers' sessions (a dead
 //! session's leases end at once), dispatches work to them (waves, best fit by VRAM budget),
 //! takes their artifacts and code under the lease, applies task changes through
-//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`) — and counts what
-//! it does for Prometheus (`metrics.rs`, served by `automaton-telemetry`).
+//! `automaton-store`, and streams events — all over gRPC (`automaton.v1`). Each dispatch
+//! decision roots the trace of its phase run; traced callers' requests join their trace
+//! (`layers.rs`); it counts what it does for Prometheus (`metrics.rs`, served by
+//! `automaton-telemetry`; both in `docs/observability.md`).
 //!
 //! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,
 //! `automaton-store` reads and writes the files.
@@ -251,6 +253,8 @@ pub async fn serve(
         .concurrency_limit_per_connection(cfg.max_in_flight)
         // Dead peers are noticed even on idle KeepAlive streams.
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        // A traced caller's requests join its trace (outermost: refusals are recorded too).
+        .layer(layers::Trace)
         .layer(layers::Gate::new(
             auth::Callers::new(&cfg.tokens),
             cfg.rpc_timeout,

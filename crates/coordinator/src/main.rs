@@ -10,6 +10,7 @@ use automaton_coordinator::{
     Config, Coordinator, Failpoints, Overrides, Ownership, config::parse_duration, serve,
 };
 use automaton_store::Project;
+use automaton_telemetry::trace::LogFormat;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -76,17 +77,16 @@ fn main() -> ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let flags = Flags::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match flags.log_format.as_str() {
-        "json" => logs.json().init(),
-        "text" => logs.init(),
-        other => anyhow::bail!("unknown --log-format '{other}': use text or json"),
-    }
+    let format: LogFormat = flags.log_format.parse()?;
+    // Before anything logs; export over OTLP only when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    let telemetry = automaton_telemetry::trace::init("automaton-coordinator", format)?;
+    let result = serve_until_stopped(flags);
+    // The runtime has stopped (its tasks' spans are closed): send the last spans.
+    telemetry.shutdown();
+    result
+}
+
+fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
     let cfg = Config::load(&Overrides {
         config_file: flags.config,
         project: flags.project,

@@ -226,11 +226,15 @@ impl Coordinator {
     {
         let guard = self.guard_of(task).clone().lock_owned().await;
         let work = work(self.clone());
-        tokio::spawn(async move {
-            let out = work.await;
-            drop(guard);
-            out
-        })
+        // In the caller's span: the change is part of the request's trace.
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let out = work.await;
+                drop(guard);
+                out
+            },
+            tracing::Span::current(),
+        ))
         .await
         .map_err(|e| Error::Internal(format!("a task change failed: {e}")))?
     }

@@ -14,6 +14,17 @@ use crate::table::Live;
 
 impl Coordinator {
     /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
+    #[tracing::instrument(
+        name = "task.transition",
+        skip_all,
+        fields(
+            automaton.task = %task,
+            automaton.target = %target,
+            automaton.agent = p.agent.as_ref().map(|a| a.as_str()),
+            automaton.token = p.token,
+            automaton.from = tracing::field::Empty,
+        )
+    )]
     pub async fn transition(
         self: &Arc<Self>,
         task: &TaskName,
@@ -21,10 +32,19 @@ impl Coordinator {
         p: &Presented,
     ) -> Result<(State, Option<Live>), Error> {
         let (t, p) = (task.clone(), p.clone());
-        self.to_completion(task, move |c| async move {
-            c.transition_guarded(&t, target, &p).await
-        })
-        .await
+        let out = self
+            .to_completion(task, move |c| async move {
+                c.transition_guarded(&t, target, &p).await
+            })
+            .await;
+        let span = tracing::Span::current();
+        match &out {
+            Ok((from, _)) => {
+                span.record("automaton.from", tracing::field::display(from));
+            }
+            Err(e) => automaton_telemetry::trace::record_error(&span, &e.to_string()),
+        }
+        out
     }
 
     /// [`Coordinator::transition`] under the task's guard.

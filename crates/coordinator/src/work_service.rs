@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::field::Empty;
 
 use crate::Error;
 use crate::auth::{Caller, caller};
@@ -113,20 +114,104 @@ impl Coordinator {
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
 
+/// The lease a Work call acts under, on the call's span.
+fn on_lease(l: &Live) {
+    let span = tracing::Span::current();
+    span.record("automaton.task", tracing::field::display(&l.task));
+    span.record("automaton.phase", tracing::field::display(&l.state));
+    span.record("automaton.agent", l.agent.as_str());
+    span.record("automaton.lease_id", l.lease_id.as_str());
+    span.record("automaton.token", l.token);
+}
+
+/// A Work call's outcome, its error recorded on the call's span.
+fn traced<T>(r: Result<T, Status>) -> Result<T, Status> {
+    if let Err(s) = &r {
+        automaton_telemetry::trace::record_error(
+            &tracing::Span::current(),
+            &format!("{:?}: {}", s.code(), s.message()),
+        );
+    }
+    r
+}
+
 #[tonic::async_trait]
 impl pb::work_server::Work for Service {
     type FetchWorkspaceStream = Stream<pb::WorkspaceChunk>;
 
+    #[tracing::instrument(name = "work.fetch_workspace", skip_all, fields(
+        automaton.task = Empty,
+        automaton.phase = Empty,
+        automaton.agent = Empty,
+        automaton.lease_id = Empty,
+        automaton.token = Empty,
+        automaton.detail = Empty,
+    ))]
     async fn fetch_workspace(
         &self,
         req: Request<pb::FetchWorkspaceRequest>,
     ) -> Result<Response<Self::FetchWorkspaceStream>, Status> {
+        traced(self.fetch_workspace_in(req).await)
+    }
+
+    #[tracing::instrument(name = "work.upload_artifact", skip_all, fields(
+        automaton.task = Empty,
+        automaton.phase = Empty,
+        automaton.agent = Empty,
+        automaton.lease_id = Empty,
+        automaton.token = Empty,
+        automaton.detail = Empty,
+    ))]
+    async fn upload_artifact(
+        &self,
+        req: Request<Streaming<pb::ArtifactChunk>>,
+    ) -> Result<Response<pb::UploadResult>, Status> {
+        traced(self.upload_artifact_in(req).await)
+    }
+
+    #[tracing::instrument(name = "work.upload_patch", skip_all, fields(
+        automaton.task = Empty,
+        automaton.phase = Empty,
+        automaton.agent = Empty,
+        automaton.lease_id = Empty,
+        automaton.token = Empty,
+        automaton.detail = Empty,
+    ))]
+    async fn upload_patch(
+        &self,
+        req: Request<Streaming<pb::PatchChunk>>,
+    ) -> Result<Response<pb::PatchResult>, Status> {
+        traced(self.upload_patch_in(req).await)
+    }
+
+    #[tracing::instrument(name = "work.complete_phase", skip_all, fields(
+        automaton.task = Empty,
+        automaton.phase = Empty,
+        automaton.agent = Empty,
+        automaton.lease_id = Empty,
+        automaton.token = Empty,
+        automaton.detail = Empty,
+    ))]
+    async fn complete_phase(
+        &self,
+        req: Request<pb::CompletePhaseRequest>,
+    ) -> Result<Response<pb::CompletePhaseResponse>, Status> {
+        traced(self.complete_phase_in(req).await)
+    }
+}
+
+impl Service {
+    async fn fetch_workspace_in(
+        &self,
+        req: Request<pb::FetchWorkspaceRequest>,
+    ) -> Result<Response<Stream<pb::WorkspaceChunk>>, Status> {
         let who = bound(&caller(&req))?;
         let r = req.into_inner();
         let l = self
             .coord
             .lease_for_work(&r.lease_id, r.token, who.as_ref())
             .await?;
+        on_lease(&l);
         let (task, phase) = (l.task.clone(), l.state.phase);
         let cached = r.cached_commits;
         let (inputs, head, code) = self
@@ -208,7 +293,7 @@ impl pb::work_server::Work for Service {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn upload_artifact(
+    async fn upload_artifact_in(
         &self,
         req: Request<Streaming<pb::ArtifactChunk>>,
     ) -> Result<Response<pb::UploadResult>, Status> {
@@ -225,6 +310,7 @@ impl pb::work_server::Work for Service {
             .coord
             .lease_for_work(&first.lease_id, first.token, who.as_ref())
             .await?;
+        on_lease(&l);
         let artifact = artifact_of(&l)?;
         if name != artifact.file_name() {
             return Err(Error::Refused(format!(
@@ -277,6 +363,13 @@ impl pb::work_server::Work for Service {
                 p.write_artifact(&task, artifact, &bytes)
             })
             .await?;
+        tracing::Span::current().record(
+            "automaton.detail",
+            format!(
+                "{name} ({size} bytes{})",
+                if changed { "" } else { ", unchanged" }
+            ),
+        );
         self.coord.emit(
             "artifact_uploaded",
             &l.task.to_string(),
@@ -295,7 +388,7 @@ impl pb::work_server::Work for Service {
         }))
     }
 
-    async fn upload_patch(
+    async fn upload_patch_in(
         &self,
         req: Request<Streaming<pb::PatchChunk>>,
     ) -> Result<Response<pb::PatchResult>, Status> {
@@ -310,6 +403,7 @@ impl pb::work_server::Work for Service {
             .coord
             .lease_for_work(&first.lease_id, first.token, who.as_ref())
             .await?;
+        on_lease(&l);
         if !l.state.phase.allows_code_edits() {
             return Err(Error::Refused(format!(
                 "{} may not change code (only implement and doc_review may): upload no patch",
@@ -373,6 +467,14 @@ impl pb::work_server::Work for Service {
                 p.apply_changes(&task, &base, &changes, &author, &message)
             })
             .await?;
+        tracing::Span::current().record(
+            "automaton.detail",
+            format!(
+                "{} on {} ({n} files)",
+                applied.commit.as_deref().unwrap_or("no change"),
+                applied.branch
+            ),
+        );
         if let Some(c) = &applied.commit {
             self.coord.emit(
                 "code_committed",
@@ -389,7 +491,7 @@ impl pb::work_server::Work for Service {
         }))
     }
 
-    async fn complete_phase(
+    async fn complete_phase_in(
         &self,
         req: Request<pb::CompletePhaseRequest>,
     ) -> Result<Response<pb::CompletePhaseResponse>, Status> {
@@ -399,6 +501,7 @@ impl pb::work_server::Work for Service {
             .coord
             .lease_for_work(&r.lease_id, r.token, who.as_ref())
             .await?;
+        on_lease(&l);
         let target: State = if r.target.is_empty() {
             let verdict = if l.state.phase == automaton_workflow::Phase::Referee {
                 let path = self
@@ -430,6 +533,7 @@ impl pb::work_server::Work for Service {
             token: Some(l.token),
         };
         let (from, _) = self.coord.transition(&l.task, target, &presented).await?;
+        tracing::Span::current().record("automaton.detail", format!("{from} → {target}"));
         Ok(Response::new(pb::CompletePhaseResponse {
             task: l.task.to_string(),
             from: from.to_string(),

@@ -3,9 +3,10 @@
 //! and the token budget derived from them (`probe`) — the worker's one session with the
 //! coordinator (`session`), and the work it is given: a fresh workspace per assignment
 //! (`workspace`), the agent run in its own process group (`agent`, `scripted`), the artifact
-//! and code reported back under the lease (`work`), what each run used, read from the
-//! model server's answers by a metering proxy the agent is pointed at (`meter`), and its
-//! Prometheus metrics (`metrics`).
+//! and code reported back under the lease (`work`) — each run one span, joined to the
+//! coordinator's trace of the phase run — what each run used, read from the model server's
+//! answers by a metering proxy the agent is pointed at (`meter`), and its Prometheus metrics
+//! (`metrics`).
 //!
 //! It must not decide policy: which task runs where, who may review what, when a lease ends
 //! are the coordinator's calls. The worker reports and obeys.

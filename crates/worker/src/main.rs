@@ -128,17 +128,16 @@ fn default_name(host: &str) -> String {
 }
 
 fn join(cli: Cli) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match cli.log_format.as_str() {
-        "json" => logs.json().init(),
-        "text" => logs.init(),
-        other => anyhow::bail!("unknown --log-format '{other}': use text or json"),
-    }
+    let format: automaton_telemetry::trace::LogFormat = cli.log_format.parse()?;
+    // Before anything logs; export over OTLP only when OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    let telemetry = automaton_telemetry::trace::init("automaton-worker", format)?;
+    let result = serve(cli);
+    // The runtime has stopped (every run's span closed): send the last spans.
+    telemetry.shutdown();
+    result
+}
+
+fn serve(cli: Cli) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let coordinator = match cli.coordinator.or_else(|| env("AUTOMATON_COORDINATOR")) {
         Some(url) if url.trim().is_empty() => {
@@ -253,6 +252,7 @@ fn join(cli: Cli) -> anyhow::Result<()> {
                 num_ctx: probe.budget.num_ctx,
                 grace: cli.kill_grace,
                 bearer,
+                gpu: gpu_label(&probe.gpus),
             }))
         }
     };
@@ -277,6 +277,17 @@ fn join(cli: Cli) -> anyhow::Result<()> {
         session::run(probe, opts, session::Work::new(runner), stop).await?;
         Ok(())
     })
+}
+
+/// The GPUs for people: `NVIDIA A100 80 GiB`, `2 × RTX 4090 48 GiB`, `no GPU`.
+fn gpu_label(gpus: &[probe::Gpu]) -> String {
+    let total: u64 = gpus.iter().map(|g| g.total_bytes).sum();
+    let gib = total as f64 / (1u64 << 30) as f64;
+    match gpus {
+        [] => "no GPU".into(),
+        [g] => format!("{} {gib:.0} GiB", g.name),
+        [g, ..] => format!("{} × {} {gib:.0} GiB", gpus.len(), g.name),
+    }
 }
 
 /// SIGTERM and SIGINT stop the worker: it deregisters (its leases released at once) and

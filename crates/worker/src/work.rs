@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
+use tracing::Instrument as _;
 
 use crate::agent::{AgentSpec, Outcome, RunSpec, RunState, Running, StopReason};
 use crate::meter::Peak;
@@ -38,6 +39,8 @@ pub struct Runner {
     /// Between SIGTERM and SIGKILL of the agent's group.
     pub grace: Duration,
     pub bearer: Option<tonic::metadata::AsciiMetadataValue>,
+    /// This machine's GPUs for people (`NVIDIA A100 80 GiB`, `no GPU`), on the run's span.
+    pub gpu: String,
 }
 
 /// Why a step failed: the lease ended (nothing more to do) or something else went wrong.
@@ -73,6 +76,8 @@ impl Runner {
         if let Some(b) = &self.bearer {
             r.metadata_mut().insert("authorization", b.clone());
         }
+        // The call joins the run's trace (W3C `traceparent` in the metadata).
+        automaton_telemetry::trace::inject(r.metadata_mut());
         r
     }
 }
@@ -127,7 +132,9 @@ async fn stopped(mut stop: watch::Receiver<Option<StopReason>>) -> StopReason {
     }
 }
 
-/// Runs one assignment to its end; the last update sent is `stopped`.
+/// Runs one assignment to its end; the last update sent is `stopped`. The run is one span,
+/// `agent.run`, a child of the coordinator's dispatch decision when the assignment carries its
+/// trace context; every call to the coordinator carries the run's context on.
 pub async fn run(
     runner: Arc<Runner>,
     channel: Channel,
@@ -139,6 +146,25 @@ pub async fn run(
     let Some(lease) = a.lease.clone() else {
         return;
     };
+    let span = tracing::info_span!(
+        "agent.run",
+        automaton.task = %a.task,
+        automaton.phase = %a.phase,
+        automaton.agent = %lease.agent,
+        automaton.worker = %lease.agent,
+        automaton.lease_id = %lease.lease_id,
+        automaton.token = lease.token,
+        automaton.gpu = %runner.gpu,
+        automaton.budget_tokens = runner.budget_tokens,
+        automaton.need_tokens = a.estimated_tokens,
+        automaton.attempt = a.attempt,
+        automaton.stop_reason = tracing::field::Empty,
+        automaton.detail = tracing::field::Empty,
+        automaton.exit_code = tracing::field::Empty,
+        automaton.peak_context_tokens = tracing::field::Empty,
+        automaton.peak_context_source = tracing::field::Empty,
+    );
+    automaton_telemetry::trace::set_parent_from_traceparent(&span, &a.traceparent, &a.tracestate);
     let report = Report {
         tx: updates,
         lease_id: lease.lease_id.clone(),
@@ -146,30 +172,51 @@ pub async fn run(
         task: a.task.clone(),
         phase: a.phase.clone(),
     };
-    report.send(RunState::Starting, None, "", None);
-    let started = std::time::Instant::now();
-    let metrics = &crate::metrics::METRICS;
-    metrics.runs_active.add(1);
-    let (reason, detail, code, peak) =
-        match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
-            Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
-            Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
-            Err(Failed::Error(why)) => (StopReason::AgentError, why, None, None),
-        };
-    metrics.runs_active.add(-1);
-    if let Ok(state) = a.phase.parse::<State>() {
-        metrics.run_stopped(state.phase, reason, started.elapsed());
+    async {
+        report.send(RunState::Starting, None, "", None);
+        let started = std::time::Instant::now();
+        let metrics = &crate::metrics::METRICS;
+        metrics.runs_active.add(1);
+        let (reason, detail, code, peak) =
+            match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
+                Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
+                Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
+                Err(Failed::Error(why)) => (StopReason::AgentError, why, None, None),
+            };
+        metrics.runs_active.add(-1);
+        if let Ok(state) = a.phase.parse::<State>() {
+            metrics.run_stopped(state.phase, reason, started.elapsed());
+        }
+        let span = tracing::Span::current();
+        span.record("automaton.stop_reason", reason.as_str());
+        span.record("automaton.detail", detail.as_str());
+        if let Some(c) = code {
+            span.record("automaton.exit_code", c);
+        }
+        if let Some(p) = peak {
+            span.record("automaton.peak_context_tokens", p.tokens);
+            span.record("automaton.peak_context_source", p.source.as_str());
+        }
+        // Stopped by a person or by the worker's own shutdown: not the run's failure.
+        if !matches!(
+            reason,
+            StopReason::Completed | StopReason::OperatorStopped | StopReason::Shutdown
+        ) {
+            automaton_telemetry::trace::record_error(&span, &format!("{reason}: {detail}"));
+        }
+        tracing::info!(
+            task = %a.task,
+            phase = %a.phase,
+            reason = %reason,
+            detail = %detail,
+            peak_context_tokens = peak.map_or(0, |p| p.tokens),
+            peak_source = peak.map_or("none", |p| p.source.as_str()),
+            "run stopped"
+        );
+        report.send_peak(RunState::Stopped, Some(reason), &detail, code, peak);
     }
-    tracing::info!(
-        task = %a.task,
-        phase = %a.phase,
-        reason = %reason,
-        detail = %detail,
-        peak_context_tokens = peak.map_or(0, |p| p.tokens),
-        peak_source = peak.map_or("none", |p| p.source.as_str()),
-        "run stopped"
-    );
-    report.send_peak(RunState::Stopped, Some(reason), &detail, code, peak);
+    .instrument(span)
+    .await
 }
 
 async fn attempt(
