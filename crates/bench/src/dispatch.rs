@@ -23,6 +23,14 @@
 //! assignment over the assignments. Every assignment is checked: a sub-task of the wave, its
 //! first phase (`research`), its estimate, a worker whose budget holds it (and whether it is
 //! the smallest budget that does), at most one per worker.
+//!
+//! The floor: after each run, in the same temp folder and the same minute, the bench makes
+//! the durable writes the coordinator must make for S sub-tasks without the coordinator —
+//! per sub-task a folder of four small files (each written to a temp file, fsynced,
+//! renamed), the folder synced and renamed into `subtasks/`, `subtasks/` synced, then two
+//! files rewritten in place the same way (the `new → research` move and the grant's
+//! holders) — 64 sub-tasks at a time, as the coordinator does. `dispatch / floor` says how
+//! much of the dispatch is the disk's cost of creating and syncing files at all.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -117,6 +125,9 @@ pub struct RunResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     first_error: Option<String>,
     target_met: bool,
+    /// The floor (see the module's doc): the same durable writes without the coordinator,
+    /// same folder, same minute.
+    floor_ms: f64,
 }
 
 #[derive(Serialize)]
@@ -571,12 +582,88 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
         session_errors: errors.len(),
         first_error: errors.first().cloned(),
         target_met: complete && dispatch_ms / 1e3 < TARGET_S,
+        floor_ms: f64::NAN,
     })
+}
+
+/// Sub-tasks whose files the floor writes at once (the coordinator's `ROUND_CONCURRENCY`).
+const FLOOR_CONCURRENCY: usize = 64;
+
+/// Writes `bytes` to `dir/name` the way the store does: a temp file, fsync, rename.
+fn durable_write(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(name))
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// One sub-task's durable writes (see the module's doc), under `root`.
+fn floor_one(root: &Path, i: usize) -> std::io::Result<()> {
+    let parent = root.join(parent_name(i / PER_PARENT)).join("subtasks");
+    let staging = root.join(format!(".new-{i}"));
+    std::fs::create_dir(&staging)?;
+    for (name, bytes) in [
+        (".state", &b"new\n"[..]),
+        (".state.approvals", &b""[..]),
+        ("PARENT_SPEC.md", &[b'x'; 600][..]),
+        ("VRAM_CONFIG.md", &[b'y'; 400][..]),
+    ] {
+        durable_write(&staging, name, bytes)?;
+    }
+    sync_dir(&staging)?;
+    let folder = parent.join(sub_name(i));
+    std::fs::rename(&staging, &folder)?;
+    sync_dir(&parent)?;
+    durable_write(&folder, ".state", b"research\n")?;
+    sync_dir(&folder)?;
+    durable_write(&folder, ".state.holders", b"research agent 1\n")?;
+    sync_dir(&folder)
+}
+
+/// The floor for `n` sub-tasks in a fresh folder under `scratch`: wall time.
+fn floor(scratch: &Path, n: usize) -> Result<Duration> {
+    let root = scratch.join("floor");
+    for j in 0..n.div_ceil(PER_PARENT) {
+        std::fs::create_dir_all(root.join(parent_name(j)).join("subtasks"))
+            .context("create the floor's folders")?;
+    }
+    let t0 = Instant::now();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed: std::sync::Mutex<Option<std::io::Error>> = std::sync::Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..FLOOR_CONCURRENCY.min(n) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    if let Err(e) = floor_one(&root, i) {
+                        if let Ok(mut f) = failed.lock() {
+                            f.get_or_insert(e);
+                        }
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let took = t0.elapsed();
+    if let Some(e) = failed.into_inner().ok().flatten() {
+        return Err(e).context("the floor's writes");
+    }
+    Ok(took)
 }
 
 fn table(results: &[RunResult]) -> String {
     let mut out = format!(
-        "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>13} {:>11} {:>8} {:>7} {:>8}  target\n",
+        "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>13} {:>11} {:>8} {:>7} {:>8} {:>9} {:>11}  target\n",
         "workers",
         "subtasks",
         "parents",
@@ -588,11 +675,13 @@ fn table(results: &[RunResult]) -> String {
         "cpu/assign",
         "assigned",
         "fit",
-        "best fit"
+        "best fit",
+        "floor",
+        "last/floor"
     );
     for r in results {
         out.push_str(&format!(
-            "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9.0}us {:>13} {:>9}us {:>8} {:>7} {:>8}  {} (< {TARGET_S}s)\n",
+            "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9.0}us {:>13} {:>9}us {:>8} {:>7} {:>8} {:>9} {:>11.2}  {} (< {TARGET_S}s)\n",
             r.workers,
             r.subtasks,
             r.parents,
@@ -608,6 +697,8 @@ fn table(results: &[RunResult]) -> String {
             r.assignments,
             r.fitting,
             r.best_fit,
+            fmt_ms(r.floor_ms),
+            r.dispatch_ms / r.floor_ms,
             if r.target_met { "met" } else { "NOT met" },
         ));
         if let Some(w) = &r.first_wrong {
@@ -620,7 +711,7 @@ fn table(results: &[RunResult]) -> String {
             ));
         }
     }
-    out.push_str("(times from the approval of the decomposition: created = last subtask_created event, first/last = Assignment received by a fake worker)\n");
+    out.push_str("(times from the approval of the decomposition: created = last subtask_created event, first/last = Assignment received by a fake worker; floor = the same durable file writes without the coordinator, same folder, same minute)\n");
     out
 }
 
@@ -652,7 +743,10 @@ pub async fn run(args: DispatchArgs) -> Result<()> {
             let r = one_run(&args, &s.url.clone(), &pid, &tasks_dir).await;
             let how = s.stop();
             eprintln!("{how} (log: {})", s.log.display());
-            r
+            let mut r = r?;
+            let took = tokio::task::block_in_place(|| floor(&scratch, args.subtasks))?;
+            r.floor_ms = took.as_secs_f64() * 1e3;
+            anyhow::Ok(r)
         }
         .await;
         if args.keep_temp || outcome.is_err() {
