@@ -107,7 +107,7 @@ pub(crate) fn snapshot(workers: Vec<pb::WorkerInfo>, tasks: Vec<pb::TaskSummary>
             work: w
                 .leases
                 .iter()
-                .map(|l| match w.runs.iter().find(|r| r.phase == l.phase) {
+                .map(|l| match w.runs.iter().find(|r| r.token == l.token) {
                     Some(r) => format!("{} ({}, run {})", l.task, l.phase, r.state),
                     None => format!("{} ({})", l.task, l.phase),
                 })
@@ -771,9 +771,11 @@ mod tests {
         busy.leases = vec![pb::WorkerLease {
             task: "feature/api".into(),
             phase: "implement".into(),
+            token: 7,
         }];
         busy.runs = vec![pb::Run {
             phase: "implement".into(),
+            token: 7,
             state: "active".into(),
             ..Default::default()
         }];
@@ -997,5 +999,46 @@ mod tests {
         );
         assert!(screen.contains("No tasks"), "{screen}");
         assert!(screen.contains("Nothing waits"), "{screen}");
+    }
+
+    #[test]
+    fn two_leases_in_one_phase_show_each_its_own_run() {
+        let mut w = worker("gpu-c", "busy", vec![gpu("sim-c", 80, 60)], 90_000);
+        w.capacity = 2;
+        w.leases = vec![
+            pb::WorkerLease {
+                task: "p/a".into(),
+                phase: "implement".into(),
+                token: 11,
+            },
+            pb::WorkerLease {
+                task: "p/b".into(),
+                phase: "implement".into(),
+                token: 12,
+            },
+        ];
+        // Runs are listed in another order than the leases.
+        w.runs = vec![
+            pb::Run {
+                phase: "implement".into(),
+                token: 12,
+                state: "finishing".into(),
+                ..Default::default()
+            },
+            pb::Run {
+                phase: "implement".into(),
+                token: 11,
+                state: "active".into(),
+                ..Default::default()
+            },
+        ];
+        let s = snapshot(vec![w], vec![]);
+        assert_eq!(
+            s.workers[0].work,
+            vec![
+                "p/a (implement, run active)".to_string(),
+                "p/b (implement, run finishing)".to_string()
+            ]
+        );
     }
 }

@@ -154,15 +154,22 @@ pub(crate) struct EventLine {
     pub detail: String,
 }
 
+/// An event's time, RFC 3339 with milliseconds as `--json` documents it; empty when unset.
+/// Whatever a server sends is clamped to 1970..=9999 first: humantime panics outside it.
+fn event_time(t: Option<automaton_proto::prost_types::Timestamp>) -> String {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+    let last = UNIX_EPOCH + Duration::from_millis(253_402_300_799_999);
+    t.map(|t| {
+        let at = SystemTime::try_from(t).unwrap_or(if t.seconds < 0 { UNIX_EPOCH } else { last });
+        humantime::format_rfc3339_millis(at.clamp(UNIX_EPOCH, last)).to_string()
+    })
+    .unwrap_or_default()
+}
+
 pub(crate) fn event_line(e: pb::Event) -> EventLine {
     EventLine {
         seq: e.seq,
-        // RFC 3339 with milliseconds, as `--json` documents it; empty when unset.
-        at: e
-            .at
-            .and_then(|t| std::time::SystemTime::try_from(t).ok())
-            .map(|t| humantime::format_rfc3339_millis(t).to_string())
-            .unwrap_or_default(),
+        at: event_time(e.at),
         kind: e.kind,
         task: e.task,
         agent: e.agent,
@@ -458,5 +465,17 @@ mod tests {
         assert!(backoff(0) <= Duration::from_millis(125));
         assert!(backoff(30) >= Duration::from_secs(5));
         assert!(backoff(30) <= Duration::from_millis(6250));
+    }
+
+    #[test]
+    fn an_event_time_out_of_range_is_clamped_not_a_panic() {
+        use automaton_proto::prost_types::Timestamp;
+        let at = |seconds, nanos| event_time(Some(Timestamp { seconds, nanos }));
+        assert_eq!(at(-1, 0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(at(i64::MIN, 0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(at(i64::MAX, 999_999_999), "9999-12-31T23:59:59.999Z");
+        assert_eq!(at(253_402_300_800, 0), "9999-12-31T23:59:59.999Z");
+        assert_eq!(at(0, -5), "1970-01-01T00:00:00.000Z");
+        assert_eq!(event_time(None), "");
     }
 }

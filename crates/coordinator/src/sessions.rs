@@ -861,6 +861,7 @@ impl Coordinator {
                     .map(|l| pb::WorkerLease {
                         task: l.task.to_string(),
                         phase: l.state.to_string(),
+                        token: l.token,
                     })
                     .collect();
                 let drained = inner.drained.contains(&s.name);

@@ -542,7 +542,43 @@ fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb
 }
 
 /// A length of time the coordinator sent; zero when unset or negative (callers floor it).
+/// The longest duration the worker takes from the wire (a heartbeat interval, a session
+/// timeout, a phase's time limit): a year. Anything longer is a year, so timers built from it
+/// (`Instant + d`) cannot overflow whatever a coordinator sends.
+pub(crate) const WIRE_DURATION_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A duration from the wire: 0 when unset or negative, at most `WIRE_DURATION_MAX`.
 pub(crate) fn wire_duration(d: Option<&automaton_proto::prost_types::Duration>) -> Duration {
     d.and_then(|d| Duration::try_from(*d).ok())
         .unwrap_or_default()
+        .min(WIRE_DURATION_MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use automaton_proto::prost_types;
+
+    #[tokio::test]
+    async fn a_huge_or_negative_wire_duration_is_bounded_and_a_timer_built_from_it_does_not_panic()
+    {
+        let huge = prost_types::Duration {
+            seconds: i64::MAX,
+            nanos: 999_999_999,
+        };
+        let d = wire_duration(Some(&huge));
+        assert_eq!(d, WIRE_DURATION_MAX);
+        // What the heartbeat loop does with it: an interval (its second tick computes
+        // `now + period`) and a deadline.
+        let mut tick = tokio::time::interval(d);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        let _deadline = tokio::time::Instant::now() + d;
+        let negative = prost_types::Duration {
+            seconds: -5,
+            nanos: 0,
+        };
+        assert_eq!(wire_duration(Some(&negative)), Duration::ZERO);
+        assert_eq!(wire_duration(None), Duration::ZERO);
+    }
 }
