@@ -25,6 +25,7 @@ pub(crate) const METRICS: &[(&str, &[&str])] = &[
     ("automaton_phase_duration_seconds", &["phase", "outcome"]),
     ("automaton_tasks", &["phase"]),
     ("automaton_tasks_waiting", &["reason"]),
+    ("automaton_scrape_store_reads_total", &[]),
     // A worker's /metrics.
     ("automaton_worker_connected", &[]),
     ("automaton_worker_runs_active", &[]),

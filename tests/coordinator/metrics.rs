@@ -294,7 +294,7 @@ fn scrape(addr: SocketAddr) -> Exposition {
     parse(&body).unwrap_or_else(|e| panic!("the scrape is not Prometheus text: {e}\n{body}"))
 }
 
-/// Scrapes until `ok` holds (5 s at most); the last scrape.
+/// Scrapes until `ok` holds (10 s at most); the last scrape.
 fn scrape_until(addr: SocketAddr, what: &str, ok: impl Fn(&Exposition) -> bool) -> Exposition {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -487,8 +487,11 @@ async fn metrics_show_a_connected_worker_by_gpu_model_waiting_tasks_and_the_work
         e.value("automaton_tasks_waiting", &[("reason", "no_worker")]),
         0.0
     );
-    // The run left the task awaiting approval: phase research.
-    assert_eq!(e.value("automaton_tasks", &[("phase", "research")]), 1.0);
+    // The run left the task awaiting approval: phase research (tasks by phase may be up to
+    // 5 s old).
+    scrape_until(at, "the task counted under research", |e| {
+        e.get("automaton_tasks", &[("phase", "research")]) == Some(1.0)
+    });
     assert_eq!(api.state("solo").await, "research:awaiting_approval");
 
     let w = scrape_until(wat, "the worker counted its run", |w| {
@@ -593,6 +596,186 @@ async fn metrics_endpoint_refuses_other_paths_methods_and_huge_requests_and_keep
     // And it still serves.
     let e = scrape(at);
     assert_eq!(e.value("automaton_leases_held", &[]), 0.0);
+}
+
+/// How one scrape of a flood ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scraped {
+    /// An HTTP answer with this status.
+    Answered(u16),
+    /// Closed without an answer: the endpoint shed the connection.
+    Shed,
+    /// No answer within the client's timeout.
+    Hung,
+}
+
+/// One `GET /metrics` on a fresh connection, raw, tolerating a connection shed by the server.
+fn scrape_raw(addr: SocketAddr) -> Scraped {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return Scraped::Shed;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+    if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: flood\r\n\r\n")
+        .is_err()
+    {
+        return Scraped::Shed;
+    }
+    let mut out = Vec::new();
+    match s.read_to_end(&mut out) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Scraped::Hung
+        }
+        _ if out.is_empty() => Scraped::Shed,
+        _ => String::from_utf8_lossy(&out)
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .map_or(Scraped::Shed, Scraped::Answered),
+    }
+}
+
+/// Copies the task folder `from` to `to` on disk, behind the coordinator's back: a task it has
+/// never touched, whose state a scrape must read from its file.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("create a task folder");
+    for entry in std::fs::read_dir(from).expect("read a task folder") {
+        let entry = entry.expect("entry");
+        let dest = to.join(entry.file_name());
+        if entry.file_type().expect("file type").is_dir() {
+            copy_dir(&entry.path(), &dest);
+        } else {
+            std::fs::copy(entry.path(), dest).expect("copy a task file");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_flood_of_scrapes_starves_neither_dispatch_nor_the_api() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    const TASKS: usize = 5000;
+    const SCRAPERS: usize = 64;
+    const BOUND: Duration = Duration::from_secs(2);
+    let env = Env::new();
+    let coord = Coord::start(&env, &["--metrics-listen", "127.0.0.1:0", "--no-dispatch"]);
+    let at = metrics_addr(|| coord.stderr());
+    let mut api = coord.api().await;
+    api.create("seed").await.expect("create the seed task");
+    for i in 0..TASKS {
+        copy_dir(&env.task_dir("seed"), &env.task_dir(&format!("t-{i:04}")));
+    }
+    for t in ["c-1", "c-2", "c-3", "c-4", "c-5", "c-6", "c-7", "c-8"] {
+        api.claimable_task(t).await;
+    }
+
+    // Tasks by phase are read from the store once, then reused: a second scrape within the
+    // cache window does not read the store again.
+    let reads = |e: &Exposition| e.value("automaton_scrape_store_reads_total", &[]);
+    let first = scrape(at);
+    assert_eq!(
+        first.sum("automaton_tasks", &[]),
+        (TASKS + 9) as f64,
+        "every task counted"
+    );
+    let second = scrape(at);
+    assert!(reads(&first) >= 1.0);
+    assert_eq!(
+        reads(&second),
+        reads(&first),
+        "a scrape within the cache window read the store again"
+    );
+    assert_eq!(second.sum("automaton_tasks", &[]), (TASKS + 9) as f64);
+
+    // The flood: 64 clients scraping as fast as they are answered, every fourth connection
+    // left open without a request for a while.
+    let stop = Arc::new(AtomicBool::new(false));
+    let scrapers: Vec<_> = (0..SCRAPERS)
+        .map(|n| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut i = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    if (n + i).is_multiple_of(4) {
+                        if let Ok(idle) = TcpStream::connect(at) {
+                            std::thread::sleep(Duration::from_millis(700));
+                            drop(idle);
+                        }
+                    } else {
+                        seen.push(scrape_raw(at));
+                    }
+                    i += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+
+    // Meanwhile, for longer than the cache window: GetTask (of tasks the coordinator has not
+    // touched: a store read each), ListTasks and claims each answer within the bound.
+    let flood = Instant::now();
+    let mut slowest: Vec<(String, Duration)> = Vec::new();
+    let mut calls = 0;
+    let mut claims = ["c-1", "c-2", "c-3", "c-4", "c-5", "c-6", "c-7", "c-8"].into_iter();
+    while flood.elapsed() < Duration::from_secs(12) {
+        let t = Instant::now();
+        let task = format!("t-{:04}", (calls * 37) % TASKS);
+        api.get(&task).await.expect("GetTask");
+        slowest.push((format!("GetTask {task}"), t.elapsed()));
+        let t = Instant::now();
+        let listed = api.list().await.expect("ListTasks");
+        slowest.push(("ListTasks".into(), t.elapsed()));
+        assert!(listed.tasks.len() > TASKS, "{}", listed.tasks.len());
+        if let Some(c) = claims.next() {
+            let t = Instant::now();
+            api.claim(c, "agent-a", 60_000).await.expect("claim");
+            slowest.push((format!("Claim {c}"), t.elapsed()));
+        }
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let flooded = flood.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let mut outcomes: HashMap<String, usize> = HashMap::new();
+    for s in scrapers {
+        for o in s.join().expect("a scraper thread") {
+            *outcomes.entry(format!("{o:?}")).or_insert(0) += 1;
+        }
+    }
+    slowest.sort_by_key(|(_, d)| std::cmp::Reverse(*d));
+    eprintln!(
+        "{calls} rounds of calls under the flood; slowest: {:?}; scrapes: {outcomes:?}",
+        &slowest[..slowest.len().min(5)]
+    );
+    let late: Vec<_> = slowest.iter().filter(|(_, d)| *d > BOUND).collect();
+    assert!(
+        late.is_empty(),
+        "calls slower than {BOUND:?} under a flood of scrapes: {late:?}"
+    );
+    assert_eq!(
+        outcomes.get("Hung"),
+        None,
+        "scrapes left unanswered: {outcomes:?}"
+    );
+    assert!(
+        outcomes.get("Answered(200)").copied().unwrap_or(0) > SCRAPERS,
+        "the scrapes were not served: {outcomes:?}"
+    );
+
+    // And the store was read at most once per cache window, one read at a time.
+    let after = scrape(at);
+    let windows = flooded.as_secs_f64() / 5.0;
+    assert!(
+        reads(&after) - reads(&second) <= windows.ceil() + 1.0,
+        "{} store reads for scrapes in {flooded:?}",
+        reads(&after) - reads(&second)
+    );
 }
 
 #[test]

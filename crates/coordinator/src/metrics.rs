@@ -3,10 +3,13 @@
 //! What happens on the lease paths is counted with plain atomics where it happens (a claim
 //! costs one relaxed `fetch_add`); everything derived — workers by GPU model and state,
 //! leases held, tasks by phase, tasks waiting and why — is computed when Prometheus scrapes.
+//! The one part that reads the store (tasks by phase) is computed by one scrape at a time, on
+//! its own blocking thread rather than with the permits of the store reads that dispatch and
+//! the API wait for, and reused for [`DERIVED_TTL`]: a flood of scrapes cannot starve them.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use automaton_telemetry::metrics::{
     Counter, Histogram, Kind, LATENCY_BUCKETS, PHASE_BUCKETS, Render, Text,
@@ -17,6 +20,10 @@ use crate::Error;
 use crate::state::Coordinator;
 
 const PHASES: usize = Phase::ALL.len();
+
+/// How long the store-derived part of a scrape (tasks by phase) is reused before a scrape
+/// reads the store again.
+pub(crate) const DERIVED_TTL: Duration = Duration::from_secs(5);
 
 /// Why a lease ended: the reasons `after_end` is given.
 const END_REASONS: [&str; 5] = [
@@ -156,6 +163,39 @@ pub(crate) struct Metrics {
     assignments: [Counter; PHASES],
     /// By phase, then end reason.
     phase_duration: Vec<Histogram>,
+    /// The store-derived part of a scrape.
+    derived: Derived,
+}
+
+/// Tasks by phase, the part of a scrape that reads the store: read by one scrape at a time
+/// and reused for [`DERIVED_TTL`].
+#[derive(Default)]
+struct Derived {
+    /// The last counts and when they were read.
+    last: Mutex<Option<(Instant, [u64; PHASES])>>,
+    /// Held by the read in flight — by the task doing it, not by the scrape that started it,
+    /// so a scrape that times out does not let a second read start beside the first.
+    flight: Arc<tokio::sync::Mutex<()>>,
+    /// Store reads done for scrapes.
+    reads: Counter,
+}
+
+impl Derived {
+    fn last(&self) -> std::sync::MutexGuard<'_, Option<(Instant, [u64; PHASES])>> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The last counts if younger than [`DERIVED_TTL`].
+    fn fresh(&self) -> Option<[u64; PHASES]> {
+        self.last()
+            .filter(|(at, _)| at.elapsed() < DERIVED_TTL)
+            .map(|(_, c)| c)
+    }
+
+    /// The last counts, however old.
+    fn any(&self) -> Option<[u64; PHASES]> {
+        self.last().map(|(_, c)| c)
+    }
 }
 
 impl Default for Metrics {
@@ -171,6 +211,7 @@ impl Default for Metrics {
             phase_duration: (0..PHASES * END_REASONS.len())
                 .map(|_| Histogram::new(PHASE_BUCKETS))
                 .collect(),
+            derived: Derived::default(),
         }
     }
 }
@@ -381,6 +422,11 @@ impl Coordinator {
             }
             Err(e) => tracing::warn!(error = %e, "metrics: cannot count the tasks by phase"),
         }
+        t.counter(
+            "automaton_scrape_store_reads_total",
+            "Times a scrape read the store to count the tasks by phase: one at a time, at most once per 5 s; other scrapes reuse the last counts.",
+            m.derived.reads.get(),
+        );
         t.family(
             "automaton_tasks_waiting",
             Kind::Gauge,
@@ -394,10 +440,45 @@ impl Coordinator {
         t.finish()
     }
 
+    /// Every task and sub-task, counted by phase, as read at most [`DERIVED_TTL`] ago; while
+    /// another scrape reads the store, the last counts however old. One read at a time, on a
+    /// blocking thread of its own: never a permit of [`Coordinator::read`], which dispatch
+    /// and the API wait for.
+    async fn tasks_by_phase(self: &Arc<Self>) -> Result<[u64; PHASES], Error> {
+        let d = &self.metrics.derived;
+        if let Some(c) = d.fresh() {
+            return Ok(c);
+        }
+        let flight = match d.flight.clone().try_lock_owned() {
+            Ok(f) => f,
+            Err(_) => {
+                if let Some(c) = d.any() {
+                    return Ok(c);
+                }
+                // The first counts are being read: wait for them.
+                let f = d.flight.clone().lock_owned().await;
+                if let Some(c) = d.fresh() {
+                    return Ok(c);
+                }
+                f
+            }
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            let _flight = flight;
+            me.metrics.derived.reads.inc();
+            let counts = me.count_tasks_by_phase().await?;
+            *me.metrics.derived.last() = Some((Instant::now(), counts));
+            Ok(counts)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("counting the tasks failed: {e}")))?
+    }
+
     /// Every task and sub-task, counted by phase: the state this coordinator knows, else
     /// its `.state` file (read off the async threads).
-    async fn tasks_by_phase(&self) -> Result<[u64; PHASES], Error> {
-        let names = self.read(|p| p.all_task_names()).await?;
+    async fn count_tasks_by_phase(&self) -> Result<[u64; PHASES], Error> {
+        let names = self.read_for_scrape(|p| p.all_task_names()).await?;
         let mut counts = [0u64; PHASES];
         let mut unknown = Vec::new();
         {
@@ -411,7 +492,7 @@ impl Coordinator {
         }
         if !unknown.is_empty() {
             let read = self
-                .read(move |p| {
+                .read_for_scrape(move |p| {
                     Ok(unknown
                         .iter()
                         .filter_map(|t| p.read_state(t).ok().flatten())
@@ -424,6 +505,19 @@ impl Coordinator {
             }
         }
         Ok(counts)
+    }
+
+    /// A store read on the blocking pool outside [`Coordinator::read`]'s permits: the caller
+    /// (the one scrape in flight) bounds it.
+    async fn read_for_scrape<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error> + Send + 'static,
+    ) -> Result<T, Error> {
+        let project = self.project.clone();
+        tokio::task::spawn_blocking(move || f(&project))
+            .await
+            .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
+            .map_err(Error::from)
     }
 }
 
@@ -496,6 +590,85 @@ mod tests {
         ] {
             assert_eq!(waiting_class(&why), class, "{why}");
         }
+    }
+
+    /// A coordinator over a fresh project with `n` tasks.
+    async fn coordinator(dir: &std::path::Path, n: usize) -> Arc<Coordinator> {
+        let project = automaton_store::Project::open(dir, None);
+        let (coord, _) =
+            Coordinator::open(project, crate::state::Options::default()).expect("open");
+        for i in 0..n {
+            let task: automaton_workflow::TaskName = format!("t-{i}").parse().expect("name");
+            coord.create_task(&task).await.expect("create");
+        }
+        coord
+    }
+
+    fn counted(text: &str) -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with("automaton_tasks{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    }
+
+    fn store_reads(text: &str) -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix("automaton_scrape_store_reads_total "))
+            .and_then(|v| v.parse().ok())
+    }
+
+    #[tokio::test]
+    async fn a_scrape_takes_no_shared_read_permit_and_reuses_its_counts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path(), 3).await;
+        // Every permit of the reads dispatch and the API wait for is taken: a scrape still
+        // answers, with the tasks counted.
+        let _all = coord
+            .reads
+            .clone()
+            .acquire_many_owned(crate::state::MAX_BLOCKING_READS as u32)
+            .await
+            .expect("permits");
+        let text = tokio::time::timeout(Duration::from_secs(10), coord.metrics_text())
+            .await
+            .expect("a scrape needs no shared read permit");
+        assert_eq!(counted(&text), 3, "{text}");
+        assert_eq!(store_reads(&text), Some(1), "{text}");
+        // Within the cache window: the same counts, no second read.
+        let again = coord.metrics_text().await;
+        assert_eq!(counted(&again), 3);
+        assert_eq!(store_reads(&again), Some(1), "{again}");
+    }
+
+    #[tokio::test]
+    async fn while_a_count_is_in_flight_no_second_one_starts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path(), 2).await;
+        let d = &coord.metrics.derived;
+        // A read in flight (as a scrape cut off by its timeout leaves it).
+        let in_flight = d.flight.clone().lock_owned().await;
+        // No counts yet: a scrape waits for the read in flight rather than starting its own.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), coord.tasks_by_phase())
+                .await
+                .is_err(),
+            "a second count started beside the one in flight"
+        );
+        assert_eq!(d.reads.get(), 0);
+        // Stale counts: served at once while the read is in flight, nothing read.
+        let stale = [7u64; PHASES];
+        *d.last() = Some((Instant::now() - DERIVED_TTL * 2, stale));
+        let got = tokio::time::timeout(Duration::from_secs(5), coord.tasks_by_phase())
+            .await
+            .expect("stale counts at once")
+            .expect("counts");
+        assert_eq!(got, stale);
+        assert_eq!(d.reads.get(), 0);
+        // Once it ends, the next scrape reads the store again (once).
+        drop(in_flight);
+        let fresh = coord.tasks_by_phase().await.expect("counts");
+        assert_eq!(fresh.iter().sum::<u64>(), 2);
+        assert_eq!(d.reads.get(), 1);
     }
 
     #[test]

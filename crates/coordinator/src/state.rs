@@ -20,7 +20,7 @@ use crate::watchers::Watchers;
 
 const GUARD_SHARDS: usize = 64;
 /// Store reads (get, list, validate, audit) running on the blocking pool at once.
-const MAX_BLOCKING_READS: usize = 32;
+pub(crate) const MAX_BLOCKING_READS: usize = 32;
 
 /// What a coordinator is opened with (from [`crate::Config`]).
 #[derive(Debug, Clone)]
