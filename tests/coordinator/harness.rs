@@ -918,3 +918,36 @@ pub async fn lock_view(env: &Env, task: &str, token: Option<u64>) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A live process of this machine, as `/proc` shows it.
+pub struct Process {
+    pub pid: u32,
+    /// Its command line, arguments joined by spaces.
+    pub cmdline: String,
+    /// `/proc/{pid}`.
+    pub dir: PathBuf,
+}
+
+/// Every live process (zombies excluded): what tests look through for agents that outlived
+/// their run.
+pub fn live_processes() -> Vec<Process> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            if state.starts_with('Z') || state.is_empty() {
+                return None;
+            }
+            let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            Some(Process {
+                pid,
+                cmdline: String::from_utf8_lossy(&cmd).replace('\0', " "),
+                dir: e.path(),
+            })
+        })
+        .collect()
+}

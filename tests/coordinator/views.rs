@@ -168,7 +168,7 @@ async fn watch_prints_one_line_per_event() {
         // time, kind, task, agent, token, detail
         let at =
             e.at.and_then(|t| std::time::SystemTime::try_from(t).ok())
-                .map(|t| humantime::format_rfc3339_millis(t).to_string())
+                .map(automaton_store::format_time_millis)
                 .expect("every event has a time");
         assert!(at.ends_with(cols[0]), "time of day of {at}: {line}");
         assert_eq!(cols[1], e.kind, "{line}");
@@ -421,6 +421,26 @@ struct Tmux {
     dir: tempfile::TempDir,
 }
 
+/// Waits for `top` (run by `tmux.session`'s script) to exit, then checks it exited 0 and gave
+/// the terminal back: cooked mode with echo, the main screen, the cursor shown. The screen.
+fn exited_0_with_the_terminal_restored(tmux: &Tmux) -> String {
+    let after = tmux.wait_screen(&["top exited", "icanon"], Duration::from_secs(10));
+    assert!(after.contains("top exited 0"), "{after}");
+    let modes = after
+        .lines()
+        .skip_while(|l| !l.contains("top exited"))
+        .nth(1)
+        .unwrap_or("");
+    assert_eq!(
+        modes.split_whitespace().collect::<Vec<_>>(),
+        ["icanon", "echo"],
+        "{after}"
+    );
+    assert_eq!(tmux.format("#{alternate_on}"), "0", "{after}");
+    assert_eq!(tmux.format("#{cursor_flag}"), "1", "{after}");
+    after
+}
+
 impl Tmux {
     fn new() -> Tmux {
         let ok = Command::new("tmux")
@@ -570,21 +590,7 @@ async fn top_in_tmux_shows_the_fleet_and_quits_on_q() {
     tmux.wait_screen(&["1  research"], Duration::from_secs(10));
 
     tmux.cmd(&["send-keys", "-t", "top", "q"]);
-    let after = tmux.wait_screen(&["top exited", "icanon"], Duration::from_secs(10));
-    assert!(after.contains("top exited 0"), "{after}");
-    // The terminal is given back: cooked mode with echo, main screen, cursor shown.
-    let modes = after
-        .lines()
-        .skip_while(|l| !l.contains("top exited"))
-        .nth(1)
-        .unwrap_or("");
-    assert_eq!(
-        modes.split_whitespace().collect::<Vec<_>>(),
-        ["icanon", "echo"],
-        "{after}"
-    );
-    assert_eq!(tmux.format("#{alternate_on}"), "0", "{after}");
-    assert_eq!(tmux.format("#{cursor_flag}"), "1", "{after}");
+    let after = exited_0_with_the_terminal_restored(&tmux);
     assert!(
         !after.contains("gpu-top"),
         "the dashboard is gone:\n{after}"
@@ -616,20 +622,7 @@ async fn top_restores_the_terminal_on_sigterm() {
         .parse()
         .expect("a pid");
     signal(pid, "-TERM");
-    let after = tmux.wait_screen(&["top exited", "icanon"], Duration::from_secs(10));
-    assert!(after.contains("top exited 0"), "{after}");
-    let modes = after
-        .lines()
-        .skip_while(|l| !l.contains("top exited"))
-        .nth(1)
-        .unwrap_or("");
-    assert_eq!(
-        modes.split_whitespace().collect::<Vec<_>>(),
-        ["icanon", "echo"],
-        "{after}"
-    );
-    assert_eq!(tmux.format("#{alternate_on}"), "0", "{after}");
-    assert_eq!(tmux.format("#{cursor_flag}"), "1", "{after}");
+    exited_0_with_the_terminal_restored(&tmux);
 }
 
 #[tokio::test]

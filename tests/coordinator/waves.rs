@@ -76,27 +76,11 @@ async fn ended(api: &mut Api, task: &str, timeout: Duration) -> String {
 
 /// The live processes whose command line mentions `needle` (zombies excluded).
 fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if !cmd.contains(needle) {
-            continue;
-        }
-        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-        if state.starts_with('Z') || state.is_empty() {
-            continue;
-        }
-        out.push((pid, cmd));
-    }
-    out
+    live_processes()
+        .into_iter()
+        .filter(|p| p.cmdline.contains(needle))
+        .map(|p| (p.pid, p.cmdline))
+        .collect()
 }
 
 #[test]

@@ -107,37 +107,21 @@ fn cli_approve(env: &Env, task: &str) {
 /// dir; zombies excluded), with their fencing token.
 fn scripted_agents(w: &Worker) -> Vec<(u32, String)> {
     let mine = w.work_dir();
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in dir.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        if !String::from_utf8_lossy(&cmd).contains("scripted-agent") {
-            continue;
-        }
-        let in_mine = std::fs::read_link(e.path().join("cwd")).is_ok_and(|d| d.starts_with(&mine));
-        if !in_mine {
-            continue;
-        }
-        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-        if state.starts_with('Z') || state.is_empty() {
-            continue;
-        }
-        let environ = std::fs::read(e.path().join("environ")).unwrap_or_default();
-        let token = environ
-            .split(|b| *b == 0)
-            .filter_map(|v| std::str::from_utf8(v).ok())
-            .find_map(|v| v.strip_prefix("AUTOMATON_FENCING_TOKEN="))
-            .unwrap_or("")
-            .to_string();
-        out.push((pid, token));
-    }
-    out
+    live_processes()
+        .into_iter()
+        .filter(|p| p.cmdline.contains("scripted-agent"))
+        .filter(|p| std::fs::read_link(p.dir.join("cwd")).is_ok_and(|d| d.starts_with(&mine)))
+        .map(|p| {
+            let environ = std::fs::read(p.dir.join("environ")).unwrap_or_default();
+            let token = environ
+                .split(|b| *b == 0)
+                .filter_map(|v| std::str::from_utf8(v).ok())
+                .find_map(|v| v.strip_prefix("AUTOMATON_FENCING_TOKEN="))
+                .unwrap_or("")
+                .to_string();
+            (p.pid, token)
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -43,7 +43,6 @@ use pb::coordinator_message::Msg as Out;
 use pb::worker_message::Msg as In;
 use serde::Serialize;
 use tokio::sync::{Semaphore, mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::stats::fmt_ms;
@@ -270,40 +269,21 @@ async fn session(
     mut stop: watch::Receiver<bool>,
 ) -> Option<String> {
     let permit = connecting.acquire_owned().await;
-    let opened = async {
-        let channel = endpoint.connect().await.context("connect")?;
-        let mut client = pb::workers_client::WorkersClient::new(channel.clone());
-        let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(8);
-        tx.send(pb::WorkerMessage {
-            msg: Some(In::Register(pb::Register {
-                name: worker_name(index),
-                host: "bench".into(),
-                budget: Some(pb::Budget {
-                    max_peak_context_kb: budget,
-                    source: "automaton-bench dispatch".into(),
-                    ..Default::default()
-                }),
-                capacity: 1,
-                version: "bench".into(),
-                simulated: true,
-                replace: true,
-                ..Default::default()
-            })),
-        })
-        .await
-        .context("queue Register")?;
-        let mut inbound = client
-            .session(ReceiverStream::new(rx))
-            .await
-            .map_err(crate::rpc::status_err)?
-            .into_inner();
-        let granted = match next_message(&mut inbound).await? {
-            Some(Out::Granted(g)) => g,
-            other => bail!("expected SessionGranted, got {other:?}"),
-        };
-        anyhow::Ok((channel, tx, inbound, granted))
-    }
-    .await;
+    let register = pb::Register {
+        name: worker_name(index),
+        host: "bench".into(),
+        budget: Some(pb::Budget {
+            max_peak_context_kb: budget,
+            source: "automaton-bench dispatch".into(),
+            ..Default::default()
+        }),
+        capacity: 1,
+        version: "bench".into(),
+        simulated: true,
+        replace: true,
+        ..Default::default()
+    };
+    let opened = crate::workers::open_session(&endpoint, register, 8).await;
     drop(permit);
     let (_channel, tx, mut inbound, granted) = match opened {
         Ok(o) => o,
@@ -589,20 +569,6 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
 /// Sub-tasks whose files the floor writes at once (the coordinator's `ROUND_CONCURRENCY`).
 const FLOOR_CONCURRENCY: usize = 64;
 
-/// Writes `bytes` to `dir/name` the way the store does: a temp file, fsync, rename.
-fn durable_write(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(name))
-}
-
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
-}
-
 /// One sub-task's durable writes (see the module's doc), under `root`.
 fn floor_one(root: &Path, i: usize) -> std::io::Result<()> {
     let parent = root.join(parent_name(i / PER_PARENT)).join("subtasks");
@@ -614,16 +580,16 @@ fn floor_one(root: &Path, i: usize) -> std::io::Result<()> {
         ("PARENT_SPEC.md", &[b'x'; 600][..]),
         ("VRAM_CONFIG.md", &[b'y'; 400][..]),
     ] {
-        durable_write(&staging, name, bytes)?;
+        spawn::durable_write(&staging, name, bytes)?;
     }
-    sync_dir(&staging)?;
+    spawn::sync_dir(&staging)?;
     let folder = parent.join(sub_name(i));
     std::fs::rename(&staging, &folder)?;
-    sync_dir(&parent)?;
-    durable_write(&folder, ".state", b"research\n")?;
-    sync_dir(&folder)?;
-    durable_write(&folder, ".state.holders", b"research agent 1\n")?;
-    sync_dir(&folder)
+    spawn::sync_dir(&parent)?;
+    spawn::durable_write(&folder, ".state", b"research\n")?;
+    spawn::sync_dir(&folder)?;
+    spawn::durable_write(&folder, ".state.holders", b"research agent 1\n")?;
+    spawn::sync_dir(&folder)
 }
 
 /// The floor for `n` sub-tasks in a fresh folder under `scratch`: wall time.

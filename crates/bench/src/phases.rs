@@ -27,7 +27,6 @@
 //! dir, from this process.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -461,13 +460,8 @@ async fn measure_uploads(channel: &Channel, scratch: &Path, n: usize) -> Result<
     for round in 0..n {
         let body = spec_body(size, round + n);
         let t0 = Instant::now();
-        let tmp = dir.join(".SPEC.md.tmp");
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, dir.join("SPEC.md"))?;
-        std::fs::File::open(&dir)?.sync_all()?;
+        crate::spawn::durable_write(&dir, "SPEC.md", &body)?;
+        crate::spawn::sync_dir(&dir)?;
         reference.push(mb_per_s(size, t0.elapsed()));
     }
     Ok(Upload {

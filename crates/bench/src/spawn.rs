@@ -275,6 +275,22 @@ pub fn etcd(bin: &str, scratch: &Path) -> Result<Spawned> {
     })
 }
 
+/// Writes `bytes` to `dir/name` the way the store does: a temp file, fsync, rename (the
+/// references the benches measure the coordinator against).
+pub fn durable_write(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, dir.join(name))
+}
+
+/// fsyncs a folder, so the renames into it are durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
 #[cfg(test)]
 mod tests {
     use super::listening_addr;

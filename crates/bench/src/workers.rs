@@ -246,6 +246,43 @@ pub(crate) async fn next_message(
     }
 }
 
+/// A session the bench opened: its connection, its outbound queue, the coordinator's stream
+/// and the grant.
+pub(crate) type Opened = (
+    Channel,
+    mpsc::Sender<pb::WorkerMessage>,
+    tonic::Streaming<pb::CoordinatorMessage>,
+    pb::SessionGranted,
+);
+
+/// Connects, sends `register` as the session's first message (outbound queue of `queue`
+/// messages) and waits for the grant: the opening both the `workers` and the `dispatch`
+/// benches' fake workers share.
+pub(crate) async fn open_session(
+    endpoint: &Endpoint,
+    register: pb::Register,
+    queue: usize,
+) -> Result<Opened> {
+    let channel = endpoint.connect().await.context("connect")?;
+    let mut client = pb::workers_client::WorkersClient::new(channel.clone());
+    let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(queue);
+    tx.send(pb::WorkerMessage {
+        msg: Some(In::Register(register)),
+    })
+    .await
+    .context("queue Register")?;
+    let mut inbound = client
+        .session(ReceiverStream::new(rx))
+        .await
+        .map_err(crate::rpc::status_err)?
+        .into_inner();
+    let granted = match next_message(&mut inbound).await? {
+        Some(Out::Granted(g)) => g,
+        other => bail!("expected SessionGranted, got {other:?}"),
+    };
+    Ok((channel, tx, inbound, granted))
+}
+
 /// One worker session: connect, register, heartbeat on the grid until told to stop.
 #[allow(clippy::too_many_arguments)]
 async fn session(
@@ -260,37 +297,18 @@ async fn session(
 ) -> SessionOut {
     let mut out = SessionOut::default();
     let permit = connecting.acquire_owned().await;
-    let opened = async {
-        let channel = endpoint.connect().await.context("connect")?;
-        let mut client = pb::workers_client::WorkersClient::new(channel.clone());
-        let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(4);
-        tx.send(pb::WorkerMessage {
-            msg: Some(In::Register(pb::Register {
-                name: worker_name(index),
-                host: "bench".into(),
-                // Sessions only: these workers run no agent, so the coordinator offers them
-                // no work (the bench claims in their sessions itself).
-                capacity: 0,
-                version: "bench".into(),
-                simulated: true,
-                replace: true,
-                ..Default::default()
-            })),
-        })
-        .await
-        .context("queue Register")?;
-        let mut inbound = client
-            .session(ReceiverStream::new(rx))
-            .await
-            .map_err(crate::rpc::status_err)?
-            .into_inner();
-        let granted = match next_message(&mut inbound).await? {
-            Some(Out::Granted(g)) => g,
-            other => bail!("expected SessionGranted, got {other:?}"),
-        };
-        anyhow::Ok((channel, tx, inbound, granted))
-    }
-    .await;
+    let register = pb::Register {
+        name: worker_name(index),
+        host: "bench".into(),
+        // Sessions only: these workers run no agent, so the coordinator offers them no work
+        // (the bench claims in their sessions itself).
+        capacity: 0,
+        version: "bench".into(),
+        simulated: true,
+        replace: true,
+        ..Default::default()
+    };
+    let opened = open_session(&endpoint, register, 4).await;
     drop(permit);
     let (channel, tx, mut inbound, granted) = match opened {
         Ok(o) => o,

@@ -235,10 +235,10 @@ pub fn run(cli: Cli) -> i32 {
             if let Some(a) = args.approver {
                 argv.extend(["--approver".into(), a.into()]);
             }
-            if let Some(p) = args.project {
+            if let Some(p) = args.target.project {
                 argv.extend(["--project".into(), p.into_os_string()]);
             }
-            if let Some(c) = args.coordinator {
+            if let Some(c) = args.target.coordinator {
                 argv.extend(["--coordinator".into(), c.into()]);
             }
             if args.json {

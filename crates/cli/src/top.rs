@@ -8,7 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Stdout};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,12 +38,8 @@ pub(crate) const MIN_HEIGHT: u16 = 16;
 
 #[derive(Debug, Args)]
 pub struct TopArgs {
-    /// Project folder (default: the current directory): finds its coordinator.
-    #[arg(long, value_name = "PATH")]
-    pub project: Option<PathBuf>,
-    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
-    #[arg(long, value_name = "URL")]
-    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
 }
 
 /// The fleet and the tasks as of one fetch.
@@ -705,7 +700,10 @@ pub fn run(args: &TopArgs) -> i32 {
                 "automaton top needs a terminal; use `automaton watch --json`".into(),
             ));
         }
-        let link = Link::new(args.project.as_deref(), args.coordinator.as_deref())?;
+        let link = Link::new(
+            args.target.project.as_deref(),
+            args.target.coordinator.as_deref(),
+        )?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

@@ -20,12 +20,8 @@ pub struct WatchArgs {
     /// Only this task's events; a parent's include its sub-tasks' (`parent/…`).
     #[arg(long, value_name = "NAME")]
     pub task: Option<String>,
-    /// Project folder (default: the current directory): finds its coordinator.
-    #[arg(long, value_name = "PATH")]
-    pub project: Option<PathBuf>,
-    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
-    #[arg(long, value_name = "URL")]
-    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
     /// One JSON object per event and line: seq, at, kind, task, agent, token, detail.
     #[arg(long)]
     pub json: bool,
@@ -155,13 +151,19 @@ pub(crate) struct EventLine {
 }
 
 /// An event's time, RFC 3339 with milliseconds as `--json` documents it; empty when unset.
-/// Whatever a server sends is clamped to 1970..=9999 first: humantime panics outside it.
+/// Whatever a server sends is clamped to 1970..=9999 first (`automaton_store::clamp_time`).
 fn event_time(t: Option<automaton_proto::prost_types::Timestamp>) -> String {
-    use std::time::{Duration, SystemTime, UNIX_EPOCH};
-    let last = UNIX_EPOCH + Duration::from_millis(253_402_300_799_999);
+    use std::time::{SystemTime, UNIX_EPOCH};
     t.map(|t| {
-        let at = SystemTime::try_from(t).unwrap_or(if t.seconds < 0 { UNIX_EPOCH } else { last });
-        humantime::format_rfc3339_millis(at.clamp(UNIX_EPOCH, last)).to_string()
+        // Outside what this machine's clock holds: a time past either end, which the clamp
+        // then moves into range.
+        let far = std::time::Duration::from_secs(1 << 40);
+        let at = SystemTime::try_from(t).unwrap_or(if t.seconds < 0 {
+            UNIX_EPOCH
+        } else {
+            UNIX_EPOCH.checked_add(far).unwrap_or(UNIX_EPOCH)
+        });
+        automaton_store::format_time_millis(at)
     })
     .unwrap_or_default()
 }
@@ -276,7 +278,10 @@ enum End {
 
 async fn watch(args: &WatchArgs, filter: Option<&TaskName>) -> Result<End, Failure> {
     const WHAT: &str = "automaton watch";
-    let link = Link::new(args.project.as_deref(), args.coordinator.as_deref())?;
+    let link = Link::new(
+        args.target.project.as_deref(),
+        args.target.coordinator.as_deref(),
+    )?;
     let colour = colour(
         std::io::stdout().is_terminal(),
         std::env::var_os("NO_COLOR"),

@@ -9,6 +9,17 @@ use clap::{Args, Subcommand};
 use crate::backend::{self, Backend, Failure};
 use crate::from_wire;
 
+/// Which coordinator a command talks to: `--project` finds it, `--coordinator` names it.
+#[derive(Debug, Args)]
+pub struct Target {
+    /// Project folder (default: the current directory): finds its coordinator.
+    #[arg(long, value_name = "PATH")]
+    pub project: Option<PathBuf>,
+    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
+    #[arg(long, value_name = "URL")]
+    pub coordinator: Option<String>,
+}
+
 #[derive(Debug, Args)]
 pub struct WorkersArgs {
     #[command(subcommand)]
@@ -31,10 +42,8 @@ pub struct StopArgs {
     /// Let a stopped (or held) task be dispatched again instead.
     #[arg(long)]
     pub resume: bool,
-    #[arg(long, value_name = "PATH")]
-    pub project: Option<PathBuf>,
-    #[arg(long, value_name = "URL")]
-    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
     #[arg(long)]
     pub json: bool,
 }
@@ -46,20 +55,16 @@ pub struct ApproveArgs {
     /// Who approves (default: the token's name, or `user`).
     #[arg(long)]
     pub approver: Option<String>,
-    #[arg(long, value_name = "PATH")]
-    pub project: Option<PathBuf>,
-    #[arg(long, value_name = "URL")]
-    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
     #[arg(long)]
     pub json: bool,
 }
 
 #[derive(Debug, Args)]
 pub struct TasksArgs {
-    #[arg(long, value_name = "PATH")]
-    pub project: Option<PathBuf>,
-    #[arg(long, value_name = "URL")]
-    pub coordinator: Option<String>,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
     #[arg(long)]
     pub json: bool,
 }
@@ -115,7 +120,10 @@ fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
 }
 
 fn tasks_act(args: &TasksArgs) -> Result<String, Failure> {
-    let backend = backend_of(args.project.as_deref(), args.coordinator.as_deref())?;
+    let backend = backend_of(
+        args.target.project.as_deref(),
+        args.target.coordinator.as_deref(),
+    )?;
     let tasks = backend.task_summaries()?;
     Ok(if args.json {
         format!(
@@ -325,7 +333,10 @@ fn stop_act(args: &StopArgs) -> Result<String, Failure> {
         .task
         .parse()
         .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
-    let backend = backend_of(args.project.as_deref(), args.coordinator.as_deref())?;
+    let backend = backend_of(
+        args.target.project.as_deref(),
+        args.target.coordinator.as_deref(),
+    )?;
     let out = backend.stop_run(&task, args.resume)?;
     Ok(if args.json {
         format!(

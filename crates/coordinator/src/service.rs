@@ -40,8 +40,7 @@ fn agent_id(s: &str) -> Result<AgentId, Status> {
 /// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
 /// files hold: 1970 to 9999), so that no client's JSON mapping refuses it.
 pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
-    let last = SystemTime::UNIX_EPOCH + Duration::from_secs(253_402_300_799);
-    t.clamp(SystemTime::UNIX_EPOCH, last).into()
+    automaton_store::clamp_time(t).into()
 }
 
 /// A length of time as the wire carries it (saturating at the largest it can hold).

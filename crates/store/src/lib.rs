@@ -45,7 +45,9 @@ pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
 pub use project::Project;
 pub use read::{ArtifactInfo, Unaddressable};
-pub use records::{Approval, Lease, MAX_TOKEN, format_time, parse_time};
+pub use records::{
+    Approval, Lease, MAX_TOKEN, clamp_time, format_time, format_time_millis, parse_time,
+};
 pub use view::{
     ApprovalView, FolderReport, ListEntry, Listing, ProjectFolders, TaskError, TaskView,
 };

@@ -5,12 +5,23 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use automaton_workflow::{AgentId, Phase, State};
 use serde::{Deserialize, Serialize};
 
+/// `t` within what RFC 3339 text (and protobuf's JSON mapping of a `Timestamp`) can hold:
+/// 1970-01-01 to 9999-12-31T23:59:59.999999999Z. humantime panics outside it, and a computed
+/// expiry or a time from the wire must not take a process down.
+pub fn clamp_time(t: SystemTime) -> SystemTime {
+    let last = UNIX_EPOCH + Duration::new(253_402_300_799, 999_999_999);
+    t.clamp(UNIX_EPOCH, last)
+}
+
 /// `2026-06-14T14:30:00Z`: seconds precision, UTC, as the seeds write it. A time the format
 /// cannot hold (before 1970, after 9999) is written as the nearest one it can.
 pub fn format_time(t: SystemTime) -> String {
-    // humantime panics on both: a computed expiry must not take a process down.
-    let last = UNIX_EPOCH + Duration::from_secs(253_402_300_799);
-    humantime::format_rfc3339_seconds(t.clamp(UNIX_EPOCH, last)).to_string()
+    humantime::format_rfc3339_seconds(clamp_time(t)).to_string()
+}
+
+/// `2026-06-14T14:30:00.123Z`: as `format_time`, to the millisecond (events).
+pub fn format_time_millis(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(clamp_time(t)).to_string()
 }
 
 pub fn parse_time(s: &str) -> Option<SystemTime> {
