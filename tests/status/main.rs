@@ -4,4 +4,5 @@
 mod harness;
 mod issue14;
 mod leases;
+mod locks;
 mod spec;

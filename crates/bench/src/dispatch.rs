@@ -31,6 +31,13 @@
 //! files rewritten in place the same way (the `new → research` move and the grant's
 //! holders) — 64 sub-tasks at a time, as the coordinator does. `dispatch / floor` says how
 //! much of the dispatch is the disk's cost of creating and syncing files at all.
+//!
+//! The runs' temp folders are removed after the last run, not between runs: on ext4 without
+//! a journal (this machine's disk) the inode allocator skips inodes freed in the last minute
+//! or more, checking each one, so creating files right after thousands were removed is slow
+//! for minutes — a run started right after the previous run's removal would measure that
+//! removal. A first run right after other mass removals (a test suite, an earlier bench)
+//! shows it too: the floor, measured in the same minute, says so.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -627,6 +634,13 @@ fn floor(scratch: &Path, n: usize) -> Result<Duration> {
     Ok(took)
 }
 
+/// Removes the runs' temp folders.
+fn remove_all(scratches: &[PathBuf]) {
+    for s in scratches {
+        let _ = std::fs::remove_dir_all(s);
+    }
+}
+
 fn table(results: &[RunResult]) -> String {
     let mut out = format!(
         "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>13} {:>11} {:>8} {:>7} {:>8} {:>9} {:>11}  target\n",
@@ -690,6 +704,7 @@ pub async fn run(args: DispatchArgs) -> Result<()> {
     }
     ensure_nofile(args.workers as u64 + 256)?;
     let mut results = Vec::new();
+    let mut scratches: Vec<PathBuf> = Vec::new();
     for run in 0..args.runs {
         let scratch = spawn::scratch_dir()?;
         let outcome = async {
@@ -718,9 +733,16 @@ pub async fn run(args: DispatchArgs) -> Result<()> {
         if args.keep_temp || outcome.is_err() {
             eprintln!("kept {}", scratch.display());
         } else {
-            let _ = std::fs::remove_dir_all(&scratch);
+            // Removed after the last run, not now (see the module's doc).
+            scratches.push(scratch);
         }
-        let r = outcome?;
+        let r = match outcome {
+            Ok(r) => r,
+            Err(e) => {
+                remove_all(&scratches);
+                return Err(e);
+            }
+        };
         eprint!(
             "{}",
             table(std::slice::from_ref(&r))
@@ -731,6 +753,7 @@ pub async fn run(args: DispatchArgs) -> Result<()> {
         );
         results.push(r);
     }
+    remove_all(&scratches);
     print!("{}", table(&results));
     if let Some(path) = &args.json_out {
         let report = Report {

@@ -391,6 +391,7 @@ impl Coordinator {
         let largest = self.sessions.largest_budget();
         let mut waiting: HashMap<TaskName, String> = HashMap::new();
         let mut plans: Vec<Planned> = Vec::new();
+        let mut parents: Vec<TaskName> = Vec::new();
         for (_, task) in tasks {
             if self.live_of(&task).is_some() {
                 continue;
@@ -411,11 +412,10 @@ impl Coordinator {
                 self.hold(&task, why);
                 continue;
             }
-            // A decomposed parent: its sub-tasks are made, and it ends when they have.
+            // A decomposed parent: its sub-tasks are made, and it ends when they have. Each
+            // parent's lock is its own: they are advanced together with the round's work.
             if state == State::approved(automaton_workflow::Phase::Decomposition) {
-                if let Err(e) = self.advance_parent(&task).await {
-                    self.hold(&task, e.to_string());
-                }
+                parents.push(task);
                 continue;
             }
             // Where the work is: the state itself, or the phase a start or an approved gate
@@ -486,6 +486,14 @@ impl Coordinator {
         // Carried out concurrently: each is a move and a grant with their own disk writes,
         // and the log's group commit syncs concurrent grants together.
         let mut running = tokio::task::JoinSet::new();
+        for parent in parents {
+            let me = self.clone();
+            running.spawn(async move {
+                if let Err(e) = me.advance_parent(&parent).await {
+                    me.hold(&parent, e.to_string());
+                }
+            });
+        }
         let permits = Arc::new(tokio::sync::Semaphore::new(ROUND_CONCURRENCY));
         for p in plans {
             let Ok(permit) = permits.clone().acquire_owned().await else {

@@ -1,7 +1,8 @@
 //! The task writes: `--create-task`, `--transition` (local, and the coordinator's
 //! `transition_owned`), `--approve` (the approvals log first, then `.state`) and `--upgrade`.
-//! Each checks the rules of `automaton-workflow` and writes under the project lock; the
-//! lease files are `lease_files.rs`'s.
+//! Each checks the rules of `automaton-workflow` and writes under the task's writer lock
+//! (creating a top-level task: the whole project's; see `fsx::TaskLock`); the lease files
+//! are `lease_files.rs`'s.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -96,17 +97,24 @@ impl Project {
         state: &str,
         files: &[(&str, &[u8])],
     ) -> Result<PathBuf, Error> {
-        let _lock = match task.parent() {
-            Some(p) => self.lock(&p).map_err(|e| match e {
-                Error::TaskNotFound { task, tasks } => Error::ParentNotFound {
-                    parent: task,
-                    tasks,
-                },
-                e => e,
-            })?,
+        let (_parent_lock, _project_lock) = match task.parent() {
+            // A sub-task lives in its parent's folder: the parent's lock is enough.
+            Some(p) => (
+                Some(self.lock(&p).map_err(|e| match e {
+                    Error::TaskNotFound { task, tasks } => Error::ParentNotFound {
+                        parent: task,
+                        tasks,
+                    },
+                    e => e,
+                })?),
+                None,
+            ),
             None => {
                 fs::create_dir_all(&self.meta).map_err(io_err("create", &self.meta))?;
-                ProjectLock::acquire(&self.meta, &self.tmp_dir())?
+                (
+                    None,
+                    Some(ProjectLock::acquire(&self.meta, &self.tmp_dir())?),
+                )
             }
         };
         if let Some(p) = task.parent() {
@@ -327,7 +335,7 @@ impl Project {
     /// that predate `.state`, from the artifact heuristic; an empty folder becomes `new`.
     pub fn upgrade(&self, only: Option<&TaskName>) -> Result<Vec<Upgraded>, Error> {
         let (_lock, tasks) = match only {
-            Some(t) => (self.lock(t)?, vec![t.clone()]),
+            Some(t) => (self.lock_project(t)?, vec![t.clone()]),
             // Without a tasks folder there is nothing to upgrade, and nothing to lock.
             None if !self.meta.is_dir() => return Ok(Vec::new()),
             None => (

@@ -1,4 +1,4 @@
-//! Durable file primitives: atomic replacement, directory sync, the project lock.
+//! Durable file primitives: atomic replacement, directory sync, the project and task locks.
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -106,10 +106,64 @@ pub(crate) fn read_optional(path: &Path) -> Result<Option<String>, Error> {
 }
 
 /// The project's writer lock: an exclusive fs4 lock (flock) on the `{meta}` directory itself,
-/// held while one command reads, checks and writes. Locking the directory rather than a lock
-/// file means a refused command creates nothing. Dropping it unlocks.
+/// held while a command changes the project's shape (creates tasks, upgrades every task, bumps
+/// the fencing counter). Every task writer holds the same lock shared ([`TaskLock`]), so this
+/// one waits for their writes in flight and keeps new ones out. Locking the directory rather
+/// than a lock file means a refused command creates nothing. Dropping it unlocks.
 pub(crate) struct ProjectLock {
     _dir: File,
+}
+
+/// The writer lock of one task: the project lock shared, then an exclusive flock on the
+/// task's own folder, held while one command reads, checks and writes that task's files.
+/// Writes to different tasks run in parallel, so their syncs overlap; writes to one task,
+/// and any change to the project's shape, still exclude each other. Always taken in that
+/// order (project, task, then — for a parent's `complete` — its sub-tasks shared), so no two
+/// writers wait on each other. Fields drop in order: the task first, then the project.
+pub(crate) struct TaskLock {
+    _task: File,
+    _project: File,
+}
+
+impl TaskLock {
+    /// Locks the task at `task_dir` under the project `meta`. `None`: the folder does not
+    /// exist (nothing was created).
+    pub(crate) fn acquire(meta: &Path, task_dir: &Path) -> Result<Option<TaskLock>, Error> {
+        use std::os::unix::fs::MetadataExt;
+        let project = File::open(meta).map_err(io_err("open", meta))?;
+        fs4::FileExt::lock_shared(&project).map_err(io_err("lock", meta))?;
+        // A folder replaced between the open and the lock would leave this lock on the old
+        // one: lock again until the locked folder is the one at the path.
+        loop {
+            let dir = match File::open(task_dir) {
+                Ok(d) => d,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(io_err("open", task_dir)(e)),
+            };
+            fs4::FileExt::lock(&dir).map_err(io_err("lock", task_dir))?;
+            let held = dir.metadata().map_err(io_err("stat", task_dir))?;
+            match fs::metadata(task_dir) {
+                Ok(now) if now.ino() == held.ino() && now.dev() == held.dev() => {
+                    return Ok(Some(TaskLock {
+                        _task: dir,
+                        _project: project,
+                    }));
+                }
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(io_err("stat", task_dir)(e)),
+            }
+        }
+    }
+}
+
+/// A shared flock on a task's folder, for reading its state while its writers (who hold it
+/// exclusively through their syncs) are kept out: a value read under it is durable. `None`
+/// when the folder cannot be opened.
+pub(crate) fn read_lock(dir: &Path) -> Option<File> {
+    let f = File::open(dir).ok()?;
+    fs4::FileExt::lock_shared(&f).ok()?;
+    Some(f)
 }
 
 impl ProjectLock {

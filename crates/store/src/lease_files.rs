@@ -133,7 +133,8 @@ impl Project {
                 .map_err(|r| Error::from_refusal(task, r, now))?,
             None => bounds.clamp(policy.lock_timeout),
         };
-        let _lock = self.lock(task)?;
+        // The fencing counter is the project's: the whole project is locked.
+        let _lock = self.lock_project(task)?;
         let state = self.claimable(task, agent, &policy)?;
         let dir = self.task_dir(task);
         let lock_path = dir.join(LOCK);

@@ -3,7 +3,8 @@
 //! `.state.implementer` and `.state.holders`, the layered lookup of framework files, and the audit (git2 for unauthorised modifications).
 //!
 //! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
-//! writes the result durably under the project's fs4 lock. It must not know about gRPC or
+//! writes the result durably under fs4 writer locks (one per task; the whole project's for
+//! what changes its shape). It must not know about gRPC or
 //! print anything: callers render what it returns.
 
 mod audit;

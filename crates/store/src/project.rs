@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use automaton_workflow::{AgentId, Phase, TaskName};
 
 use crate::Error;
-use crate::fsx::{ProjectLock, atomic_write};
+use crate::fsx::{ProjectLock, TaskLock, atomic_write};
 
 pub(crate) const STATE: &str = ".state";
 pub(crate) const APPROVALS: &str = ".state.approvals";
@@ -71,9 +71,25 @@ impl Project {
         self.meta.join("tmp")
     }
 
-    /// The writer lock, for a command on an existing `task`. Without a `.automaton/` folder
-    /// no task exists: say so without creating anything.
-    pub(crate) fn lock(&self, task: &TaskName) -> Result<ProjectLock, Error> {
+    /// The writer lock for a command on an existing `task` ([`TaskLock`]): writes to other
+    /// tasks go on in parallel. Without the task's folder (or a `.automaton/` folder) the
+    /// task does not exist: say so without creating anything.
+    pub(crate) fn lock(&self, task: &TaskName) -> Result<TaskLock, Error> {
+        let missing = || Error::TaskNotFound {
+            task: task.clone(),
+            tasks: self.tasks_display(),
+        };
+        if !self.meta.is_dir() {
+            return Err(missing());
+        }
+        TaskLock::acquire(&self.meta, &self.task_dir(task))?.ok_or_else(missing)
+    }
+
+    /// The writer lock of the whole project, for a command that changes its shape or
+    /// something every task shares (creating tasks, the fencing counter, upgrading every
+    /// task): it waits for every task write in flight. Without a `.automaton/` folder no
+    /// task exists: `task` is named as not found, and nothing is created.
+    pub(crate) fn lock_project(&self, task: &TaskName) -> Result<ProjectLock, Error> {
         if !self.meta.is_dir() {
             return Err(Error::TaskNotFound {
                 task: task.clone(),

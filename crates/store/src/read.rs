@@ -207,6 +207,9 @@ impl Project {
         }
         let mut open = Vec::new();
         for sub in self.subtask_names(task)? {
+            // Called under the parent's writer lock: each sub-task's state is read under its
+            // own lock (shared), so a move still being synced by its writer is waited for.
+            let _read = crate::fsx::read_lock(&self.task_dir(&sub));
             let state = match self.tracked_state(&sub) {
                 Ok(s) if s.is_terminal() => continue,
                 Ok(s) => s.to_string(),

@@ -3,6 +3,7 @@
 //! and the artifact the worker uploads, written atomically.
 
 use std::fs;
+use std::path::Path;
 
 use automaton_workflow::{Artifact, Phase, TaskName};
 
@@ -21,7 +22,8 @@ const MAX_FRAMEWORK_BYTES: u64 = 16 << 20;
 pub type NewSubtask<'a> = (TaskName, Vec<(&'a str, Vec<u8>)>);
 
 /// A sub-task folder written in the staging area, with its files, not yet in place.
-type Staged = (TaskName, std::path::PathBuf, Vec<std::path::PathBuf>);
+/// A sub-task being created: its name, its folder in `.automaton/tmp/`, its own files.
+type Staged<'a> = (TaskName, std::path::PathBuf, &'a [(&'a str, Vec<u8>)]);
 
 /// One input file of an assignment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,29 +124,42 @@ impl Project {
 
     /// Creates the sub-tasks of `parent` that do not exist yet, each with `.state` = `new`,
     /// an empty `.state.approvals` and its own files ([`SUBTASK_FILES`]), under one hold of
-    /// the parent's lock. Each folder appears whole or not at all, as with `create_task`; the
-    /// files of all of them are synced in parallel before any is renamed into place, so a
-    /// decomposition of 200 sub-tasks costs one round of syncs, not 200. Returns the ones
-    /// created (an existing sub-task is left alone).
+    /// the parent's lock. Each folder appears whole or not at all, as with `create_task`: it is
+    /// built and synced in `.automaton/tmp/`, then renamed into place. The folders are built
+    /// in parallel and every one is synced before any is renamed, so a decomposition of 200
+    /// sub-tasks costs one round of syncs, not 200. Returns the ones created (an existing
+    /// sub-task is left alone).
     pub fn create_subtasks(
         &self,
         parent: &TaskName,
         subs: &[NewSubtask<'_>],
     ) -> Result<Vec<TaskName>, Error> {
         use crate::fsx::{sync_dir, temp_name};
-        let _lock = self.lock(parent)?;
+        // The sub-tasks live in the parent's folder: the parent's lock keeps out a second
+        // creation and the parent's own moves (its `complete` reads them), and other
+        // parents' sub-tasks are created meanwhile.
+        let _lock = self.lock(parent).map_err(|e| match e {
+            Error::TaskNotFound { task, tasks } => Error::ParentNotFound {
+                parent: task,
+                tasks,
+            },
+            e => e,
+        })?;
+        // Everything checked before anything is written.
         let mut staged: Vec<Staged> = Vec::new();
-        let cleanup = |staged: &[Staged]| {
-            for (_, dir, _) in staged {
-                let _ = fs::remove_dir_all(dir);
-            }
-        };
         for (sub, files) in subs {
             if sub.parent().as_ref() != Some(parent) {
-                cleanup(&staged);
                 return Err(Error::ParentNotFound {
                     parent: parent.clone(),
                     tasks: self.tasks_display(),
+                });
+            }
+            if let Some((name, _)) = files
+                .iter()
+                .find(|(n, _)| !n.starts_with('.') && !SUBTASK_FILES.contains(n))
+            {
+                return Err(Error::NotAnArtifact {
+                    name: name.to_string(),
                 });
             }
             if self.task_dir(sub).exists() {
@@ -153,77 +168,72 @@ impl Project {
             let staging = self
                 .tmp_dir()
                 .join(temp_name(&format!("create-{}", sub.leaf())));
-            let mut paths = Vec::new();
-            let write = (|| {
-                fs::create_dir_all(&staging).map_err(io_err("create", &staging))?;
-                let own = [
-                    (crate::project::STATE, &b"new\n"[..]),
-                    (crate::project::APPROVALS, &b""[..]),
-                ];
-                for (name, content) in own
-                    .into_iter()
-                    .chain(files.iter().map(|(n, c)| (*n, c.as_slice())))
-                {
-                    if !name.starts_with('.') && !SUBTASK_FILES.contains(&name) {
-                        return Err(Error::NotAnArtifact {
-                            name: name.to_string(),
-                        });
-                    }
-                    let path = staging.join(name);
-                    fs::write(&path, content).map_err(io_err("write", &path))?;
-                    paths.push(path);
-                }
-                Ok(())
-            })();
-            staged.push((sub.clone(), staging, paths));
-            if let Err(e) = write {
-                cleanup(&staged);
-                return Err(e);
-            }
+            staged.push((sub.clone(), staging, files.as_slice()));
         }
         if staged.is_empty() {
             return Ok(Vec::new());
         }
-        // Every file and staging folder synced, in parallel, before anything is renamed.
-        let jobs: Vec<&std::path::Path> = staged
-            .iter()
-            .flat_map(|(_, dir, files)| files.iter().map(|f| f.as_path()).chain([dir.as_path()]))
-            .collect();
-        let threads = 16.min(jobs.len()).max(1);
-        let synced: Result<(), Error> = std::thread::scope(|scope| {
-            let chunk = jobs.len().div_ceil(threads);
-            let handles: Vec<_> = jobs
+        let cleanup = |staged: &[Staged]| {
+            for (_, dir, _) in staged {
+                let _ = fs::remove_dir_all(dir);
+            }
+        };
+        // One folder: its files written and synced, then the folder itself.
+        let build = |staging: &Path, files: &[(&str, Vec<u8>)]| -> Result<(), Error> {
+            fs::create_dir_all(staging).map_err(io_err("create", staging))?;
+            let own = [
+                (crate::project::STATE, &b"new\n"[..]),
+                (crate::project::APPROVALS, &b""[..]),
+            ];
+            for (name, content) in own
+                .into_iter()
+                .chain(files.iter().map(|(n, c)| (*n, c.as_slice())))
+            {
+                let path = staging.join(name);
+                let mut f = fs::File::create(&path).map_err(io_err("create", &path))?;
+                std::io::Write::write_all(&mut f, content).map_err(io_err("write", &path))?;
+                f.sync_all().map_err(io_err("sync", &path))?;
+            }
+            sync_dir(staging)
+        };
+        let threads = 16.min(staged.len());
+        let chunk = staged.len().div_ceil(threads);
+        let built: Result<(), Error> = std::thread::scope(|scope| {
+            let handles: Vec<_> = staged
                 .chunks(chunk)
                 .map(|part| {
                     scope.spawn(move || {
-                        for p in part {
-                            let f = fs::File::open(p).map_err(io_err("open", p))?;
-                            f.sync_all().map_err(io_err("sync", p))?;
+                        for (_, staging, files) in part {
+                            build(staging, files)?;
                         }
                         Ok::<(), Error>(())
                     })
                 })
                 .collect();
+            let mut out = Ok(());
             for h in handles {
-                match h.join() {
-                    Ok(r) => r?,
-                    Err(_) => {
-                        return Err(Error::Io {
-                            action: "sync",
-                            path: self.tmp_dir(),
-                            source: std::io::Error::other("a sync thread panicked"),
-                        });
-                    }
+                let r = h.join().unwrap_or_else(|_| {
+                    Err(Error::Io {
+                        action: "create",
+                        path: self.tmp_dir(),
+                        source: std::io::Error::other("a sub-task folder's writer panicked"),
+                    })
+                });
+                if out.is_ok() {
+                    out = r;
                 }
             }
-            Ok(())
+            out
         });
-        if let Err(e) = synced {
+        if let Err(e) = built {
             cleanup(&staged);
             return Err(e);
         }
         let subtasks = self.task_dir(parent).join(crate::project::SUBTASKS);
-        fs::create_dir_all(&subtasks).map_err(io_err("create", &subtasks))?;
+        if let Err(e) = fs::create_dir_all(&subtasks) {
+            cleanup(&staged);
+            return Err(io_err("create", &subtasks)(e));
+        }
         let mut created = Vec::new();
         for (i, (sub, staging, _)) in staged.iter().enumerate() {
             let dir = self.task_dir(sub);

@@ -1,0 +1,194 @@
+//! The store's writer locks, across real processes. Every writer of a task holds the
+//! project's lock (`.automaton/`) shared and the task's folder exclusively through its syncs;
+//! a command that changes the project's shape holds the project's lock exclusively; a
+//! parent's `complete` reads each sub-task under its lock. The test process plays the other
+//! writer by taking the same flocks, and watches the command wait in the kernel's lock wait.
+
+use std::fs::File;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::harness::{Env, TO_REFEREE};
+
+/// A lock the test holds, as a writer in flight would.
+fn hold(path: &Path, shared: bool) -> File {
+    let f = File::open(path).expect("open for locking");
+    if shared {
+        fs4::FileExt::lock_shared(&f).expect("lock shared");
+    } else {
+        fs4::FileExt::lock(&f).expect("lock");
+    }
+    f
+}
+
+fn spawn(env: &Env, args: &[&str]) -> Child {
+    env.command(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn automaton")
+}
+
+/// Waits until `child` sleeps in the kernel's file-lock wait (`/proc/PID/wchan`), proving it
+/// waits for the lock the test holds. Panics when it exits first. Where wchan cannot be
+/// read, being alive after a second is taken as waiting.
+fn waits_for_a_lock(child: &mut Child, what: &str) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            panic!("{what}: finished ({status}) instead of waiting for the lock");
+        }
+        match std::fs::read_to_string(format!("/proc/{}/wchan", child.id())) {
+            Ok(w) if w.contains("lock") => return,
+            Ok(w) if (w.is_empty() || w == "0") && start.elapsed() > Duration::from_secs(1) => {
+                return;
+            }
+            _ => {}
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{what}: never waited for the lock"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits for `child` to end and asserts it succeeded.
+fn succeeds(mut child: Child, what: &str) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                std::io::Read::read_to_string(&mut e, &mut err).ok();
+            }
+            assert!(status.success(), "{what}: {status}: {err}");
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{what}: still running after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn two_tasks_in_research() -> Env {
+    let env = Env::new();
+    for t in ["a", "b"] {
+        env.drive(t, &["research"]);
+        env.artifact(t, "SPEC.md", "content\n");
+    }
+    env
+}
+
+#[test]
+fn lock_writes_to_one_task_do_not_wait_for_a_write_to_another() {
+    let env = two_tasks_in_research();
+    let meta = env.root().join(".automaton");
+    // A writer of `a` in flight, between its write and its last sync.
+    let project = hold(&meta, true);
+    let a = hold(&env.task_dir("a"), false);
+    // `b` moves on meanwhile.
+    succeeds(
+        spawn(
+            &env,
+            &["--task", "b", "--transition", "research:awaiting_approval"],
+        ),
+        "a move of b while a is being written",
+    );
+    assert_eq!(env.state("b"), "research:awaiting_approval");
+    // `a` waits for its writer, then moves.
+    let mut child = spawn(
+        &env,
+        &["--task", "a", "--transition", "research:awaiting_approval"],
+    );
+    waits_for_a_lock(&mut child, "a move of a while a is being written");
+    assert_eq!(env.state("a"), "research", "nothing written while it waits");
+    drop(a);
+    drop(project);
+    succeeds(child, "a move of a once its writer is done");
+    assert_eq!(env.state("a"), "research:awaiting_approval");
+}
+
+#[test]
+fn lock_creating_a_task_waits_for_task_writes_in_flight_and_they_wait_for_it() {
+    let env = two_tasks_in_research();
+    let meta = env.root().join(".automaton");
+    // A writer of `a` in flight: a new task waits until it is done.
+    let project = hold(&meta, true);
+    let a = hold(&env.task_dir("a"), false);
+    let mut create = spawn(&env, &["--create-task", "c"]);
+    waits_for_a_lock(&mut create, "a create while a task is being written");
+    assert!(
+        !env.task_dir("c").exists(),
+        "nothing created while it waits"
+    );
+    drop(a);
+    drop(project);
+    succeeds(create, "the create once the write is done");
+    assert_eq!(env.state("c"), "new");
+    // A change of the project's shape in flight: task writes wait for it.
+    let whole = hold(&meta, false);
+    let mut moved = spawn(
+        &env,
+        &["--task", "b", "--transition", "research:awaiting_approval"],
+    );
+    waits_for_a_lock(&mut moved, "a move while the project is locked whole");
+    drop(whole);
+    succeeds(moved, "the move once the project is unlocked");
+    assert_eq!(env.state("b"), "research:awaiting_approval");
+}
+
+#[test]
+fn lock_a_subtask_is_created_under_its_parents_lock_alone() {
+    let env = two_tasks_in_research();
+    let meta = env.root().join(".automaton");
+    let project = hold(&meta, true);
+    let a = hold(&env.task_dir("a"), false);
+    // Another parent's sub-task is created meanwhile …
+    succeeds(
+        spawn(&env, &["--create-task", "b/sub"]),
+        "a sub-task of b while a is being written",
+    );
+    assert_eq!(env.state("b/sub"), "new");
+    // … and one of `a` waits for a's writer.
+    let mut child = spawn(&env, &["--create-task", "a/sub"]);
+    waits_for_a_lock(&mut child, "a sub-task of a while a is being written");
+    assert!(!env.task_dir("a/sub").exists());
+    drop(a);
+    drop(project);
+    succeeds(child, "a sub-task of a once its writer is done");
+    assert_eq!(env.state("a/sub"), "new");
+}
+
+#[test]
+fn lock_a_parent_completes_only_after_reading_each_subtask_under_its_lock() {
+    let env = Env::new();
+    env.drive(
+        "parent",
+        &[
+            "research",
+            "research:awaiting_approval",
+            "research:approved",
+            "decomposition",
+            "decomposition:awaiting_approval",
+            "decomposition:approved",
+        ],
+    );
+    env.drive("parent/sub-a", TO_REFEREE);
+    env.drive("parent/sub-a", &["complete"]);
+    // The sub-task's writer is still syncing its move to `complete`: the parent's move,
+    // which depends on it, waits until that move is durable.
+    let sub = hold(&env.task_dir("parent/sub-a"), false);
+    let mut child = spawn(&env, &["--task", "parent", "--transition", "complete"]);
+    waits_for_a_lock(
+        &mut child,
+        "the parent's complete while its sub-task is written",
+    );
+    assert_eq!(env.state("parent"), "decomposition:approved");
+    drop(sub);
+    succeeds(child, "the parent's complete once the sub-task is written");
+    assert_eq!(env.state("parent"), "complete");
+}
