@@ -192,3 +192,31 @@ fn lock_a_parent_completes_only_after_reading_each_subtask_under_its_lock() {
     succeeds(child, "the parent's complete once the sub-task is written");
     assert_eq!(env.state("parent"), "complete");
 }
+
+#[test]
+fn lock_a_killed_writers_leftovers_are_swept_by_the_next_command_that_writes() {
+    let env = two_tasks_in_research();
+    let tmp = env.root().join(".automaton/tmp");
+    // A writer killed mid-write (a pid that cannot exist) left a file and a sub-task folder
+    // being built; a live process (pid 1) has work in progress.
+    let dead_file = tmp.join("4194303999.7..state.tmp");
+    let dead_dir = tmp.join("4194303999.8.create-sub.tmp");
+    let live = tmp.join("1.9..state.tmp");
+    std::fs::create_dir_all(&dead_dir).expect("mkdir");
+    std::fs::write(dead_dir.join(".state"), "new\n").expect("write");
+    std::fs::write(&dead_file, "research\n").expect("write");
+    std::fs::write(&live, "research\n").expect("write");
+    succeeds(
+        spawn(
+            &env,
+            &["--task", "a", "--transition", "research:awaiting_approval"],
+        ),
+        "a task move",
+    );
+    assert!(
+        !dead_file.exists(),
+        "a dead writer's temporary file is swept"
+    );
+    assert!(!dead_dir.exists(), "a dead writer's folder is swept");
+    assert!(live.exists(), "a live writer's work is left alone");
+}

@@ -128,10 +128,15 @@ pub(crate) struct TaskLock {
 impl TaskLock {
     /// Locks the task at `task_dir` under the project `meta`. `None`: the folder does not
     /// exist (nothing was created).
-    pub(crate) fn acquire(meta: &Path, task_dir: &Path) -> Result<Option<TaskLock>, Error> {
+    pub(crate) fn acquire(
+        meta: &Path,
+        tmp_dir: &Path,
+        task_dir: &Path,
+    ) -> Result<Option<TaskLock>, Error> {
         use std::os::unix::fs::MetadataExt;
         let project = File::open(meta).map_err(io_err("open", meta))?;
         fs4::FileExt::lock_shared(&project).map_err(io_err("lock", meta))?;
+        sweep_once(tmp_dir);
         // A folder replaced between the open and the lock would leave this lock on the old
         // one: lock again until the locked folder is the one at the path.
         loop {
@@ -172,24 +177,43 @@ impl ProjectLock {
         let dir = File::open(meta).map_err(io_err("open", meta))?;
         // std::fs::File has an inherent `lock` since Rust 1.89; call fs4's explicitly.
         fs4::FileExt::lock(&dir).map_err(io_err("lock", meta))?;
-        // A writer that died between creating a temporary file and renaming it left it
-        // behind. Only dead processes' leftovers are removed: a coordinator writes some files
-        // (lease views) without this lock, and its work in progress must survive.
-        if let Ok(entries) = fs::read_dir(tmp_dir) {
-            for e in entries.flatten() {
-                if !left_by_dead_process(&e.file_name().to_string_lossy()) {
-                    continue;
-                }
-                let p = e.path();
-                let _ = if p.is_dir() {
-                    fs::remove_dir_all(&p)
-                } else {
-                    fs::remove_file(&p)
-                };
-            }
-        }
+        sweep_temporaries(tmp_dir);
         Ok(ProjectLock { _dir: dir })
     }
+}
+
+/// Removes what writers that died left in `tmp_dir` (a temporary file or a sub-task folder
+/// being built, never renamed into place). Only dead processes' leftovers are removed: other
+/// writers and a coordinator's lease views work there at the same time, and their work in
+/// progress must survive.
+fn sweep_temporaries(tmp_dir: &Path) {
+    if let Ok(entries) = fs::read_dir(tmp_dir) {
+        for e in entries.flatten() {
+            if !left_by_dead_process(&e.file_name().to_string_lossy()) {
+                continue;
+            }
+            let p = e.path();
+            let _ = if p.is_dir() {
+                fs::remove_dir_all(&p)
+            } else {
+                fs::remove_file(&p)
+            };
+        }
+    }
+}
+
+/// Sweeps `tmp_dir` the first time this process locks anything in it: a command run from a
+/// shell cleans up after a killed one as before, and a coordinator after its killed
+/// predecessor, without every task write listing the folder.
+fn sweep_once(tmp_dir: &Path) {
+    static SWEPT: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    let mut swept = SWEPT.lock().unwrap_or_else(|p| p.into_inner());
+    if swept.iter().any(|p| p == tmp_dir) {
+        return;
+    }
+    swept.push(tmp_dir.to_path_buf());
+    drop(swept);
+    sweep_temporaries(tmp_dir);
 }
 
 /// Lists a directory's entry names (sorted), or nothing when it does not exist.

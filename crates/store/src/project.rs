@@ -82,7 +82,7 @@ impl Project {
         if !self.meta.is_dir() {
             return Err(missing());
         }
-        TaskLock::acquire(&self.meta, &self.task_dir(task))?.ok_or_else(missing)
+        TaskLock::acquire(&self.meta, &self.tmp_dir(), &self.task_dir(task))?.ok_or_else(missing)
     }
 
     /// The writer lock of the whole project, for a command that changes its shape or
