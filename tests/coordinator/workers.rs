@@ -575,6 +575,130 @@ async fn wrong_or_missing_worker_token_is_unauthenticated_and_claiming_as_anothe
     );
 }
 
+/// A worker pool: `pool-` names, one secret.
+const POOL_SECRET: &str = "pool-secret-0123456789abcdef0123456789";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_workers_join_with_tokens_minted_from_the_pool_secret_bound_to_their_names() {
+    use automaton_workflow::pool_token;
+    let env = Env::with_config(&format!(
+        "{TOKENS_TOML}\n[[worker_pools]]\nprefix = \"pool-\"\nsecret = \"{POOL_SECRET}\"\n"
+    ));
+    let coord = Coord::start(&env, &fleet_args());
+    let secret_file = env.root().join("pool.secret");
+    std::fs::write(&secret_file, format!("{POOL_SECRET}\n")).expect("secret file");
+    let secret_arg = secret_file.to_str().expect("utf-8 path");
+    // The real worker mints its token from the file and joins under its name.
+    let w = Worker::start(
+        &coord.url,
+        &["--name", "pool-a", "--pool-secret-file", secret_arg],
+        &[],
+    );
+    let ops = coord.api_as(OPERATOR_TOKEN).await;
+    assert!(
+        worker_named(&ops, "pool-a").await.is_some(),
+        "pool-a is listed"
+    );
+    // Bound to its name like a listed token: it claims as itself, in its session only.
+    let mut as_a = coord
+        .api_as(&pool_token::mint(POOL_SECRET.as_bytes(), "pool-a"))
+        .await;
+    let mut ops_api = coord.api_as(OPERATOR_TOKEN).await;
+    ops_api.claimable_task("t").await;
+    expect_err(
+        as_a.claim("t", "pool-b", 60_000).await,
+        Code::PermissionDenied,
+        "may act only as itself",
+        Some("refused"),
+    );
+    let l = as_a.claim("t", "", 60_000).await.expect("claims as itself");
+    assert_eq!(l.agent, "pool-a");
+    assert!(!l.session_id.is_empty(), "in its session");
+    // Refused: a name outside the prefix (MAC right), another secret, a changed MAC, a MAC
+    // for another name, the bare prefix.
+    let good = pool_token::mint(POOL_SECRET.as_bytes(), "pool-a");
+    let (_, mac) = pool_token::split(&good).expect("shape");
+    let flipped = format!(
+        "pool:pool-a:{}{}",
+        if mac.starts_with('0') { "1" } else { "0" },
+        &mac[1..]
+    );
+    for (why, token) in [
+        (
+            "outside the prefix",
+            pool_token::mint(POOL_SECRET.as_bytes(), "gpu-a"),
+        ),
+        (
+            "another secret",
+            pool_token::mint(b"another-secret-0123456789abcdef0123", "pool-a"),
+        ),
+        ("a changed MAC", flipped),
+        ("another name's MAC", format!("pool:pool-b:{mac}")),
+        (
+            "the bare prefix",
+            pool_token::mint(POOL_SECRET.as_bytes(), "pool-"),
+        ),
+    ] {
+        let mut api = coord.api_as(&token).await;
+        let s = expect_err(
+            api.claim("t", "", 60_000).await,
+            Code::Unauthenticated,
+            "pool token refused",
+            None,
+        );
+        assert!(!s.message().contains(POOL_SECRET), "{why}: {s:?}");
+    }
+    // A worker given a secret the coordinator does not know stops with the reason.
+    let wrong = env.root().join("wrong.secret");
+    std::fs::write(&wrong, "another-secret-0123456789abcdef0123").expect("write");
+    let mut bad = Worker::spawn(
+        &coord.url,
+        &[
+            "--name",
+            "pool-b",
+            "--pool-secret-file",
+            wrong.to_str().expect("utf-8"),
+        ],
+        &[],
+    );
+    assert_eq!(
+        bad.exit(Duration::from_secs(10)).code(),
+        Some(2),
+        "{}",
+        bad.stderr()
+    );
+    assert!(
+        bad.stderr().contains("pool token refused"),
+        "{}",
+        bad.stderr()
+    );
+    // A short secret file is refused before anything is sent.
+    let short = env.root().join("short.secret");
+    std::fs::write(&short, "too-short").expect("write");
+    let mut bad = Worker::spawn(
+        &coord.url,
+        &[
+            "--name",
+            "pool-b",
+            "--pool-secret-file",
+            short.to_str().expect("utf-8"),
+        ],
+        &[],
+    );
+    assert_eq!(
+        bad.exit(Duration::from_secs(10)).code(),
+        Some(2),
+        "{}",
+        bad.stderr()
+    );
+    assert!(
+        bad.stderr().contains("shorter than 32 bytes"),
+        "{}",
+        bad.stderr()
+    );
+    drop(w);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_session_under_one_name_is_refused_with_the_first_host_and_age_unless_replace() {
     let env = Env::new();

@@ -38,6 +38,29 @@ pub struct Token {
     pub token: String,
 }
 
+/// A pool of workers that join with tokens minted from one secret
+/// (`automaton_workflow::pool_token`), instead of one listed token each: a worker whose name
+/// starts with `prefix` presents `pool:{name}:{mac}` and is then bound to that name exactly as
+/// a listed worker token is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerPool {
+    /// The names the pool admits: this prefix and at least one more character (the whole name
+    /// an agent id). Keep it apart from listed workers' names: a pool member can mint a token
+    /// for any name the prefix admits.
+    pub prefix: String,
+    /// At least 32 bytes (surrounding whitespace is not part of it); workers mint their tokens
+    /// from the same secret (`automaton-worker --pool-secret-file`).
+    pub secret: String,
+}
+
+impl WorkerPool {
+    /// Whether `name` is one of this pool's.
+    pub fn admits(&self, name: &str) -> bool {
+        name.len() > self.prefix.len() && name.starts_with(&self.prefix)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tls {
@@ -103,6 +126,9 @@ pub struct Config {
     pub max_total_time: Duration,
     pub tls: Option<Tls>,
     pub tokens: Vec<Token>,
+    /// Worker pools: workers that join with tokens minted from a pool's secret.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub worker_pools: Vec<WorkerPool>,
 }
 
 impl Default for Config {
@@ -130,6 +156,7 @@ impl Default for Config {
             max_total_time: Duration::from_secs(24 * 3600),
             tls: None,
             tokens: Vec::new(),
+            worker_pools: Vec::new(),
         }
     }
 }
@@ -356,7 +383,7 @@ impl Config {
 
     /// Refuses a configuration that would be unsafe or cannot work, before anything binds.
     pub fn validate(&self) -> Result<(), Error> {
-        if self.tokens.is_empty() && !self.listen.ip().is_loopback() && !self.insecure {
+        if !self.authenticates() && !self.listen.ip().is_loopback() && !self.insecure {
             return Err(Error::Config(format!(
                 "refusing to listen on {} without authentication: configure [[tokens]] (or AUTOMATON_OPERATOR_TOKEN / AUTOMATON_AGENT_TOKEN), listen on 127.0.0.1, or pass --insecure",
                 self.listen
@@ -386,6 +413,33 @@ impl Config {
                 return Err(Error::Config(format!(
                     "token of '{}' is shorter than 16 characters: use a long random secret",
                     t.name
+                )));
+            }
+            if t.token.starts_with(automaton_workflow::pool_token::PREFIX) {
+                return Err(Error::Config(format!(
+                    "token of '{}' starts with '{}', which marks pool tokens: use another secret",
+                    t.name,
+                    automaton_workflow::pool_token::PREFIX
+                )));
+            }
+        }
+        for p in &self.worker_pools {
+            let stem_ok = p.prefix.len() < 64
+                && (p.prefix.is_empty()
+                    || format!("{}x", p.prefix)
+                        .parse::<automaton_workflow::AgentId>()
+                        .is_ok());
+            if !stem_ok {
+                return Err(Error::Config(format!(
+                    "worker pool prefix '{}' cannot begin an agent id: use lowercase letters, digits, dashes and dots, starting with a letter or digit",
+                    automaton_workflow::excerpt(&p.prefix)
+                )));
+            }
+            if p.secret.trim().len() < automaton_workflow::pool_token::MIN_SECRET_BYTES {
+                return Err(Error::Config(format!(
+                    "worker pool '{}' has a secret shorter than {} bytes: use a long random secret (e.g. openssl rand -hex 32)",
+                    p.prefix,
+                    automaton_workflow::pool_token::MIN_SECRET_BYTES
                 )));
             }
         }
@@ -487,11 +541,19 @@ impl Config {
         }
     }
 
-    /// The effective configuration as TOML, tokens masked.
+    /// Whether requests need a token: some token or worker pool is configured.
+    pub fn authenticates(&self) -> bool {
+        !self.tokens.is_empty() || !self.worker_pools.is_empty()
+    }
+
+    /// The effective configuration as TOML, tokens and pool secrets masked.
     pub fn to_toml(&self) -> String {
         let mut shown = self.clone();
         for t in &mut shown.tokens {
             t.token = "********".into();
+        }
+        for p in &mut shown.worker_pools {
+            p.secret = "********".into();
         }
         toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
@@ -503,7 +565,7 @@ impl Config {
         } else {
             ", plaintext"
         };
-        if self.tokens.is_empty() {
+        if !self.authenticates() {
             if self.listen.ip().is_loopback() {
                 format!("loopback only, no authentication{tls}")
             } else {
@@ -511,8 +573,13 @@ impl Config {
             }
         } else {
             let count = |r: Role| self.tokens.iter().filter(|t| t.role == r).count();
+            let pools = match self.worker_pools.len() {
+                0 => String::new(),
+                1 => ", 1 worker pool".to_string(),
+                n => format!(", {n} worker pools"),
+            };
             format!(
-                "bearer tokens ({} operator, {} agent, {} worker){tls}",
+                "bearer tokens ({} operator, {} agent, {} worker{pools}){tls}",
                 count(Role::Operator),
                 count(Role::Agent),
                 count(Role::Worker)
@@ -603,6 +670,52 @@ mod tests {
         };
         let e = cfg.validate().expect_err("same port");
         assert!(e.to_string().contains("another port"), "{e}");
+    }
+
+    #[test]
+    fn worker_pools_are_checked_masked_and_count_as_authentication() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pool = |prefix: &str, secret: &str| WorkerPool {
+            prefix: prefix.into(),
+            secret: secret.into(),
+        };
+        let long = "s".repeat(32);
+        let mut cfg = Config {
+            project: dir.path().to_path_buf(),
+            listen: "0.0.0.0:7070".parse().expect("addr"),
+            worker_pools: vec![pool("gpu-", &long)],
+            ..Config::default()
+        };
+        // A pool alone is authentication: a public address is allowed.
+        cfg.validate().expect("a pool authenticates");
+        assert!(cfg.mode().contains("1 worker pool"), "{}", cfg.mode());
+        let printed = cfg.to_toml();
+        assert!(!printed.contains(&long), "the secret is masked: {printed}");
+        for (bad, why) in [
+            (
+                pool("gpu-", &format!("  {}  ", "s".repeat(31))),
+                "shorter than 32",
+            ),
+            (pool("-gpu", &long), "cannot begin an agent id"),
+            (pool("GPU/", &long), "cannot begin an agent id"),
+        ] {
+            cfg.worker_pools = vec![bad];
+            let e = cfg.validate().expect_err(why).to_string();
+            assert!(e.contains(why), "{e}");
+        }
+        // The empty prefix admits every agent id.
+        cfg.worker_pools = vec![pool("", &long)];
+        cfg.validate().expect("an empty prefix");
+        assert!(cfg.worker_pools[0].admits("a") && !cfg.worker_pools[0].admits(""));
+        assert!(pool("gpu-", &long).admits("gpu-1") && !pool("gpu-", &long).admits("gpu-"));
+        // A listed token may not look like a pool token.
+        cfg.tokens = vec![Token {
+            name: "ops".into(),
+            role: Role::Operator,
+            token: "pool:0123456789abcdef".into(),
+        }];
+        let e = cfg.validate().expect_err("pool-shaped").to_string();
+        assert!(e.contains("marks pool tokens"), "{e}");
     }
 
     #[test]

@@ -256,7 +256,7 @@ pub async fn serve(
         // A traced caller's requests join its trace (outermost: refusals are recorded too).
         .layer(layers::Trace)
         .layer(layers::Gate::new(
-            auth::Callers::new(&cfg.tokens),
+            auth::Callers::new(&cfg.tokens, &cfg.worker_pools),
             cfg.rpc_timeout,
         ))
         .add_service(health_svc)

@@ -1,6 +1,7 @@
 //! `automaton-worker`: `probe` reports what this machine can hold; without a subcommand the
 //! worker joins the coordinator's fleet and holds its session.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -29,6 +30,11 @@ struct Cli {
     /// The worker token (also AUTOMATON_TOKEN): `role = "worker"` in the coordinator's config.
     #[arg(long, value_name = "TOKEN")]
     token: Option<String>,
+    /// Join a worker pool instead (also AUTOMATON_POOL_SECRET_FILE): the file holds the
+    /// secret of one of the coordinator's `[[worker_pools]]`, and the worker mints its token
+    /// for its --name (which the pool's prefix must admit).
+    #[arg(long, value_name = "PATH", conflicts_with = "token")]
+    pool_secret_file: Option<PathBuf>,
     /// How many leases this worker works on at once.
     #[arg(long, default_value_t = 1)]
     capacity: u32,
@@ -137,6 +143,31 @@ fn join(cli: Cli) -> anyhow::Result<()> {
     result
 }
 
+/// A worker pool's secret from `path`, without surrounding whitespace (as the coordinator
+/// reads its copy).
+fn read_pool_secret(path: &Path) -> anyhow::Result<String> {
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("cannot read the pool secret {}", path.display()))?;
+    if meta.len() > 4096 {
+        anyhow::bail!(
+            "{} is {} bytes: a pool secret file holds one secret (at most 4096 bytes)",
+            path.display(),
+            meta.len()
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the pool secret {}", path.display()))?;
+    let secret = text.trim();
+    if secret.len() < automaton_workflow::pool_token::MIN_SECRET_BYTES {
+        anyhow::bail!(
+            "the pool secret in {} is shorter than {} bytes: use the secret of the coordinator's [[worker_pools]] entry",
+            path.display(),
+            automaton_workflow::pool_token::MIN_SECRET_BYTES
+        );
+    }
+    Ok(secret.to_string())
+}
+
 fn serve(cli: Cli) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let coordinator = match cli.coordinator.or_else(|| env("AUTOMATON_COORDINATOR")) {
@@ -164,7 +195,17 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
             .collect(),
         probe.budget.max_peak_context_kb,
     );
-    let token = cli.token.or_else(|| env("AUTOMATON_TOKEN"));
+    let pool_secret = match cli
+        .pool_secret_file
+        .or_else(|| env("AUTOMATON_POOL_SECRET_FILE").map(PathBuf::from))
+    {
+        Some(path) => Some(read_pool_secret(&path)?),
+        None => None,
+    };
+    let mut token = match pool_secret {
+        Some(_) => None,
+        None => cli.token.or_else(|| env("AUTOMATON_TOKEN")),
+    };
     // With a token the coordinator knows the name (the token's); without, the host's.
     let name = match (cli.name, &token) {
         (Some(n), _) => n,
@@ -175,6 +216,12 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
         anyhow::bail!(
             "--name '{name}' is not a worker name: use lowercase letters, digits and dashes"
         );
+    }
+    if let Some(secret) = pool_secret {
+        token = Some(automaton_workflow::pool_token::mint(
+            secret.as_bytes(),
+            &name,
+        ));
     }
     let opts = session::Options {
         coordinator,

@@ -1,7 +1,7 @@
 //! The task lifecycle of automaton: phases and their approval sub-states, the legal
 //! transitions between them, each phase's required artifact and the artifacts it forbids,
-//! the referee's verdict, task names, the policy read from `.agent.md`, and the lease rules
-//! every lease store applies.
+//! the referee's verdict, task names, the policy read from `.agent.md`, the lease rules
+//! every lease store applies, and the pool tokens that bind a worker to its name.
 //!
 //! Everything here is a pure function over values. This crate must not touch the disk, the
 //! clock or the network; `automaton-store` reads the files and hands the facts in.
@@ -17,6 +17,7 @@ pub mod lease;
 mod names;
 mod phase;
 mod policy;
+pub mod pool_token;
 pub mod progress;
 mod rules;
 mod subtasks;
