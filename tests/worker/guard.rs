@@ -182,9 +182,28 @@ fn pids(file: &Path) -> Vec<i32> {
         .collect()
 }
 
+/// A worker process, SIGKILLed on drop (a failing test leaves nothing running).
+struct Worker(Child);
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// SIGKILLs `pids`: what a failing test must not leave running.
+fn kill_all(pids: &[i32]) {
+    for p in pids {
+        let _ = Command::new("kill")
+            .args(["-KILL", &p.to_string()])
+            .status();
+    }
+}
+
 /// A worker with `agent` as its agent command, talking to `coordinator`; its stderr goes to
 /// `dir/worker.log`.
-fn start_worker(coordinator: &str, agent: &str, dir: &Path) -> Child {
+fn start_worker(coordinator: &str, agent: &str, dir: &Path) -> Worker {
     let log = std::fs::File::create(dir.join("worker.log")).unwrap();
     Command::new(env!("CARGO_BIN_EXE_automaton-worker"))
         .args(["--coordinator", coordinator, "--name", "gpu-a"])
@@ -202,6 +221,7 @@ fn start_worker(coordinator: &str, agent: &str, dir: &Path) -> Child {
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
+        .map(Worker)
         .unwrap()
 }
 
@@ -229,6 +249,9 @@ async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() 
         if p.len() == 4 {
             break p;
         }
+        if Instant::now() >= deadline {
+            kill_all(&p);
+        }
         assert!(
             Instant::now() < deadline,
             "the agent did not start: {p:?}; worker:\n{}",
@@ -242,17 +265,22 @@ async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() 
             "{p} of {started:?} is not running before the kill"
         );
     }
-    let guard = std::fs::read_to_string(format!("/proc/{}/cmdline", started[2])).unwrap();
-    assert!(guard.contains("agent-guard"), "the agent's parent: {guard}");
+    let guard =
+        std::fs::read_to_string(format!("/proc/{}/cmdline", started[2])).unwrap_or_default();
+    if !guard.contains("agent-guard") {
+        kill_all(&started);
+        panic!("the agent's parent is not its guard: {guard}");
+    }
     // A SIGKILL: the worker runs no handler, stops nothing itself.
-    worker.kill().unwrap();
-    worker.wait().unwrap();
+    worker.0.kill().unwrap();
+    worker.0.wait().unwrap();
     let killed = Instant::now();
     // The grace (300 ms) and a margin.
     while started.iter().any(|&p| alive(p)) && killed.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let left: Vec<i32> = started.iter().copied().filter(|&p| alive(p)).collect();
+    kill_all(&left);
     assert!(
         left.is_empty(),
         "{left:?} of {started:?} outlived the worker by {:?}; worker:\n{}",

@@ -1262,10 +1262,12 @@ mod tests {
             StopReason::OperatorStopped
         }));
         let task = ws.path().join(".automaton-task");
+        let deadline = Instant::now() + Duration::from_secs(10);
         let agent = loop {
             if let Some(p) = pids_in(&task).first() {
                 break *p;
             }
+            assert!(Instant::now() < deadline, "the agent did not start");
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         assert_ne!(agent, pgid, "the agent is not the leader");
