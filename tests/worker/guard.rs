@@ -201,11 +201,11 @@ fn kill_all(pids: &[i32]) {
     }
 }
 
-/// A worker with `agent` as its agent command, talking to `coordinator`; its stderr goes to
-/// `dir/worker.log`.
-fn start_worker(coordinator: &str, agent: &str, dir: &Path) -> Worker {
+/// A worker (the binary `exe`) with `agent` as its agent command, talking to `coordinator`;
+/// its stderr goes to `dir/worker.log`.
+fn start_worker(exe: &Path, coordinator: &str, agent: &str, dir: &Path) -> Worker {
     let log = std::fs::File::create(dir.join("worker.log")).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_automaton-worker"))
+    Command::new(exe)
         .args(["--coordinator", coordinator, "--name", "gpu-a"])
         .args(["--simulate-gpu", "sim:24GiB", "--kill-grace", "300ms"])
         .args(["--agent", agent])
@@ -229,8 +229,10 @@ fn quoted(p: &Path) -> String {
     format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() {
+/// Starts a worker (from a copy of the binary, deleted once it runs, when `delete_binary`),
+/// waits for its agent and the agent's children, SIGKILLs the worker, and asserts that all
+/// of them are gone after the grace.
+async fn kill_the_worker_mid_run(delete_binary: bool) {
     let dir = tempfile::tempdir().unwrap();
     let file: PathBuf = dir.path().join("pids");
     let f = quoted(&file);
@@ -241,7 +243,18 @@ async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() 
          echo $PPID >> {f}; echo $$ >> {f}; wait"
     );
     let coordinator = fake_coordinator().await;
-    let mut worker = start_worker(&coordinator, &agent, dir.path());
+    let mut exe = PathBuf::from(env!("CARGO_BIN_EXE_automaton-worker"));
+    if delete_binary {
+        let copy = dir.path().join("automaton-worker");
+        std::fs::copy(&exe, &copy).unwrap();
+        exe = copy;
+    }
+    let mut worker = start_worker(&exe, &coordinator, &agent, dir.path());
+    if delete_binary {
+        // What an upgrade that replaces the file does to the running worker's binary: the
+        // worker has only just started, long before it is assigned work.
+        std::fs::remove_file(&exe).unwrap();
+    }
     let worker_log = || std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(20);
     let started = loop {
@@ -259,11 +272,9 @@ async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() 
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    for &p in &started {
-        assert!(
-            alive(p),
-            "{p} of {started:?} is not running before the kill"
-        );
+    if let Some(p) = started.iter().find(|&&p| !alive(p)) {
+        kill_all(&started);
+        panic!("{p} of {started:?} is not running before the kill");
     }
     let guard =
         std::fs::read_to_string(format!("/proc/{}/cmdline", started[2])).unwrap_or_default();
@@ -293,4 +304,16 @@ async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() 
         "{:?}",
         killed.elapsed()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_and_its_children_die_when_the_worker_is_killed_with_sigkill() {
+    kill_the_worker_mid_run(false).await;
+}
+
+/// The guard runs `/proc/self/exe`: a worker whose binary was deleted (an upgrade in place)
+/// still starts, and guards, its agents.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_binary_was_deleted_still_starts_and_guards_its_agents() {
+    kill_the_worker_mid_run(true).await;
 }
