@@ -166,7 +166,8 @@ impl Drop for Worker {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             // A stopped process must be continued to die promptly. SIGTERM first: the worker
-            // stops its agents' process groups (SIGKILL would orphan them), then SIGKILL.
+            // stops its agents' process groups and reports the runs (after a SIGKILL only
+            // the agents' guards would, a grace later), then SIGKILL.
             let pid = self.pid().to_string();
             let _ = Command::new("kill").args(["-CONT", &pid]).status();
             let _ = Command::new("kill").args(["-TERM", &pid]).status();

@@ -8,7 +8,18 @@
 //! process group gets SIGTERM, then SIGKILL after a grace period, and the group is killed
 //! once more after the leader exits, so nothing the agent started outlives the run (a process
 //! that leaves the group with `setsid` is the one way out, and is outside our reach).
+//!
+//! The group's leader is not the agent but its guard (`crate::guard`: this binary's hidden
+//! `agent-guard` subcommand), which starts the agent as its child in the same group and exits
+//! as the agent did, so exit codes and signals read as before. The guard is there for the one
+//! case the worker cannot handle itself, its own death: its stdin is the read end of a pipe
+//! whose write end the worker holds for the run's whole life and never writes to. When the
+//! worker dies, however it dies (SIGKILL included, where no handler runs), the kernel closes
+//! the write end, the guard reads EOF and ends the group (SIGTERM, the grace, SIGKILL). A
+//! pipe, not `PR_SET_PDEATHSIG`: that fires when the *thread* that forked exits, which tokio's
+//! thread pool makes unpredictable, and it would take `unsafe`.
 
+use std::ffi::OsString;
 use std::future::Future;
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
@@ -58,13 +69,15 @@ pub enum Error {
         "the agent command is empty: give a template such as 'aider --yes --message-file {{prompt_file}}'"
     )]
     EmptyCommand,
-    #[error("cannot locate the worker binary for the scripted agent: {0}")]
+    #[error("cannot locate the worker binary (the agent's guard): {0}")]
     CurrentExe(std::io::Error),
     #[error("cannot open the agent log {path}: {source}")]
     Log {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot make the pipe that tells the agent's guard the worker is alive: {0}")]
+    Pipe(std::io::Error),
     #[error("cannot start the agent in {dir}: {source}")]
     Spawn {
         dir: PathBuf,
@@ -105,6 +118,9 @@ pub struct RunSpec {
     pub grace: Duration,
     /// How much output `agent.log` keeps; the rest is read and dropped.
     pub log_cap: u64,
+    /// The worker binary, which runs the guard and the scripted agent; `None`: this
+    /// process's own executable (tests that are not the worker binary name it).
+    pub worker_exe: Option<PathBuf>,
 }
 
 impl RunSpec {
@@ -131,6 +147,7 @@ impl RunSpec {
             estimated_tokens: None,
             grace: DEFAULT_GRACE,
             log_cap: DEFAULT_LOG_CAP,
+            worker_exe: None,
         }
     }
 
@@ -352,13 +369,25 @@ impl Log {
     }
 }
 
-fn pump(mut from: impl AsyncRead + Unpin + Send + 'static, log: Arc<Mutex<Log>>) -> JoinHandle<()> {
+/// How much of the start of stderr is kept to recognise the guard's "cannot start" line.
+const STDERR_HEAD: usize = 1024;
+
+/// Copies `from` into the log; with `head`, also keeps the first `STDERR_HEAD` bytes there.
+fn pump(
+    mut from: impl AsyncRead + Unpin + Send + 'static,
+    log: Arc<Mutex<Log>>,
+    head: Option<Arc<Mutex<Vec<u8>>>>,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut buf = vec![0u8; 16 * 1024];
         loop {
             match from.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
+                    if let Some(Ok(mut head)) = head.as_ref().map(|h| h.lock()) {
+                        let take = n.min(STDERR_HEAD.saturating_sub(head.len()));
+                        head.extend_from_slice(&buf[..take]);
+                    }
                     if let Ok(mut log) = log.lock() {
                         log.write(&buf[..n]);
                     }
@@ -371,13 +400,39 @@ fn pump(mut from: impl AsyncRead + Unpin + Send + 'static, log: Arc<Mutex<Log>>)
 /// A started agent. Dropping it without `wait` kills its process group (a backstop).
 pub struct Running {
     spec: RunSpec,
+    /// The guard, which exits as the agent does.
     child: Child,
     pgid: Pid,
+    /// The write end of the guard's stdin: held, never written, closed by the kernel when
+    /// this process dies, which is what tells the guard to end the group. `None` only in a
+    /// test that closes it to play the worker's death.
+    alive: Option<std::io::PipeWriter>,
+    /// The start of the guard's stderr: its one line when it cannot start the agent.
+    stderr_head: Arc<Mutex<Vec<u8>>>,
     started: Instant,
     pumps: Vec<JoinHandle<()>>,
     on_state: OnState,
     /// The group has been dealt with: `Drop` must not signal a group id that may be reused.
     finished: bool,
+}
+
+/// What `Running::spawn` started.
+struct Spawned {
+    child: Child,
+    pgid: Pid,
+    alive: std::io::PipeWriter,
+    stderr_head: Arc<Mutex<Vec<u8>>>,
+    pumps: Vec<JoinHandle<()>>,
+}
+
+/// This process's executable, for the guard to run: `/proc/self/exe` where there is one (it
+/// still runs this very binary after an upgrade replaced the file), else its path.
+fn own_exe() -> Result<PathBuf, Error> {
+    let proc = Path::new("/proc/self/exe");
+    if proc.exists() {
+        return Ok(proc.to_path_buf());
+    }
+    std::env::current_exe().map_err(Error::CurrentExe)
 }
 
 impl std::fmt::Debug for Running {
@@ -391,24 +446,41 @@ impl std::fmt::Debug for Running {
 }
 
 impl Running {
-    /// Reports `requested` and `starting`, starts the agent in its own process group in the
-    /// workspace (stdin null, output to `.automaton-task/agent.log`), reports `active`. On an
-    /// error nothing runs and `stopped` is reported. Must be called inside a tokio runtime.
+    /// Reports `requested` and `starting`, starts the agent under its guard in a process
+    /// group of their own in the workspace (stdin null, output to `.automaton-task/agent.log`),
+    /// reports `active`. On an error nothing runs and `stopped` is reported. Must be called
+    /// inside a tokio runtime.
     pub fn start(
         spec: RunSpec,
         on_state: impl FnMut(RunState) + Send + 'static,
     ) -> Result<Running, Error> {
-        let mut on_state: OnState = Box::new(on_state);
+        Self::start_with(spec, Box::new(on_state), None)
+    }
+
+    /// `start`, with the agent's program and arguments given instead of derived from the spec.
+    fn start_with(
+        spec: RunSpec,
+        mut on_state: OnState,
+        agent: Option<Vec<OsString>>,
+    ) -> Result<Running, Error> {
         on_state(RunState::Requested);
         on_state(RunState::Starting);
-        match Self::spawn(&spec) {
-            Ok((child, pgid, pumps)) => {
+        match Self::spawn(&spec, agent) {
+            Ok(Spawned {
+                child,
+                pgid,
+                alive,
+                stderr_head,
+                pumps,
+            }) => {
                 tracing::info!(task = %spec.task, phase = %spec.phase, pgid = pgid.as_raw_pid(), "agent started");
                 on_state(RunState::Active);
                 Ok(Running {
                     spec,
                     child,
                     pgid,
+                    alive: Some(alive),
+                    stderr_head,
                     started: Instant::now(),
                     pumps,
                     on_state,
@@ -422,22 +494,22 @@ impl Running {
         }
     }
 
-    fn spawn(spec: &RunSpec) -> Result<(Child, Pid, Vec<JoinHandle<()>>), Error> {
+    fn spawn(spec: &RunSpec, agent: Option<Vec<OsString>>) -> Result<Spawned, Error> {
         spec.artifact()?;
-        let mut cmd = match &spec.agent {
-            AgentSpec::Command(template) => {
+        let worker = match &spec.worker_exe {
+            Some(p) => p.clone(),
+            None => own_exe()?,
+        };
+        let agent = match (agent, &spec.agent) {
+            (Some(argv), _) => argv,
+            (None, AgentSpec::Command(template)) => {
                 if template.trim().is_empty() {
                     return Err(Error::EmptyCommand);
                 }
-                let mut c = Command::new("sh");
-                c.arg("-c").arg(spec.render(template));
-                c
+                vec!["sh".into(), "-c".into(), spec.render(template).into()]
             }
-            AgentSpec::Scripted => {
-                let exe = std::env::current_exe().map_err(Error::CurrentExe)?;
-                let mut c = Command::new(exe);
-                c.arg("scripted-agent");
-                c
+            (None, AgentSpec::Scripted) => {
+                vec![worker.clone().into_os_string(), "scripted-agent".into()]
             }
         };
         let log_path = spec.task_dir().join(LOG_FILE);
@@ -451,10 +523,21 @@ impl Running {
             .append(true)
             .open(&log_path)
             .map_err(log_err)?;
+        // Both ends close-on-exec: only the guard (as its stdin) and this process hold them.
+        let (alive_reader, alive) = std::io::pipe().map_err(Error::Pipe)?;
+        let mut cmd = Command::new(&worker);
+        // `ps` shows the worker's name, not /proc/self/exe.
+        cmd.arg0(std::env::current_exe().unwrap_or_else(|_| worker.clone()))
+            .arg(crate::guard::SUBCOMMAND)
+            .arg("--grace")
+            .arg(humantime::format_duration(spec.grace).to_string())
+            .arg("--")
+            .args(agent);
+        // The guard passes its cwd and environment on to the agent unchanged.
         cmd.current_dir(&spec.workspace)
             .env_remove(WORKER_TOKEN_VAR)
             .envs(spec.env())
-            .stdin(Stdio::null())
+            .stdin(alive_reader)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
@@ -463,6 +546,8 @@ impl Running {
             dir: spec.workspace.clone(),
             source,
         })?;
+        // The command's copy of the read end goes now: the guard has its own.
+        drop(cmd);
         // process_group(0): the group id is the leader's pid.
         let pgid = child
             .id()
@@ -475,14 +560,21 @@ impl Running {
             cap: spec.log_cap,
             truncated: false,
         }));
+        let stderr_head = Arc::new(Mutex::new(Vec::new()));
         let mut pumps = Vec::new();
         if let Some(out) = child.stdout.take() {
-            pumps.push(pump(out, log.clone()));
+            pumps.push(pump(out, log.clone(), None));
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(pump(err, log));
+            pumps.push(pump(err, log, Some(stderr_head.clone())));
         }
-        Ok((child, pgid, pumps))
+        Ok(Spawned {
+            child,
+            pgid,
+            alive,
+            stderr_head,
+            pumps,
+        })
     }
 
     /// The process group id (= the leader's pid).
@@ -574,6 +666,10 @@ impl Running {
 
     fn judge(&self, status: ExitStatus) -> (StopReason, String, Option<i32>) {
         if let Some(code) = status.code() {
+            if let Some(why) = self.cannot_start(code) {
+                // As when the worker itself could not start it: no exit code, the reason.
+                return (StopReason::AgentError, why, None);
+            }
             if code != 0 {
                 return (
                     StopReason::AgentError,
@@ -609,7 +705,25 @@ impl Running {
         )
     }
 
+    /// The guard's "cannot start the agent …" line, when it exited for that reason.
+    fn cannot_start(&self, code: i32) -> Option<String> {
+        if code != crate::guard::CANNOT_START {
+            return None;
+        }
+        let head = self.stderr_head.lock().ok()?;
+        let text = String::from_utf8_lossy(&head);
+        let line = text.lines().next()?;
+        line.starts_with(crate::guard::CANNOT_START_LINE).then(|| {
+            let why = line
+                .strip_prefix("automaton-worker agent-guard: ")
+                .unwrap_or(line);
+            format!("cannot start the agent: {why}")
+        })
+    }
+
     fn finish(mut self, reason: StopReason, detail: String, exit_code: Option<i32>) -> Outcome {
+        // The guard has exited and its group is dealt with: nobody is left to tell.
+        drop(self.alive.take());
         (self.on_state)(RunState::Stopped);
         let outcome = Outcome {
             reason,
@@ -685,7 +799,26 @@ mod tests {
             42,
         );
         s.grace = Duration::from_millis(300);
+        s.worker_exe = Some(worker_bin());
         s
+    }
+
+    /// The `automaton-worker` binary, which runs the guard: this test binary is not it.
+    /// `cargo test -p automaton-worker` builds it next to `deps/` (its integration tests need
+    /// it); `--lib` alone does not, and would run a stale one.
+    fn worker_bin() -> PathBuf {
+        let exe = std::env::current_exe().unwrap();
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .unwrap()
+            .join("automaton-worker");
+        assert!(
+            bin.is_file(),
+            "{} is missing: run `cargo test -p automaton-worker` (or `cargo build -p automaton-worker`) first",
+            bin.display()
+        );
+        bin
     }
 
     fn never() -> impl Future<Output = StopReason> {
@@ -1104,5 +1237,187 @@ mod tests {
         assert!(log.starts_with(&"x".repeat(1000)));
         assert!(log.len() < 1200, "{}", log.len());
         assert!(log.contains("log cap of 1000 bytes reached"));
+    }
+
+    /// The command line of a live process.
+    fn cmdline(pid: i32) -> String {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn the_guard_leads_the_group_and_reports_the_agents_exit_code_and_signal_as_before() {
+        let ws = tempfile::tempdir().unwrap();
+        // The leader is the guard; the agent is its child in the same group.
+        let s = spec(
+            ws.path(),
+            Phase::Design,
+            "echo $$ > .automaton-task/leader; sleep 1000",
+        );
+        let r = Running::start(s, |_| {}).unwrap();
+        let pgid = r.pgid();
+        let wait = tokio::spawn(r.wait(Duration::from_secs(60), async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            StopReason::OperatorStopped
+        }));
+        let task = ws.path().join(".automaton-task");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let agent = loop {
+            if let Some(p) = pids_in(&task).first() {
+                break *p;
+            }
+            assert!(Instant::now() < deadline, "the agent did not start");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_ne!(agent, pgid, "the agent is not the leader");
+        assert!(cmdline(pgid).contains("agent-guard"), "{}", cmdline(pgid));
+        let out = wait.await.unwrap();
+        assert_eq!(out.reason, StopReason::OperatorStopped);
+        assert_all_gone(&[agent], pgid);
+        // Exit codes, and deaths by signal (SIGPIPE too, which Rust ignores by default, and
+        // SIGTERM, which the guard catches), read as if the worker had started the agent.
+        for (template, reason, detail, code) in [
+            ("exit 3", StopReason::AgentError, "exit status 3", Some(3)),
+            (
+                "exit 0",
+                StopReason::AgentError,
+                "no DESIGN.md written",
+                Some(0),
+            ),
+            (
+                "kill -9 $$",
+                StopReason::Crashed,
+                "killed by signal 9",
+                None,
+            ),
+            (
+                "kill -TERM $$",
+                StopReason::Crashed,
+                "killed by signal 15",
+                None,
+            ),
+            (
+                "kill -PIPE $$",
+                StopReason::Crashed,
+                "killed by signal 13",
+                None,
+            ),
+            (
+                "kill -SEGV $$",
+                StopReason::Crashed,
+                "killed by signal 11",
+                None,
+            ),
+        ] {
+            let (out, _) = run(
+                spec(ws.path(), Phase::Design, template),
+                Duration::from_secs(10),
+            )
+            .await;
+            assert_eq!(
+                (out.reason, out.detail.as_str(), out.exit_code),
+                (reason, detail, code),
+                "{template}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sigterm_to_the_group_on_a_timeout_leaves_the_status_to_the_agent() {
+        let ws = tempfile::tempdir().unwrap();
+        // The worker's SIGTERM reaches the guard too: the agent's own exit decides.
+        let mut s = spec(
+            ws.path(),
+            Phase::Implement,
+            "trap 'exit 7' TERM; sleep 1000 & wait",
+        );
+        s.grace = Duration::from_secs(30);
+        let r = Running::start(s, |_| {}).unwrap();
+        let out = r.wait(Duration::from_millis(300), never()).await;
+        assert_eq!(out.reason, StopReason::TimedOut, "{out:?}");
+        assert_eq!(out.exit_code, Some(7), "{out:?}");
+        assert!(out.elapsed < Duration::from_secs(10), "{out:?}");
+    }
+
+    #[tokio::test]
+    async fn an_agent_the_guard_cannot_start_is_reported_as_not_started() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(ws.path(), Phase::Design, "unused");
+        let r = Running::start_with(
+            s,
+            Box::new(|_| {}),
+            Some(vec!["/no/such/agent".into(), "x".into()]),
+        )
+        .unwrap();
+        let out = r.wait(Duration::from_secs(10), never()).await;
+        assert_eq!(out.reason, StopReason::AgentError);
+        assert_eq!(out.exit_code, None);
+        let want = format!(
+            "cannot start the agent: cannot start the agent in {}: No such file or directory (os error 2)",
+            ws.path().display()
+        );
+        assert_eq!(out.detail, want);
+        let log = std::fs::read_to_string(ws.path().join(".automaton-task/agent.log")).unwrap();
+        assert_eq!(
+            log,
+            format!(
+                "automaton-worker agent-guard: {}\n",
+                want.trim_start_matches("cannot start the agent: ")
+            )
+        );
+        // An agent's own exit 127 (a shell's "not found") stays an exit status.
+        let (out, _) = run(
+            spec(ws.path(), Phase::Design, "no-such-command-xyz"),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(out.detail, "exit status 127");
+        assert_eq!(out.exit_code, Some(127));
+    }
+
+    #[tokio::test]
+    async fn the_guard_adds_nothing_to_the_agents_environment() {
+        let ws = tempfile::tempdir().unwrap();
+        let s = spec(ws.path(), Phase::Design, "env -0 > {artifact}");
+        let mut want: std::collections::BTreeMap<String, String> = std::env::vars()
+            .filter(|(k, _)| k != WORKER_TOKEN_VAR)
+            .collect();
+        want.extend(s.env().into_iter().map(|(k, v)| (k.to_string(), v)));
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.reason, StopReason::Completed, "{out:?}");
+        let got = std::fs::read(ws.path().join(".automaton-task/DESIGN.md")).unwrap();
+        let got: std::collections::BTreeMap<String, String> = got
+            .split(|b| *b == 0)
+            .filter_map(|v| std::str::from_utf8(v).ok()?.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            // What `sh` itself sets.
+            .filter(|(k, _)| !["PWD", "OLDPWD", "SHLVL", "_"].contains(&k.as_str()))
+            .collect();
+        want.retain(|k, _| !["PWD", "OLDPWD", "SHLVL", "_"].contains(&k.as_str()));
+        assert_eq!(got, want);
+    }
+
+    #[tokio::test]
+    async fn when_the_alive_pipe_closes_the_guard_ends_the_group_after_the_grace() {
+        let ws = tempfile::tempdir().unwrap();
+        let mut s = spec(ws.path(), Phase::Implement, STUBBORN);
+        s.grace = Duration::from_millis(500);
+        let mut r = Running::start(s, |_| {}).unwrap();
+        let pgid = r.pgid();
+        let pids = wait_for_pids(&ws.path().join(".automaton-task")).await;
+        // What the kernel does when the worker dies: the write end closes.
+        let closed = Instant::now();
+        drop(r.alive.take());
+        let status = r.child.wait().await.unwrap();
+        // SIGTERM is ignored by all of them: only the SIGKILL after the grace ends them.
+        assert_eq!(status.signal(), Some(9), "{status:?}");
+        assert!(closed.elapsed() >= Duration::from_millis(500));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pids.iter().any(|&p| alive(p)) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_all_gone(&pids, pgid);
+        r.finished = true;
     }
 }

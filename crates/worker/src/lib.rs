@@ -2,7 +2,8 @@
 //! GPUs through NVML (or `--simulate-gpu` fakes), RAM and CPUs, the model's context window
 //! and the token budget derived from them (`probe`) — the worker's one session with the
 //! coordinator (`session`), and the work it is given: a fresh workspace per assignment
-//! (`workspace`), the agent run in its own process group (`agent`, `scripted`), the artifact
+//! (`workspace`), the agent run in its own process group under a guard that ends it if the worker dies
+//! (`agent`, `guard`, `scripted`), the artifact
 //! and code reported back under the lease (`work`) — each run one span, joined to the
 //! coordinator's trace of the phase run — what each run used, read from the model server's
 //! answers by a metering proxy the agent is pointed at (`meter`), and its Prometheus metrics
@@ -12,6 +13,7 @@
 //! are the coordinator's calls. The worker reports and obeys.
 
 pub mod agent;
+pub mod guard;
 pub mod meter;
 pub mod metrics;
 pub mod probe;

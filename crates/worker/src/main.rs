@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use automaton_worker::{probe, scripted, session};
+use automaton_worker::{guard, probe, scripted, session};
 
 #[derive(Parser)]
 #[command(
@@ -92,6 +92,17 @@ enum Cmd {
     /// The built-in deterministic agent, run by the worker itself for `--agent scripted`.
     #[command(hide = true)]
     ScriptedAgent,
+    /// Runs an agent command and ends its process group when the worker dies (stdin, a pipe
+    /// from the worker, reads EOF); otherwise exits as the agent did. Run by the worker itself.
+    #[command(hide = true)]
+    AgentGuard {
+        /// Between SIGTERM and SIGKILL of the group once the worker is gone.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        grace: Duration,
+        /// The agent: a program and its arguments.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -102,6 +113,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = match cli.cmd {
         Some(Cmd::Probe { ref detect, json }) => probe::run(detect, json),
+        Some(Cmd::AgentGuard { grace, ref command }) => {
+            return ExitCode::from(guard::run(grace, command));
+        }
         Some(Cmd::ScriptedAgent) => {
             return match scripted::run_from_env() {
                 Ok(code) => ExitCode::from(code),
