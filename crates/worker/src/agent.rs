@@ -60,6 +60,8 @@ pub fn reported_peak(workspace: &Path) -> Option<u64> {
 pub const DEFAULT_MAX_PHASE_TIME: Duration = Duration::from_secs(60 * 60);
 /// The worker's own credential; never handed to the agent.
 const WORKER_TOKEN_VAR: &str = "AUTOMATON_TOKEN";
+/// Where the worker's pool secret is (it mints its token from it); never handed to the agent.
+const POOL_SECRET_VAR: &str = "AUTOMATON_POOL_SECRET_FILE";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -536,6 +538,7 @@ impl Running {
         // The guard passes its cwd and environment on to the agent unchanged.
         cmd.current_dir(&spec.workspace)
             .env_remove(WORKER_TOKEN_VAR)
+            .env_remove(POOL_SECRET_VAR)
             .envs(spec.env())
             .stdin(alive_reader)
             .stdout(Stdio::piped())
@@ -1067,7 +1070,8 @@ mod tests {
     }
 
     const ENV_AGENT: &str = "env | grep '^AUTOMATON_' | sort > {artifact}; \
-         echo \"token=${AUTOMATON_TOKEN-unset}\" >> {artifact}";
+         echo \"token=${AUTOMATON_TOKEN-unset}\" >> {artifact}; \
+         echo \"pool=${AUTOMATON_POOL_SECRET_FILE-unset}\" >> {artifact}";
 
     fn env_spec(ws: &Path) -> RunSpec {
         let mut s = spec(ws, Phase::CodeReview, ENV_AGENT);
@@ -1129,22 +1133,23 @@ mod tests {
         );
     }
 
-    /// Run by `worker_token_is_not_passed_to_the_agent` in a copy of this test binary whose
+    /// Run by `worker_token_and_pool_secret_are_not_passed_to_the_agent` in a copy of this test binary whose
     /// environment holds `AUTOMATON_TOKEN`: setting it here would take `unsafe`.
     #[tokio::test]
-    #[ignore = "a helper: run through worker_token_is_not_passed_to_the_agent"]
+    #[ignore = "a helper: run through worker_token_and_pool_secret_are_not_passed_to_the_agent"]
     async fn token_helper_runs_an_agent_in_dir_from_env() {
         let dir = std::env::var("AUTOMATON_TEST_WS").expect("set by the outer test");
         assert_eq!(
             std::env::var("AUTOMATON_TOKEN").as_deref(),
             Ok("worker-secret")
         );
+        assert!(std::env::var("AUTOMATON_POOL_SECRET_FILE").is_ok());
         let (out, _) = run(env_spec(Path::new(&dir)), Duration::from_secs(10)).await;
         assert_eq!(out.reason, StopReason::Completed, "{out:?}");
     }
 
     #[test]
-    fn worker_token_is_not_passed_to_the_agent() {
+    fn worker_token_and_pool_secret_are_not_passed_to_the_agent() {
         let ws = tempfile::tempdir().unwrap();
         let status = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
@@ -1154,6 +1159,7 @@ mod tests {
                 "--quiet",
             ])
             .env("AUTOMATON_TOKEN", "worker-secret")
+            .env("AUTOMATON_POOL_SECRET_FILE", "/etc/pool-secret")
             .env("AUTOMATON_TEST_WS", ws.path())
             .stdout(Stdio::null())
             .status()
@@ -1164,6 +1170,8 @@ mod tests {
         assert!(got.contains("AUTOMATON_FENCING_TOKEN=42"), "{got}");
         assert!(got.lines().any(|l| l == "token=unset"), "{got}");
         assert!(!got.contains("worker-secret"), "{got}");
+        assert!(got.lines().any(|l| l == "pool=unset"), "{got}");
+        assert!(!got.contains("/etc/pool-secret"), "{got}");
     }
 
     #[test]
@@ -1381,7 +1389,7 @@ mod tests {
         let ws = tempfile::tempdir().unwrap();
         let s = spec(ws.path(), Phase::Design, "env -0 > {artifact}");
         let mut want: std::collections::BTreeMap<String, String> = std::env::vars()
-            .filter(|(k, _)| k != WORKER_TOKEN_VAR)
+            .filter(|(k, _)| k != WORKER_TOKEN_VAR && k != POOL_SECRET_VAR)
             .collect();
         want.extend(s.env().into_iter().map(|(k, v)| (k.to_string(), v)));
         let (out, _) = run(s, Duration::from_secs(10)).await;
