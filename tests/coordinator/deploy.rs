@@ -22,6 +22,8 @@ pub(crate) const METRICS: &[(&str, &[&str])] = &[
     ("automaton_lease_refusals_total", &["reason"]),
     ("automaton_dispatch_latency_seconds", &[]),
     ("automaton_dispatch_assignments_total", &["phase"]),
+    ("automaton_dispatch_decisions_total", &[]),
+    ("automaton_dispatch_decide_seconds_total", &[]),
     ("automaton_phase_duration_seconds", &["phase", "outcome"]),
     ("automaton_tasks", &["phase"]),
     ("automaton_tasks_waiting", &["reason"]),

@@ -482,6 +482,9 @@ async fn metrics_show_a_connected_worker_by_gpu_model_waiting_tasks_and_the_work
         1.0
     );
     assert!(e.value("automaton_dispatch_latency_seconds_count", &[]) >= 1.0);
+    // The round that gave the task its worker decided, and its deciding took time.
+    assert!(e.value("automaton_dispatch_decisions_total", &[]) >= 1.0);
+    assert!(e.value("automaton_dispatch_decide_seconds_total", &[]) > 0.0);
     assert_eq!(e.value("automaton_lease_claims_total", &[]), 1.0);
     assert_eq!(
         e.value("automaton_tasks_waiting", &[("reason", "no_worker")]),

@@ -17,10 +17,12 @@
 //!
 //! Timed by this process's receipt instants: t0 right before the approvals are sent; the
 //! sub-tasks' creation is t0 → the last `subtask_created` event (WatchEvents); the dispatch
-//! is t0 → the last `Assignment` received by a fake worker. The cost per decision is the
-//! dispatch after the last creation (last `subtask_created` → last `Assignment`) over the
-//! assignments, and the coordinator's CPU (utime+stime from /proc) from t0 to the last
-//! assignment over the assignments. Every assignment is checked: a sub-task of the wave, its
+//! is t0 → the last `Assignment` received by a fake worker. Per decision: the dispatch after
+//! the last creation (last `subtask_created` → last `Assignment`) over the assignments —
+//! decisions with their moves and grants — and, from the coordinator's own counters (its
+//! /metrics, scraped at t0 and at the end), the time its rounds spent deciding over the
+//! decisions they made (`decide`: choosing the worker alone). The coordinator's CPU
+//! (utime+stime from /proc) from t0 to the last assignment over the assignments. Every assignment is checked: a sub-task of the wave, its
 //! first phase (`research`), its estimate, a worker whose budget holds it (and whether it is
 //! the smallest budget that does), at most one per worker.
 //!
@@ -117,6 +119,11 @@ pub struct RunResult {
     coordinator_cpu_sys_s: Option<f64>,
     /// That CPU over the assignments.
     coordinator_cpu_per_assignment_us: Option<f64>,
+    /// The dispatcher's own time per decision (choosing a worker, without the moves and
+    /// grants): `automaton_dispatch_decide_seconds_total` over
+    /// `automaton_dispatch_decisions_total`, their growth from t0 to the end, scraped from
+    /// the coordinator's /metrics.
+    decide_us_per_decision: Option<f64>,
     assignments: usize,
     /// Assignments whose worker's budget holds the estimate.
     fitting: usize,
@@ -359,7 +366,13 @@ async fn watch_created(channel: Channel) -> Result<mpsc::UnboundedReceiver<Insta
     Ok(rx)
 }
 
-async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) -> Result<RunResult> {
+async fn one_run(
+    args: &DispatchArgs,
+    url: &str,
+    metrics: Option<&str>,
+    pid: &str,
+    tasks_dir: &Path,
+) -> Result<RunResult> {
     let endpoint = Endpoint::from_shared(url.to_string())
         .with_context(|| format!("bad URL {url}"))?
         .tcp_nodelay(true)
@@ -447,6 +460,10 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
         tokio::time::sleep(p).await;
     }
     // The wave: approve every parent's decomposition at once.
+    let m0 = match metrics {
+        Some(m) => decide_counters(m).await,
+        None => None,
+    };
     let t0 = Instant::now();
     let c0 = cpu_split(pid);
     let mut approvals = Vec::new();
@@ -468,6 +485,14 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
     }
     // Anything more (there should be nothing: one sub-task each, capacity 1 each).
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let m1 = match metrics {
+        Some(m) => decide_counters(m).await,
+        None => None,
+    };
+    let decide_us_per_decision = match (m0, m1) {
+        (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) * 1e6 / (n1 - n0)),
+        _ => None,
+    };
     while let Ok(g) = got_rx.try_recv() {
         got.push(g);
     }
@@ -561,6 +586,7 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
         coordinator_cpu_s: cpu,
         coordinator_cpu_sys_s: cpu_sys,
         coordinator_cpu_per_assignment_us: cpu.map(|c| c * 1e6 / n),
+        decide_us_per_decision,
         assignments: got.len(),
         fitting,
         best_fit,
@@ -571,6 +597,51 @@ async fn one_run(args: &DispatchArgs, url: &str, pid: &str, tasks_dir: &Path) ->
         target_met: complete && dispatch_ms / 1e3 < TARGET_S,
         floor_ms: f64::NAN,
     })
+}
+
+/// The coordinator's decision counters from its /metrics at `addr`: (seconds spent deciding,
+/// decisions). `None` when it cannot be scraped.
+async fn decide_counters(addr: &str) -> Option<(f64, f64)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let read = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).await.ok()?;
+        let value = |name: &str| {
+            body.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        };
+        Some((
+            value("automaton_dispatch_decide_seconds_total")?,
+            value("automaton_dispatch_decisions_total")?,
+        ))
+    };
+    tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The metrics address a coordinator started with `--metrics-listen 127.0.0.1:0` logged
+/// (`metrics listening on http://ADDR/metrics`), waiting up to 10 s for the line.
+fn metrics_address(log: &Path) -> Option<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(addr) = text.lines().find_map(|l| {
+            let rest = l.split("metrics listening on http://").nth(1)?;
+            rest.split("/metrics").next().map(str::to_string)
+        }) {
+            return Some(addr);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Sub-tasks whose files the floor writes at once (the coordinator's `ROUND_CONCURRENCY`).
@@ -643,7 +714,7 @@ fn remove_all(scratches: &[PathBuf]) {
 
 fn table(results: &[RunResult]) -> String {
     let mut out = format!(
-        "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>13} {:>11} {:>8} {:>7} {:>8} {:>9} {:>11}  target\n",
+        "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>9} {:>13} {:>11} {:>8} {:>7} {:>8} {:>9} {:>11}  target\n",
         "workers",
         "subtasks",
         "parents",
@@ -651,6 +722,7 @@ fn table(results: &[RunResult]) -> String {
         "first",
         "last",
         "per decis.",
+        "decide",
         "cpu (sys) s",
         "cpu/assign",
         "assigned",
@@ -661,7 +733,7 @@ fn table(results: &[RunResult]) -> String {
     );
     for r in results {
         out.push_str(&format!(
-            "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9.0}us {:>13} {:>9}us {:>8} {:>7} {:>8} {:>9} {:>11.2}  {} (< {TARGET_S}s)\n",
+            "{:>7} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9.0}us {:>9} {:>13} {:>9}us {:>8} {:>7} {:>8} {:>9} {:>11.2}  {} (< {TARGET_S}s)\n",
             r.workers,
             r.subtasks,
             r.parents,
@@ -669,6 +741,8 @@ fn table(results: &[RunResult]) -> String {
             fmt_ms(r.first_assignment_ms),
             fmt_ms(r.dispatch_ms),
             r.per_decision_us,
+            r.decide_us_per_decision
+                .map_or("-".into(), |d| format!("{d:.1}us")),
             match (r.coordinator_cpu_s, r.coordinator_cpu_sys_s) {
                 (Some(c), Some(sys)) => format!("{c:.2} ({sys:.2})"),
                 _ => "-".into(),
@@ -712,7 +786,19 @@ pub async fn run(args: DispatchArgs) -> Result<()> {
             std::fs::create_dir_all(&project)?;
             std::fs::write(project.join(".agent.md"), "Mode: multi-agent\n")
                 .context("write the project's .agent.md")?;
-            let mut s = spawn::coordinator_with(&args.spawn_coordinator, &project, &scratch, &[])?;
+            let mut s = spawn::coordinator_with(
+                &args.spawn_coordinator,
+                &project,
+                &scratch,
+                &["--metrics-listen".into(), "127.0.0.1:0".into()],
+            )?;
+            let metrics = metrics_address(&s.log);
+            if metrics.is_none() {
+                eprintln!(
+                    "  the coordinator's metrics address is not in {}: no decision cost",
+                    s.log.display()
+                );
+            }
             eprintln!(
                 "run {}: spawned coordinator at {} (pid {})",
                 run + 1,
@@ -721,7 +807,7 @@ pub async fn run(args: DispatchArgs) -> Result<()> {
             );
             let pid = s.pid().to_string();
             let tasks_dir = project.join(".automaton").join("tasks");
-            let r = one_run(&args, &s.url.clone(), &pid, &tasks_dir).await;
+            let r = one_run(&args, &s.url.clone(), metrics.as_deref(), &pid, &tasks_dir).await;
             let how = s.stop();
             eprintln!("{how} (log: {})", s.log.display());
             let mut r = r?;

@@ -377,6 +377,7 @@ impl Coordinator {
     pub(crate) async fn dispatch_round(self: &Arc<Self>) -> Result<(), Error> {
         self.seed_tasks().await?;
         self.take_back_stale_offers().await;
+        let deciding = Instant::now();
         let mut tasks: Vec<(SystemTime, TaskName)> = {
             let inner = self.work.inner();
             inner
@@ -483,6 +484,8 @@ impl Coordinator {
             });
             idle.retain(|s| s.free > 0);
         }
+        self.metrics
+            .decided(plans.len() + waiting.len(), deciding.elapsed());
         // Carried out concurrently: each is a move and a grant with their own disk writes,
         // and the log's group commit syncs concurrent grants together.
         let mut running = tokio::task::JoinSet::new();

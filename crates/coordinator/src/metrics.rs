@@ -161,6 +161,10 @@ pub(crate) struct Metrics {
     refusals: [Counter; Refusal::ALL.len()],
     dispatch_latency: Histogram,
     assignments: [Counter; PHASES],
+    /// Tasks dispatch rounds decided about (a worker chosen, or a waiting reason).
+    decisions: Counter,
+    /// Time rounds spent deciding, in nanoseconds (not the moves and grants that follow).
+    decide_nanos: Counter,
     /// By phase, then end reason.
     phase_duration: Vec<Histogram>,
     /// The store-derived part of a scrape.
@@ -208,6 +212,8 @@ impl Default for Metrics {
             refusals: Default::default(),
             dispatch_latency: Histogram::new(LATENCY_BUCKETS),
             assignments: Default::default(),
+            decisions: Counter::new(),
+            decide_nanos: Counter::new(),
             phase_duration: (0..PHASES * END_REASONS.len())
                 .map(|_| Histogram::new(PHASE_BUCKETS))
                 .collect(),
@@ -261,6 +267,13 @@ impl Metrics {
         }) {
             h.observe(held);
         }
+    }
+
+    /// A dispatch round decided about `decisions` tasks in `took`.
+    pub(crate) fn decided(&self, decisions: usize, took: Duration) {
+        self.decisions.add(decisions as u64);
+        self.decide_nanos
+            .add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
     }
 
     /// An assignment of `phase` was handed to a worker's stream, `latency` after the round
@@ -373,6 +386,26 @@ impl Coordinator {
             "automaton_dispatch_latency_seconds",
             &[],
             &m.dispatch_latency,
+        );
+        t.family(
+            "automaton_dispatch_decisions_total",
+            Kind::Counter,
+            "Tasks dispatch rounds decided about: given a worker, or left waiting with a reason.",
+        );
+        t.sample(
+            "automaton_dispatch_decisions_total",
+            &[],
+            m.decisions.get() as f64,
+        );
+        t.family(
+            "automaton_dispatch_decide_seconds_total",
+            Kind::Counter,
+            "Time dispatch rounds spent deciding (choosing workers), without the moves and grants that carry the decisions out.",
+        );
+        t.sample(
+            "automaton_dispatch_decide_seconds_total",
+            &[],
+            m.decide_nanos.get() as f64 / 1e9,
         );
         t.family(
             "automaton_dispatch_assignments_total",
