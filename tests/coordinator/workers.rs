@@ -697,6 +697,24 @@ async fn pool_workers_join_with_tokens_minted_from_the_pool_secret_bound_to_thei
         "{}",
         bad.stderr()
     );
+    // Only a regular file is read (a FIFO would block the start).
+    let mut bad = Worker::spawn(
+        &coord.url,
+        &[
+            "--name",
+            "pool-b",
+            "--pool-secret-file",
+            env.root().to_str().expect("utf-8"),
+        ],
+        &[],
+    );
+    assert_eq!(
+        bad.exit(Duration::from_secs(10)).code(),
+        Some(2),
+        "{}",
+        bad.stderr()
+    );
+    assert!(bad.stderr().contains("is not a file"), "{}", bad.stderr());
     drop(w);
 }
 

@@ -220,3 +220,42 @@ fn lock_a_killed_writers_leftovers_are_swept_by_the_next_command_that_writes() {
     assert!(!dead_dir.exists(), "a dead writer's folder is swept");
     assert!(live.exists(), "a live writer's work is left alone");
 }
+
+#[test]
+fn lock_a_fifo_in_a_tasks_place_is_not_found_and_never_blocks() {
+    let env = two_tasks_in_research();
+    // Opening a FIFO for reading blocks until a writer comes: the lock must not open it.
+    let fifo = env.root().join(".automaton/tasks/pipe");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let mut child = spawn(
+        &env,
+        &[
+            "--task",
+            "pipe",
+            "--transition",
+            "research:awaiting_approval",
+        ],
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("blocked on the FIFO for 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut err).ok();
+    }
+    assert!(err.contains("not found"), "{err}");
+}

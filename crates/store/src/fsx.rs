@@ -140,6 +140,11 @@ impl TaskLock {
         // A folder replaced between the open and the lock would leave this lock on the old
         // one: lock again until the locked folder is the one at the path.
         loop {
+            // Only a folder is a task (as `Project::folder` says), and only a folder is
+            // opened: opening a FIFO someone put in its place would block.
+            if !task_dir.is_dir() {
+                return Ok(None);
+            }
             let dir = match File::open(task_dir) {
                 Ok(d) => d,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -166,6 +171,9 @@ impl TaskLock {
 /// exclusively through their syncs) are kept out: a value read under it is durable. `None`
 /// when the folder cannot be opened.
 pub(crate) fn read_lock(dir: &Path) -> Option<File> {
+    if !dir.is_dir() {
+        return None;
+    }
     let f = File::open(dir).ok()?;
     fs4::FileExt::lock_shared(&f).ok()?;
     Some(f)

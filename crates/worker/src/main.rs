@@ -162,6 +162,12 @@ fn join(cli: Cli) -> anyhow::Result<()> {
 fn read_pool_secret(path: &Path) -> anyhow::Result<String> {
     let meta = std::fs::metadata(path)
         .with_context(|| format!("cannot read the pool secret {}", path.display()))?;
+    if !meta.is_file() {
+        anyhow::bail!(
+            "{} is not a file: --pool-secret-file names the file that holds the pool's secret",
+            path.display()
+        );
+    }
     if meta.len() > 4096 {
         anyhow::bail!(
             "{} is {} bytes: a pool secret file holds one secret (at most 4096 bytes)",
