@@ -649,72 +649,28 @@ async fn pool_workers_join_with_tokens_minted_from_the_pool_secret_bound_to_thei
         );
         assert!(!s.message().contains(POOL_SECRET), "{why}: {s:?}");
     }
-    // A worker given a secret the coordinator does not know stops with the reason.
+    // Refused, each with its reason, and the worker exits 2: a secret the coordinator does not
+    // know; a short secret (before anything is sent); a folder (only a regular file is read:
+    // a FIFO would block the start).
     let wrong = env.root().join("wrong.secret");
     std::fs::write(&wrong, "another-secret-0123456789abcdef0123").expect("write");
-    let mut bad = Worker::spawn(
-        &coord.url,
-        &[
-            "--name",
-            "pool-b",
-            "--pool-secret-file",
-            wrong.to_str().expect("utf-8"),
-        ],
-        &[],
-    );
-    assert_eq!(
-        bad.exit(Duration::from_secs(10)).code(),
-        Some(2),
-        "{}",
-        bad.stderr()
-    );
-    assert!(
-        bad.stderr().contains("pool token refused"),
-        "{}",
-        bad.stderr()
-    );
-    // A short secret file is refused before anything is sent.
     let short = env.root().join("short.secret");
     std::fs::write(&short, "too-short").expect("write");
-    let mut bad = Worker::spawn(
-        &coord.url,
-        &[
-            "--name",
-            "pool-b",
-            "--pool-secret-file",
-            short.to_str().expect("utf-8"),
-        ],
-        &[],
-    );
-    assert_eq!(
-        bad.exit(Duration::from_secs(10)).code(),
-        Some(2),
-        "{}",
-        bad.stderr()
-    );
-    assert!(
-        bad.stderr().contains("shorter than 32 bytes"),
-        "{}",
-        bad.stderr()
-    );
-    // Only a regular file is read (a FIFO would block the start).
-    let mut bad = Worker::spawn(
-        &coord.url,
-        &[
-            "--name",
-            "pool-b",
-            "--pool-secret-file",
-            env.root().to_str().expect("utf-8"),
-        ],
-        &[],
-    );
-    assert_eq!(
-        bad.exit(Duration::from_secs(10)).code(),
-        Some(2),
-        "{}",
-        bad.stderr()
-    );
-    assert!(bad.stderr().contains("is not a file"), "{}", bad.stderr());
+    for (file, reason) in [
+        (wrong.as_path(), "pool token refused"),
+        (short.as_path(), "shorter than 32 bytes"),
+        (env.root(), "is not a file"),
+    ] {
+        let path = file.to_str().expect("utf-8");
+        let mut bad = Worker::spawn(
+            &coord.url,
+            &["--name", "pool-b", "--pool-secret-file", path],
+            &[],
+        );
+        let status = bad.exit(Duration::from_secs(10));
+        assert_eq!(status.code(), Some(2), "{reason}: {}", bad.stderr());
+        assert!(bad.stderr().contains(reason), "{reason}: {}", bad.stderr());
+    }
     drop(w);
 }
 

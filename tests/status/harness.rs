@@ -197,6 +197,16 @@ pub fn artifact_of(phase: &str) -> Option<&'static str> {
 }
 
 /// From `new` to `referee` through every mandatory phase (seed 001's code_review included).
+/// A parent's path to an approved decomposition (its sub-tasks may then run).
+pub const TO_DECOMPOSED: &[&str] = &[
+    "research",
+    "research:awaiting_approval",
+    "research:approved",
+    "decomposition",
+    "decomposition:awaiting_approval",
+    "decomposition:approved",
+];
+
 pub const TO_REFEREE: &[&str] = &[
     "research",
     "research:awaiting_approval",

@@ -352,17 +352,7 @@ fn issue14_item5_every_holder_of_a_phase_is_refused_as_its_approver() {
 #[test]
 fn issue14_item6_parent_cannot_complete_before_its_subtasks() {
     let env = Env::new();
-    env.drive(
-        "parent",
-        &[
-            "research",
-            "research:awaiting_approval",
-            "research:approved",
-            "decomposition",
-            "decomposition:awaiting_approval",
-            "decomposition:approved",
-        ],
-    );
+    env.drive("parent", TO_DECOMPOSED);
     env.create("parent/sub-a");
     env.create("parent/sub-b");
     set_state(&env, "parent/sub-b", "complete");

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::harness::{Env, TO_REFEREE};
+use crate::harness::{Env, TO_DECOMPOSED, TO_REFEREE};
 
 /// A lock the test holds, as a writer in flight would.
 fn hold(path: &Path, shared: bool) -> File {
@@ -166,17 +166,7 @@ fn lock_a_subtask_is_created_under_its_parents_lock_alone() {
 #[test]
 fn lock_a_parent_completes_only_after_reading_each_subtask_under_its_lock() {
     let env = Env::new();
-    env.drive(
-        "parent",
-        &[
-            "research",
-            "research:awaiting_approval",
-            "research:approved",
-            "decomposition",
-            "decomposition:awaiting_approval",
-            "decomposition:approved",
-        ],
-    );
+    env.drive("parent", TO_DECOMPOSED);
     env.drive("parent/sub-a", TO_REFEREE);
     env.drive("parent/sub-a", &["complete"]);
     // The sub-task's writer is still syncing its move to `complete`: the parent's move,

@@ -2234,15 +2234,7 @@ fn issue_audit_work_in_progress_is_a_warning_and_exit_stays_0() {
 #[test]
 fn issue_decomposed_parent_leaves_decomposition_approved_only_for_complete_or_human_intervention() {
     let env = Env::new();
-    let path = [
-        "research",
-        "research:awaiting_approval",
-        "research:approved",
-        "decomposition",
-        "decomposition:awaiting_approval",
-        "decomposition:approved",
-    ];
-    env.drive("parent", &path);
+    env.drive("parent", TO_DECOMPOSED);
     env.drive(
         "parent/sub-a",
         &[
@@ -2283,7 +2275,7 @@ fn issue_decomposed_parent_leaves_decomposition_approved_only_for_complete_or_hu
     env.status(&["--task", "parent", "--transition", "complete"])
         .ok();
     assert_eq!(env.state("parent"), "complete");
-    env.drive("other", &path);
+    env.drive("other", TO_DECOMPOSED);
     env.status(&["--task", "other", "--transition", "human_intervention"])
         .ok();
     assert_eq!(env.state("other"), "human_intervention");
