@@ -22,6 +22,7 @@ pub(crate) const METRICS: &[(&str, &[&str])] = &[
     ("automaton_lease_refusals_total", &["reason"]),
     ("automaton_dispatch_latency_seconds", &[]),
     ("automaton_dispatch_assignments_total", &["phase"]),
+    ("automaton_dispatch_answer_seconds", &["answer"]),
     ("automaton_dispatch_decisions_total", &[]),
     ("automaton_dispatch_decide_seconds_total", &[]),
     ("automaton_phase_duration_seconds", &["phase", "outcome"]),
@@ -40,6 +41,7 @@ pub(crate) const METRICS: &[(&str, &[&str])] = &[
 
 const HISTOGRAMS: &[&str] = &[
     "automaton_dispatch_latency_seconds",
+    "automaton_dispatch_answer_seconds",
     "automaton_phase_duration_seconds",
     "automaton_worker_run_duration_seconds",
     "automaton_worker_heartbeat_rtt_seconds",

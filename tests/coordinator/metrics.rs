@@ -485,6 +485,14 @@ async fn metrics_show_a_connected_worker_by_gpu_model_waiting_tasks_and_the_work
     // The round that gave the task its worker decided, and its deciding took time.
     assert!(e.value("automaton_dispatch_decisions_total", &[]) >= 1.0);
     assert!(e.value("automaton_dispatch_decide_seconds_total", &[]) > 0.0);
+    // The worker accepted it: its answer's wait is counted.
+    assert_eq!(
+        e.value(
+            "automaton_dispatch_answer_seconds_count",
+            &[("answer", "accepted")]
+        ),
+        1.0
+    );
     assert_eq!(e.value("automaton_lease_claims_total", &[]), 1.0);
     assert_eq!(
         e.value("automaton_tasks_waiting", &[("reason", "no_worker")]),

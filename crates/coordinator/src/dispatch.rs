@@ -820,6 +820,7 @@ impl Coordinator {
         let Some(o) = offer else {
             return;
         };
+        self.metrics.answered(a.accepted, o.at.elapsed());
         if a.accepted {
             return;
         }

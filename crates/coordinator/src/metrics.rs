@@ -161,6 +161,9 @@ pub(crate) struct Metrics {
     refusals: [Counter; Refusal::ALL.len()],
     dispatch_latency: Histogram,
     assignments: [Counter; PHASES],
+    /// From the assignment queued on a worker's stream to the worker's answer: accepted,
+    /// refused.
+    answers: [Histogram; 2],
     /// Tasks dispatch rounds decided about (a worker chosen, or a waiting reason).
     decisions: Counter,
     /// Time rounds spent deciding, in nanoseconds (not the moves and grants that follow).
@@ -212,6 +215,10 @@ impl Default for Metrics {
             refusals: Default::default(),
             dispatch_latency: Histogram::new(LATENCY_BUCKETS),
             assignments: Default::default(),
+            answers: [
+                Histogram::new(LATENCY_BUCKETS),
+                Histogram::new(LATENCY_BUCKETS),
+            ],
             decisions: Counter::new(),
             decide_nanos: Counter::new(),
             phase_duration: (0..PHASES * END_REASONS.len())
@@ -267,6 +274,11 @@ impl Metrics {
         }) {
             h.observe(held);
         }
+    }
+
+    /// A worker answered an assignment queued `after` ago.
+    pub(crate) fn answered(&self, accepted: bool, after: Duration) {
+        self.answers[usize::from(!accepted)].observe(after);
     }
 
     /// A dispatch round decided about `decisions` tasks in `took`.
@@ -387,6 +399,18 @@ impl Coordinator {
             &[],
             &m.dispatch_latency,
         );
+        t.family(
+            "automaton_dispatch_answer_seconds",
+            Kind::Histogram,
+            "From an assignment queued on the worker's session stream to the worker's answer (answer: accepted, refused): the network and the worker taking the run on.",
+        );
+        for (i, answer) in ["accepted", "refused"].into_iter().enumerate() {
+            t.histogram(
+                "automaton_dispatch_answer_seconds",
+                &[("answer", answer)],
+                &m.answers[i],
+            );
+        }
         t.family(
             "automaton_dispatch_decisions_total",
             Kind::Counter,
