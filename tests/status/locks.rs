@@ -211,6 +211,28 @@ fn lock_a_killed_writers_leftovers_are_swept_by_the_next_command_that_writes() {
     assert!(live.exists(), "a live writer's work is left alone");
 }
 
+/// Waits (at most 20 s) for `child`; its status and stderr. Kills it and panics when it
+/// blocks.
+fn finishes(mut child: Child, what: &str) -> (std::process::ExitStatus, String) {
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: blocked for 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        std::io::Read::read_to_string(&mut e, &mut err).ok();
+    }
+    (status, err)
+}
+
 #[test]
 fn lock_a_fifo_in_a_tasks_place_is_not_found_and_never_blocks() {
     let env = two_tasks_in_research();
@@ -221,7 +243,7 @@ fn lock_a_fifo_in_a_tasks_place_is_not_found_and_never_blocks() {
         .status()
         .expect("mkfifo");
     assert!(made.success());
-    let mut child = spawn(
+    let child = spawn(
         &env,
         &[
             "--task",
@@ -230,22 +252,72 @@ fn lock_a_fifo_in_a_tasks_place_is_not_found_and_never_blocks() {
             "research:awaiting_approval",
         ],
     );
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break status;
-        }
-        if start.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("blocked on the FIFO for 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let (status, err) = finishes(child, "a move of a FIFO");
     assert!(!status.success());
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        std::io::Read::read_to_string(&mut e, &mut err).ok();
-    }
     assert!(err.contains("not found"), "{err}");
+}
+
+#[test]
+fn lock_a_task_folder_linked_to_the_project_folder_is_not_found_and_never_blocks() {
+    let env = two_tasks_in_research();
+    // `tasks/evil -> ..`: locking it would take `.automaton/` exclusively while holding it
+    // shared, and wait for itself forever (holding up every create).
+    std::os::unix::fs::symlink("..", env.root().join(".automaton/tasks/evil")).expect("link");
+    let child = spawn(
+        &env,
+        &[
+            "--task",
+            "evil",
+            "--transition",
+            "research:awaiting_approval",
+        ],
+    );
+    let (status, err) = finishes(child, "a move of a linked folder");
+    assert!(!status.success());
+    assert!(err.contains("not found"), "{err}");
+    let (status, err) = finishes(spawn(&env, &["--create-task", "c"]), "a create after it");
+    assert!(status.success(), "{err}");
+}
+
+#[test]
+fn lock_a_fifo_in_place_of_a_state_file_is_refused_and_blocks_nobody() {
+    let env = two_tasks_in_research();
+    env.status(&["--task", "a", "--transition", "research:awaiting_approval"])
+        .ok();
+    let log = env.task_dir("a").join(".state.approvals");
+    std::fs::remove_file(&log).expect("remove the log");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&log)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let (status, err) = finishes(spawn(&env, &["--task", "a", "--approve"]), "an approve");
+    assert!(!status.success());
+    assert!(err.contains("not a regular file"), "{err}");
+    // Nothing is held up: another task moves, a task is created.
+    let (status, err) = finishes(
+        spawn(
+            &env,
+            &["--task", "b", "--transition", "research:awaiting_approval"],
+        ),
+        "a move of b",
+    );
+    assert!(status.success(), "{err}");
+    let (status, err) = finishes(spawn(&env, &["--create-task", "c"]), "a create");
+    assert!(status.success(), "{err}");
+}
+
+#[test]
+fn lock_a_subtask_is_written_only_while_its_parent_is_not_being_changed() {
+    let env = two_tasks_in_research();
+    env.create("a/sub");
+    // The parent's writer (creating sub-tasks not yet synced, or moving the parent to
+    // complete) holds the parent's folder: the sub-task's move waits for it.
+    let parent = hold(&env.task_dir("a"), false);
+    let mut child = spawn(&env, &["--task", "a/sub", "--transition", "research"]);
+    waits_for_a_lock(&mut child, "a sub-task move while its parent is written");
+    assert_eq!(env.state("a/sub"), "new");
+    drop(parent);
+    succeeds(child, "the sub-task move once the parent is done");
+    assert_eq!(env.state("a/sub"), "research");
 }

@@ -46,8 +46,8 @@ pub struct Token {
 #[serde(deny_unknown_fields)]
 pub struct WorkerPool {
     /// The names the pool admits: this prefix and at least one more character (the whole name
-    /// an agent id). Keep it apart from listed workers' names: a pool member can mint a token
-    /// for any name the prefix admits.
+    /// an agent id). Not empty, and admitting no listed token's name and no other pool's: a
+    /// pool member can mint a token for any name the prefix admits (`validate` refuses).
     pub prefix: String,
     /// At least 32 bytes (surrounding whitespace is not part of it); workers mint their tokens
     /// from the same secret (`automaton-worker --pool-secret-file`).
@@ -423,16 +423,35 @@ impl Config {
                 )));
             }
         }
-        for p in &self.worker_pools {
-            let stem_ok = p.prefix.len() < 64
-                && (p.prefix.is_empty()
-                    || format!("{}x", p.prefix)
-                        .parse::<automaton_workflow::AgentId>()
-                        .is_ok());
+        for (i, p) in self.worker_pools.iter().enumerate() {
+            let stem_ok = !p.prefix.is_empty()
+                && p.prefix.len() < 64
+                && format!("{}x", p.prefix)
+                    .parse::<automaton_workflow::AgentId>()
+                    .is_ok();
             if !stem_ok {
                 return Err(Error::Config(format!(
-                    "worker pool prefix '{}' cannot begin an agent id: use lowercase letters, digits, dashes and dots, starting with a letter or digit",
+                    "worker pool prefix '{}' cannot begin an agent id: give a prefix such as 'gpu-pool-' (letters, digits, dashes, dots; a pool's names must stay apart from every other name)",
                     automaton_workflow::excerpt(&p.prefix)
+                )));
+            }
+            // A pool member can mint any name its prefix admits: none may be a listed
+            // token's (it would act as that agent or worker), nor another pool's.
+            if let Some(t) = self.tokens.iter().find(|t| p.admits(&t.name)) {
+                return Err(Error::Config(format!(
+                    "worker pool prefix '{}' admits '{}', the name of a listed {} token: a pool member could act as it; choose a prefix no listed name starts with",
+                    p.prefix,
+                    t.name,
+                    format!("{:?}", t.role).to_lowercase()
+                )));
+            }
+            if let Some(q) = self.worker_pools[..i]
+                .iter()
+                .find(|q| q.prefix.starts_with(&p.prefix) || p.prefix.starts_with(&q.prefix))
+            {
+                return Err(Error::Config(format!(
+                    "worker pool prefixes '{}' and '{}' overlap: one pool's secret would mint the other's names; make neither a prefix of the other",
+                    q.prefix, p.prefix
                 )));
             }
             if p.secret.trim().len() < automaton_workflow::pool_token::MIN_SECRET_BYTES {
@@ -691,22 +710,36 @@ mod tests {
         assert!(cfg.mode().contains("1 worker pool"), "{}", cfg.mode());
         let printed = cfg.to_toml();
         assert!(!printed.contains(&long), "the secret is masked: {printed}");
-        for (bad, why) in [
+        cfg.tokens = vec![Token {
+            name: "ops".into(),
+            role: Role::Operator,
+            token: "operator-secret-0123456789".into(),
+        }];
+        for (pools, why) in [
             (
-                pool("gpu-", &format!("  {}  ", "s".repeat(31))),
+                vec![pool("gpu-", &format!("  {}  ", "s".repeat(31)))],
                 "shorter than 32",
             ),
-            (pool("-gpu", &long), "cannot begin an agent id"),
-            (pool("GPU/", &long), "cannot begin an agent id"),
+            (vec![pool("-gpu", &long)], "cannot begin an agent id"),
+            (vec![pool("GPU/", &long)], "cannot begin an agent id"),
+            (vec![pool("", &long)], "cannot begin an agent id"),
+            (vec![pool("op", &long)], "admits 'ops'"),
+            (
+                vec![pool("gpu-", &long), pool("gpu-big-", &long)],
+                "overlap",
+            ),
+            (
+                vec![pool("gpu-big-", &long), pool("gpu-", &long)],
+                "overlap",
+            ),
         ] {
-            cfg.worker_pools = vec![bad];
+            cfg.worker_pools = pools;
             let e = cfg.validate().expect_err(why).to_string();
             assert!(e.contains(why), "{e}");
         }
-        // The empty prefix admits every agent id.
-        cfg.worker_pools = vec![pool("", &long)];
-        cfg.validate().expect("an empty prefix");
-        assert!(cfg.worker_pools[0].admits("a") && !cfg.worker_pools[0].admits(""));
+        cfg.worker_pools = vec![pool("gpu-", &long), pool("cpu-", &long)];
+        cfg.validate()
+            .expect("two pools apart from each other and from 'ops'");
         assert!(pool("gpu-", &long).admits("gpu-1") && !pool("gpu-", &long).admits("gpu-"));
         // A listed token may not look like a pool token.
         cfg.tokens = vec![Token {

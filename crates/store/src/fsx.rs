@@ -92,17 +92,102 @@ pub(crate) fn remove_durably(path: &Path) -> Result<(), Error> {
     }
 }
 
-/// Reads a file that may be absent.
+/// The largest state file (`.state`, `.state.approvals`, `.state.holders`, …) read whole.
+pub(crate) const MAX_STATE_FILE: u64 = 64 << 20;
+
+/// Opens `path` for reading if it is a regular file, without ever blocking: a FIFO or a
+/// device put in a file's place is refused (checked on the opened handle, so nothing can be
+/// swapped in between), never opened for a read that waits for a writer. `Ok(None)`: absent.
+pub(crate) fn open_regular(path: &Path) -> std::io::Result<Option<File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if f.metadata()?.is_file() {
+        Ok(Some(f))
+    } else {
+        Err(std::io::Error::other(
+            "not a regular file: replace it with one, or remove it",
+        ))
+    }
+}
+
+/// Reads a regular file of at most `cap` bytes whole; `Ok(None)` when absent.
+pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Error> {
+    use std::io::Read;
+    let Some(f) = open_regular(path).map_err(io_err("read", path))? else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    f.take(cap.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(io_err("read", path))?;
+    if bytes.len() as u64 > cap {
+        return Err(io_err("read", path)(std::io::Error::other(format!(
+            "larger than {cap} bytes: not a file this store writes"
+        ))));
+    }
+    Ok(Some(bytes))
+}
+
+/// Reads a state file that may be absent.
 pub(crate) fn read_optional(path: &Path) -> Result<Option<String>, Error> {
-    match fs::read(path) {
-        Ok(bytes) => String::from_utf8(bytes)
+    match read_capped(path, MAX_STATE_FILE)? {
+        None => Ok(None),
+        Some(bytes) => String::from_utf8(bytes)
             .map(Some)
             .map_err(|_| Error::NotUtf8 {
                 path: path.to_path_buf(),
             }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io_err("read", path)(e)),
     }
+}
+
+/// Opens a folder to lock it, never blocking and never through a symlink: a task folder
+/// that is a link is not a task (the listings skip links too), and `O_DIRECTORY` refuses a
+/// FIFO swapped into its place before anything is opened. `Ok(None)`: not a real folder
+/// (absent, a link, a file).
+fn open_dir(path: &Path) -> Result<Option<File>, Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => Ok(Some(f)),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(io_err("open", path)(e)),
+    }
+}
+
+/// Opens the project's `.automaton/` folder to lock it (it may itself be a link: `~/.automaton`
+/// kept elsewhere), never blocking.
+fn open_meta(meta: &Path) -> Result<File, Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK)
+        .open(meta)
+        .map_err(io_err("open", meta))
+}
+
+/// (device, inode) of an open file.
+fn identity(f: &File, path: &Path) -> Result<(u64, u64), Error> {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata().map_err(io_err("stat", path))?;
+    Ok((m.dev(), m.ino()))
 }
 
 /// The project's writer lock: an exclusive fs4 lock (flock) on the `{meta}` directory itself,
@@ -114,52 +199,72 @@ pub(crate) struct ProjectLock {
     _dir: File,
 }
 
-/// The writer lock of one task: the project lock shared, then an exclusive flock on the
-/// task's own folder, held while one command reads, checks and writes that task's files.
-/// Writes to different tasks run in parallel, so their syncs overlap; writes to one task,
-/// and any change to the project's shape, still exclude each other. Always taken in that
-/// order (project, task, then — for a parent's `complete` — its sub-tasks shared), so no two
-/// writers wait on each other. Fields drop in order: the task first, then the project.
+/// The writer lock of one task: the project lock shared, the parent's folder shared (for a
+/// sub-task), then an exclusive flock on the task's own folder, held while one command reads,
+/// checks and writes that task's files. Writes to different tasks run in parallel, so their
+/// syncs overlap; writes to one task, and any change to the project's shape, still exclude
+/// each other; a sub-task is written only while its parent is not being changed (its
+/// creation, not yet durable, or its parent's `complete`). Always taken in that order
+/// (project, parent, task, then — for a parent's `complete` — its sub-tasks shared), so no two
+/// writers wait on each other. Fields drop in order: the task, the parent, the project.
 pub(crate) struct TaskLock {
     _task: File,
+    _parent: Option<File>,
     _project: File,
 }
 
 impl TaskLock {
-    /// Locks the task at `task_dir` under the project `meta`. `None`: the folder does not
-    /// exist (nothing was created).
+    /// Locks the task at `task_dir` (a sub-task: under `parent_dir`) in the project `meta`.
+    /// `None`: no such task folder (absent, a link, a file, or the project's own folder);
+    /// nothing was created.
     pub(crate) fn acquire(
         meta: &Path,
         tmp_dir: &Path,
+        parent_dir: Option<&Path>,
         task_dir: &Path,
     ) -> Result<Option<TaskLock>, Error> {
-        use std::os::unix::fs::MetadataExt;
-        let project = File::open(meta).map_err(io_err("open", meta))?;
+        sweep_once(meta, tmp_dir);
+        let project = open_meta(meta)?;
         fs4::FileExt::lock_shared(&project).map_err(io_err("lock", meta))?;
-        sweep_once(tmp_dir);
+        let mut taken = vec![identity(&project, meta)?];
+        let parent = match parent_dir {
+            None => None,
+            Some(p) => {
+                let Some(f) = open_dir(p)? else {
+                    return Ok(None);
+                };
+                if taken.contains(&identity(&f, p)?) {
+                    return Ok(None);
+                }
+                fs4::FileExt::lock_shared(&f).map_err(io_err("lock", p))?;
+                taken.push(identity(&f, p)?);
+                Some(f)
+            }
+        };
         // A folder replaced between the open and the lock would leave this lock on the old
         // one: lock again until the locked folder is the one at the path.
         loop {
-            // Only a folder is a task (as `Project::folder` says), and only a folder is
-            // opened: opening a FIFO someone put in its place would block.
-            if !task_dir.is_dir() {
+            let Some(dir) = open_dir(task_dir)? else {
+                return Ok(None);
+            };
+            let held = identity(&dir, task_dir)?;
+            // The project's (or the parent's) own folder reached some other way: locking it
+            // exclusively through a second descriptor would wait for this lock forever.
+            if taken.contains(&held) {
                 return Ok(None);
             }
-            let dir = match File::open(task_dir) {
-                Ok(d) => d,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-                Err(e) => return Err(io_err("open", task_dir)(e)),
-            };
             fs4::FileExt::lock(&dir).map_err(io_err("lock", task_dir))?;
-            let held = dir.metadata().map_err(io_err("stat", task_dir))?;
-            match fs::metadata(task_dir) {
-                Ok(now) if now.ino() == held.ino() && now.dev() == held.dev() => {
-                    return Ok(Some(TaskLock {
-                        _task: dir,
-                        _project: project,
-                    }));
+            match fs::symlink_metadata(task_dir) {
+                Ok(now) => {
+                    use std::os::unix::fs::MetadataExt;
+                    if (now.dev(), now.ino()) == held {
+                        return Ok(Some(TaskLock {
+                            _task: dir,
+                            _parent: parent,
+                            _project: project,
+                        }));
+                    }
                 }
-                Ok(_) => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
                 Err(e) => return Err(io_err("stat", task_dir)(e)),
             }
@@ -169,12 +274,9 @@ impl TaskLock {
 
 /// A shared flock on a task's folder, for reading its state while its writers (who hold it
 /// exclusively through their syncs) are kept out: a value read under it is durable. `None`
-/// when the folder cannot be opened.
+/// when it is not a real folder.
 pub(crate) fn read_lock(dir: &Path) -> Option<File> {
-    if !dir.is_dir() {
-        return None;
-    }
-    let f = File::open(dir).ok()?;
+    let f = open_dir(dir).ok()??;
     fs4::FileExt::lock_shared(&f).ok()?;
     Some(f)
 }
@@ -182,7 +284,7 @@ pub(crate) fn read_lock(dir: &Path) -> Option<File> {
 impl ProjectLock {
     /// Locks `meta`, which must exist.
     pub(crate) fn acquire(meta: &Path, tmp_dir: &Path) -> Result<ProjectLock, Error> {
-        let dir = File::open(meta).map_err(io_err("open", meta))?;
+        let dir = open_meta(meta)?;
         // std::fs::File has an inherent `lock` since Rust 1.89; call fs4's explicitly.
         fs4::FileExt::lock(&dir).map_err(io_err("lock", meta))?;
         sweep_temporaries(tmp_dir);
@@ -210,18 +312,28 @@ fn sweep_temporaries(tmp_dir: &Path) {
     }
 }
 
-/// Sweeps `tmp_dir` the first time this process locks anything in it: a command run from a
-/// shell cleans up after a killed one as before, and a coordinator after its killed
-/// predecessor, without every task write listing the folder.
-fn sweep_once(tmp_dir: &Path) {
+/// Sweeps `tmp_dir` once per process, at its first task write: a command run from a shell
+/// cleans up after a killed one, a coordinator after its killed predecessor, without every
+/// task write listing the folder. Only while the whole project can be locked at once (no
+/// other writer is at work, so no staging folder is being built or renamed): when it cannot,
+/// a later write tries again.
+fn sweep_once(meta: &Path, tmp_dir: &Path) {
     static SWEPT: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
-    let mut swept = SWEPT.lock().unwrap_or_else(|p| p.into_inner());
-    if swept.iter().any(|p| p == tmp_dir) {
+    let done = |swept: &Vec<PathBuf>| swept.iter().any(|p| p == tmp_dir);
+    if done(&SWEPT.lock().unwrap_or_else(|p| p.into_inner())) {
         return;
     }
-    swept.push(tmp_dir.to_path_buf());
-    drop(swept);
-    sweep_temporaries(tmp_dir);
+    let Ok(whole) = open_meta(meta) else {
+        return;
+    };
+    if fs4::FileExt::try_lock(&whole).is_err() {
+        return;
+    }
+    let mut swept = SWEPT.lock().unwrap_or_else(|p| p.into_inner());
+    if !done(&swept) {
+        sweep_temporaries(tmp_dir);
+        swept.push(tmp_dir.to_path_buf());
+    }
 }
 
 /// Lists a directory's entry names (sorted), or nothing when it does not exist.

@@ -82,7 +82,14 @@ impl Project {
         if !self.meta.is_dir() {
             return Err(missing());
         }
-        TaskLock::acquire(&self.meta, &self.tmp_dir(), &self.task_dir(task))?.ok_or_else(missing)
+        let parent = task.parent().map(|p| self.task_dir(&p));
+        TaskLock::acquire(
+            &self.meta,
+            &self.tmp_dir(),
+            parent.as_deref(),
+            &self.task_dir(task),
+        )?
+        .ok_or_else(missing)
     }
 
     /// The writer lock of the whole project, for a command that changes its shape or

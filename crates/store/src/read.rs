@@ -56,7 +56,9 @@ impl Unaddressable {
 /// other byte, which for a real artifact is almost always in the first block.
 fn is_blank(path: &Path) -> Result<bool, Error> {
     use std::io::Read;
-    let mut f = fs::File::open(path).map_err(io_err("read", path))?;
+    let Some(mut f) = fsx::open_regular(path).map_err(io_err("read", path))? else {
+        return Ok(true);
+    };
     let mut buf = [0u8; 4096];
     loop {
         let n = f.read(&mut buf).map_err(io_err("read", path))?;
@@ -232,11 +234,13 @@ impl Project {
         artifact: Artifact,
     ) -> Result<Option<String>, Error> {
         let path = dir.join(artifact.file_name());
-        match fs::read(&path) {
-            Ok(bytes) => Ok(Some(hex(&Sha256::digest(&bytes)))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(io_err("read", &path)(e)),
-        }
+        let Some(mut f) = fsx::open_regular(&path).map_err(io_err("read", &path))? else {
+            return Ok(None);
+        };
+        // Streamed: an artifact may be large.
+        let mut hasher = Sha256::new();
+        std::io::copy(&mut f, &mut hasher).map_err(io_err("read", &path))?;
+        Ok(Some(hex(&hasher.finalize())))
     }
 
     /// The latest approval of `phase`, and whether the artifact changed since it.

@@ -36,20 +36,26 @@ pub struct InputFile {
 }
 
 fn read_small(path: &std::path::Path, budget: &mut u64) -> Result<Option<Vec<u8>>, Error> {
-    let meta = match fs::metadata(path) {
-        Ok(m) if m.is_file() => m,
-        Ok(_) => return Ok(None),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_err("stat", path)(e)),
+    use std::io::Read;
+    // Anything but a regular file (a folder, a FIFO) is not an input.
+    let f = match crate::fsx::open_regular(path) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Ok(None),
+        Err(_) if !path.is_file() => return Ok(None),
+        Err(e) => return Err(io_err("read", path)(e)),
     };
-    if meta.len() > *budget {
+    let mut bytes = Vec::new();
+    f.take(budget.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(io_err("read", path))?;
+    if bytes.len() as u64 > *budget {
         return Err(Error::InputTooLarge {
             path: path.to_path_buf(),
             limit: MAX_FRAMEWORK_BYTES,
         });
     }
-    *budget -= meta.len();
-    fs::read(path).map(Some).map_err(io_err("read", path))
+    *budget -= bytes.len() as u64;
+    Ok(Some(bytes))
 }
 
 impl Project {
@@ -264,7 +270,9 @@ impl Project {
             });
         }
         let target = dir.join(name);
-        if fs::read(&target).is_ok_and(|old| old == bytes) {
+        if crate::fsx::read_capped(&target, bytes.len() as u64)
+            .is_ok_and(|old| old.as_deref() == Some(bytes))
+        {
             return Ok(false);
         }
         self.write(&target, bytes)?;
@@ -287,7 +295,9 @@ impl Project {
             });
         }
         let target = dir.join(artifact.file_name());
-        if fs::read(&target).is_ok_and(|old| old == bytes) {
+        if crate::fsx::read_capped(&target, bytes.len() as u64)
+            .is_ok_and(|old| old.as_deref() == Some(bytes))
+        {
             return Ok(false);
         }
         self.write(&target, bytes)?;
