@@ -1283,8 +1283,8 @@ mod tests {
         let out = wait.await.unwrap();
         assert_eq!(out.reason, StopReason::OperatorStopped);
         assert_all_gone(&[agent], pgid);
-        // Exit codes, and deaths by signal (SIGPIPE too, which Rust ignores by default, and
-        // SIGTERM, which the guard catches), read as if the worker had started the agent.
+        // Exit codes, and deaths by signal (SIGPIPE too, which Rust ignores by default,
+        // SIGTERM, which the guard catches, and a real-time one), read as if the worker had started the agent.
         for (template, reason, detail, code) in [
             ("exit 3", StopReason::AgentError, "exit status 3", Some(3)),
             (
@@ -1315,6 +1315,13 @@ mod tests {
                 "kill -SEGV $$",
                 StopReason::Crashed,
                 "killed by signal 11",
+                None,
+            ),
+            // A real-time signal (SIGRTMIN on glibc), which signal-hook cannot emulate.
+            (
+                "kill -34 $$",
+                StopReason::Crashed,
+                "killed by signal 34",
                 None,
             ),
         ] {
