@@ -495,6 +495,7 @@ fn install_signals(stop: tokio::sync::watch::Sender<bool>) -> anyhow::Result<()>
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
