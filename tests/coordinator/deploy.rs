@@ -244,7 +244,7 @@ fn deploy_files_use_only_flags_the_binaries_accept() {
         ),
         (
             Binary::Worker,
-            accepted_flags(&worker_bin(), &["run", "probe"]),
+            accepted_flags(&worker_bin(), &["run", "probe", "mint-token"]),
         ),
     ]
     .into_iter()

@@ -127,6 +127,21 @@ impl Worker {
         self.wait_stdout_n(needle, 1, timeout)
     }
 
+    /// Waits (bounded) until stderr has `needle`: after an exit its last lines may still be
+    /// on their way through the pipe.
+    pub fn wait_stderr(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.stderr().contains(needle) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -650,28 +665,185 @@ async fn pool_workers_join_with_tokens_minted_from_the_pool_secret_bound_to_thei
         assert!(!s.message().contains(POOL_SECRET), "{why}: {s:?}");
     }
     // Refused, each with its reason, and the worker exits 2: a secret the coordinator does not
-    // know; a short secret (before anything is sent); a folder (only a regular file is read:
-    // a FIFO would block the start).
+    // know; a short secret (before anything is sent); a folder, a FIFO (opened without
+    // blocking: only a regular file is read) and a file over 4096 bytes (never read whole),
+    // at once and in one line.
     let wrong = env.root().join("wrong.secret");
     std::fs::write(&wrong, "another-secret-0123456789abcdef0123").expect("write");
     let short = env.root().join("short.secret");
     std::fs::write(&short, "too-short").expect("write");
-    for (file, reason) in [
-        (wrong.as_path(), "pool token refused"),
-        (short.as_path(), "shorter than 32 bytes"),
-        (env.root(), "is not a file"),
+    let fifo = env.root().join("fifo.secret");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo: {made}");
+    let big = env.root().join("big.secret");
+    std::fs::write(&big, "s".repeat(5 * 1024)).expect("write");
+    for (flag, file, reason) in [
+        ("--pool-secret-file", wrong.as_path(), "pool token refused"),
+        (
+            "--pool-secret-file",
+            short.as_path(),
+            "shorter than 32 bytes",
+        ),
+        ("--pool-secret-file", env.root(), "is not a file"),
+        ("--pool-secret-file", fifo.as_path(), "is not a file"),
+        (
+            "--pool-secret-file",
+            big.as_path(),
+            "holds more than 4096 bytes",
+        ),
+        ("--token-file", fifo.as_path(), "is not a file"),
+        ("--token-file", big.as_path(), "holds more than 4096 bytes"),
     ] {
         let path = file.to_str().expect("utf-8");
-        let mut bad = Worker::spawn(
-            &coord.url,
-            &["--name", "pool-b", "--pool-secret-file", path],
-            &[],
-        );
+        let started = Instant::now();
+        let mut bad = Worker::spawn(&coord.url, &["--name", "pool-b", flag, path], &[]);
         let status = bad.exit(Duration::from_secs(10));
-        assert_eq!(status.code(), Some(2), "{reason}: {}", bad.stderr());
-        assert!(bad.stderr().contains(reason), "{reason}: {}", bad.stderr());
+        let elapsed = started.elapsed();
+        let found = bad.wait_stderr(reason, Duration::from_secs(5));
+        let err = bad.stderr();
+        assert_eq!(status.code(), Some(2), "{flag} {reason}: {err}");
+        assert!(found, "{flag} {reason}: {err}");
+        if reason != "pool token refused" {
+            assert_eq!(err.lines().count(), 1, "{flag} {reason}: one line: {err}");
+            assert!(
+                elapsed < Duration::from_secs(5),
+                "{flag} {reason}: not at once ({elapsed:?})"
+            );
+        }
     }
     drop(w);
+}
+
+/// Runs `automaton-worker ARGS` to its end, within 10 s: (exit code, stdout, stderr).
+fn worker_output(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let mut c = Command::new(worker_bin());
+    c.args(args);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    let home = tempfile::tempdir().expect("worker home");
+    let mut child = c
+        .env("HOME", home.path())
+        .envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn automaton-worker");
+    let stdout = Arc::new(Mutex::new(String::new()));
+    let stderr = Arc::new(Mutex::new(String::new()));
+    pump(child.stdout.take().expect("stdout"), stdout.clone());
+    pump(child.stderr.take().expect("stderr"), stderr.clone());
+    let read = |s: &Arc<Mutex<String>>| s.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let Some(status) = wait_bounded(&mut child, Duration::from_secs(10)) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "automaton-worker {args:?} did not exit within 10 s;\nstderr:\n{}",
+            read(&stderr)
+        );
+    };
+    // The pipes close with the process: wait (bounded) for the pumps to read them out.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Arc::strong_count(&stdout) + Arc::strong_count(&stderr) > 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (status.code(), read(&stdout), read(&stderr))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_workers_can_join_with_a_token_minted_beforehand_into_a_token_file() {
+    use automaton_workflow::pool_token;
+    let env = Env::with_config(&format!(
+        "{TOKENS_TOML}\n[[worker_pools]]\nprefix = \"pool-\"\nsecret = \"{POOL_SECRET}\"\n"
+    ));
+    let coord = Coord::start(&env, &fleet_args());
+    let secret_file = env.root().join("pool.secret");
+    std::fs::write(&secret_file, format!("{POOL_SECRET}\n")).expect("secret file");
+    let secret_arg = secret_file.to_str().expect("utf-8 path");
+    // `mint-token` prints the token alone, one line; the worker reads it from a file and
+    // joins under the token's name, never holding the secret.
+    let (code, out, err) = worker_output(
+        &[
+            "mint-token",
+            "--pool-secret-file",
+            secret_arg,
+            "--name",
+            "pool-c",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        out,
+        format!("{}\n", pool_token::mint(POOL_SECRET.as_bytes(), "pool-c"))
+    );
+    assert_eq!(err, "");
+    let token_file = env.root().join("pool-c.token");
+    std::fs::write(&token_file, &out).expect("token file");
+    let token_arg = token_file.to_str().expect("utf-8 path");
+    let w = Worker::start(&coord.url, &["--token-file", token_arg], &[]);
+    let ops = coord.api_as(OPERATOR_TOKEN).await;
+    assert!(
+        worker_named(&ops, "pool-c").await.is_some(),
+        "pool-c is listed"
+    );
+    drop(w);
+    // AUTOMATON_TOKEN_FILE does the same.
+    let w = Worker::start(
+        &coord.url,
+        &["--replace"],
+        &[("AUTOMATON_TOKEN_FILE", token_arg)],
+    );
+    drop(w);
+    // `mint-token` refuses a name that is not an agent id, in one line.
+    let (code, out, err) = worker_output(
+        &[
+            "mint-token",
+            "--pool-secret-file",
+            secret_arg,
+            "--name",
+            "no such",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(out, "");
+    assert!(
+        err.contains("is not a worker name") && err.lines().count() == 1,
+        "{err}"
+    );
+    // Two credentials at once: refused in one line naming both, whether flags or variables
+    // (a pool secret file in the environment never silently beats --token).
+    for (args, envs, a, b) in [
+        (
+            vec!["--token", "worker-token-0123456789"],
+            vec![("AUTOMATON_POOL_SECRET_FILE", secret_arg)],
+            "--token",
+            "AUTOMATON_POOL_SECRET_FILE",
+        ),
+        (
+            vec!["--token-file", token_arg],
+            vec![("AUTOMATON_TOKEN", "worker-token-0123456789")],
+            "AUTOMATON_TOKEN",
+            "--token-file",
+        ),
+        (
+            vec!["--token-file", token_arg, "--pool-secret-file", secret_arg],
+            vec![],
+            "--token-file",
+            "--pool-secret-file",
+        ),
+    ] {
+        let mut all = vec!["--coordinator", coord.url.as_str(), "--name", "pool-d"];
+        all.extend(args);
+        let (code, _, err) = worker_output(&all, &envs);
+        assert_eq!(code, Some(2), "{a} {b}: {err}");
+        assert!(
+            err.contains(&format!("both {a} and {b} are given")) && err.lines().count() == 1,
+            "{a} {b}: {err}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

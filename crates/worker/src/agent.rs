@@ -62,6 +62,8 @@ pub const DEFAULT_MAX_PHASE_TIME: Duration = Duration::from_secs(60 * 60);
 const WORKER_TOKEN_VAR: &str = "AUTOMATON_TOKEN";
 /// Where the worker's pool secret is (it mints its token from it); never handed to the agent.
 const POOL_SECRET_VAR: &str = "AUTOMATON_POOL_SECRET_FILE";
+/// Where the worker's token is; never handed to the agent.
+const TOKEN_FILE_VAR: &str = "AUTOMATON_TOKEN_FILE";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -539,6 +541,7 @@ impl Running {
         cmd.current_dir(&spec.workspace)
             .env_remove(WORKER_TOKEN_VAR)
             .env_remove(POOL_SECRET_VAR)
+            .env_remove(TOKEN_FILE_VAR)
             .envs(spec.env())
             .stdin(alive_reader)
             .stdout(Stdio::piped())
@@ -1071,7 +1074,8 @@ mod tests {
 
     const ENV_AGENT: &str = "env | grep '^AUTOMATON_' | sort > {artifact}; \
          echo \"token=${AUTOMATON_TOKEN-unset}\" >> {artifact}; \
-         echo \"pool=${AUTOMATON_POOL_SECRET_FILE-unset}\" >> {artifact}";
+         echo \"pool=${AUTOMATON_POOL_SECRET_FILE-unset}\" >> {artifact}; \
+         echo \"token_file=${AUTOMATON_TOKEN_FILE-unset}\" >> {artifact}";
 
     fn env_spec(ws: &Path) -> RunSpec {
         let mut s = spec(ws, Phase::CodeReview, ENV_AGENT);
@@ -1134,7 +1138,7 @@ mod tests {
     }
 
     /// Run by `worker_token_and_pool_secret_are_not_passed_to_the_agent` in a copy of this test binary whose
-    /// environment holds `AUTOMATON_TOKEN`: setting it here would take `unsafe`.
+    /// environment holds `AUTOMATON_TOKEN` (and the two file variables): setting it here would take `unsafe`.
     #[tokio::test]
     #[ignore = "a helper: run through worker_token_and_pool_secret_are_not_passed_to_the_agent"]
     async fn token_helper_runs_an_agent_in_dir_from_env() {
@@ -1144,6 +1148,7 @@ mod tests {
             Ok("worker-secret")
         );
         assert!(std::env::var("AUTOMATON_POOL_SECRET_FILE").is_ok());
+        assert!(std::env::var("AUTOMATON_TOKEN_FILE").is_ok());
         let (out, _) = run(env_spec(Path::new(&dir)), Duration::from_secs(10)).await;
         assert_eq!(out.reason, StopReason::Completed, "{out:?}");
     }
@@ -1160,6 +1165,7 @@ mod tests {
             ])
             .env("AUTOMATON_TOKEN", "worker-secret")
             .env("AUTOMATON_POOL_SECRET_FILE", "/etc/pool-secret")
+            .env("AUTOMATON_TOKEN_FILE", "/run/worker-token")
             .env("AUTOMATON_TEST_WS", ws.path())
             .stdout(Stdio::null())
             .status()
@@ -1172,6 +1178,8 @@ mod tests {
         assert!(!got.contains("worker-secret"), "{got}");
         assert!(got.lines().any(|l| l == "pool=unset"), "{got}");
         assert!(!got.contains("/etc/pool-secret"), "{got}");
+        assert!(got.lines().any(|l| l == "token_file=unset"), "{got}");
+        assert!(!got.contains("/run/worker-token"), "{got}");
     }
 
     #[test]
@@ -1283,8 +1291,8 @@ mod tests {
         let out = wait.await.unwrap();
         assert_eq!(out.reason, StopReason::OperatorStopped);
         assert_all_gone(&[agent], pgid);
-        // Exit codes, and deaths by signal (SIGPIPE too, which Rust ignores by default, and
-        // SIGTERM, which the guard catches), read as if the worker had started the agent.
+        // Exit codes, and deaths by signal (SIGPIPE too, which Rust ignores by default,
+        // SIGTERM, which the guard catches, and a real-time one), read as if the worker had started the agent.
         for (template, reason, detail, code) in [
             ("exit 3", StopReason::AgentError, "exit status 3", Some(3)),
             (
@@ -1315,6 +1323,13 @@ mod tests {
                 "kill -SEGV $$",
                 StopReason::Crashed,
                 "killed by signal 11",
+                None,
+            ),
+            // A real-time signal (SIGRTMIN on glibc), which signal-hook cannot emulate.
+            (
+                "kill -34 $$",
+                StopReason::Crashed,
+                "killed by signal 34",
                 None,
             ),
         ] {
@@ -1389,7 +1404,9 @@ mod tests {
         let ws = tempfile::tempdir().unwrap();
         let s = spec(ws.path(), Phase::Design, "env -0 > {artifact}");
         let mut want: std::collections::BTreeMap<String, String> = std::env::vars()
-            .filter(|(k, _)| k != WORKER_TOKEN_VAR && k != POOL_SECRET_VAR)
+            .filter(|(k, _)| {
+                ![WORKER_TOKEN_VAR, POOL_SECRET_VAR, TOKEN_FILE_VAR].contains(&k.as_str())
+            })
             .collect();
         want.extend(s.env().into_iter().map(|(k, v)| (k.to_string(), v)));
         let (out, _) = run(s, Duration::from_secs(10)).await;

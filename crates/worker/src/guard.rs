@@ -120,8 +120,12 @@ fn exit_like(status: ExitStatus) -> u8 {
     }
     let sig = status.signal().unwrap_or(Signal::KILL.as_raw());
     // Resets the signal's disposition (SIGTERM, SIGINT: this guard's handler; SIGPIPE: Rust's
-    // SIG_IGN) to the default and raises it.
-    let _ = signal_hook::low_level::emulate_default_handler(sig);
+    // SIG_IGN) to the default and raises it. It knows only the standard signals: a real-time
+    // one (SIGRTMIN..) it refuses, and the guard never touched that one's disposition, so the
+    // default holds and raising it is enough.
+    if signal_hook::low_level::emulate_default_handler(sig).is_err() {
+        let _ = signal_hook::low_level::raise(sig);
+    }
     // A signal whose default is not to terminate cannot have killed the agent; be faithful to
     // the shell's convention if it did.
     u8::try_from(128 + sig).unwrap_or(1)

@@ -28,12 +28,17 @@ struct Cli {
     #[arg(long)]
     name: Option<String>,
     /// The worker token (also AUTOMATON_TOKEN): `role = "worker"` in the coordinator's config.
+    /// Give one of --token, --token-file and --pool-secret-file.
     #[arg(long, value_name = "TOKEN")]
     token: Option<String>,
+    /// Read the worker token from this file instead (also AUTOMATON_TOKEN_FILE): a regular
+    /// file of at most 4096 bytes, e.g. one written by `automaton-worker mint-token`.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// Join a worker pool instead (also AUTOMATON_POOL_SECRET_FILE): the file holds the
     /// secret of one of the coordinator's `[[worker_pools]]`, and the worker mints its token
     /// for its --name (which the pool's prefix must admit).
-    #[arg(long, value_name = "PATH", conflicts_with = "token")]
+    #[arg(long, value_name = "PATH")]
     pool_secret_file: Option<PathBuf>,
     /// How many leases this worker works on at once.
     #[arg(long, default_value_t = 1)]
@@ -89,6 +94,16 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Print the token a worker named NAME mints from a pool's secret (one line), e.g. into
+    /// a file for `--token-file`, so that the worker (and its agents) never hold the secret.
+    MintToken {
+        /// The file that holds the secret of one of the coordinator's `[[worker_pools]]`.
+        #[arg(long, value_name = "PATH")]
+        pool_secret_file: PathBuf,
+        /// The worker's name (an agent id the pool's prefix admits).
+        #[arg(long, value_name = "NAME")]
+        name: String,
+    },
     /// The built-in deterministic agent, run by the worker itself for `--agent scripted`.
     #[command(hide = true)]
     ScriptedAgent,
@@ -113,6 +128,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = match cli.cmd {
         Some(Cmd::Probe { ref detect, json }) => probe::run(detect, json),
+        Some(Cmd::MintToken {
+            ref pool_secret_file,
+            ref name,
+        }) => mint_token(pool_secret_file, name),
         Some(Cmd::AgentGuard { grace, ref command }) => {
             return ExitCode::from(guard::run(grace, command));
         }
@@ -157,27 +176,53 @@ fn join(cli: Cli) -> anyhow::Result<()> {
     result
 }
 
-/// A worker pool's secret from `path`, without surrounding whitespace (as the coordinator
-/// reads its copy).
-fn read_pool_secret(path: &Path) -> anyhow::Result<String> {
-    let meta = std::fs::metadata(path)
-        .with_context(|| format!("cannot read the pool secret {}", path.display()))?;
+/// The most a token or pool secret file may hold.
+const CREDENTIAL_FILE_MAX: u64 = 4096;
+
+/// The text of a small credential file (`what` and `flag` name it in errors), without
+/// surrounding whitespace. Opened once, without blocking (a FIFO in its place must not stall
+/// the start), and judged by the opened handle: only a regular file of at most 4096 bytes is
+/// read.
+fn read_credential_file(path: &Path, what: &str, flag: &str) -> anyhow::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .with_context(|| format!("cannot read the {what} {}", path.display()))?;
+    let meta = file
+        .metadata()
+        .with_context(|| format!("cannot read the {what} {}", path.display()))?;
     if !meta.is_file() {
         anyhow::bail!(
-            "{} is not a file: --pool-secret-file names the file that holds the pool's secret",
+            "{} is not a file: {flag} names a regular file that holds the {what}",
             path.display()
         );
     }
-    if meta.len() > 4096 {
+    let mut bytes = Vec::new();
+    file.take(CREDENTIAL_FILE_MAX + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read the {what} {}", path.display()))?;
+    if bytes.len() as u64 > CREDENTIAL_FILE_MAX {
         anyhow::bail!(
-            "{} is {} bytes: a pool secret file holds one secret (at most 4096 bytes)",
-            path.display(),
-            meta.len()
+            "{} holds more than {CREDENTIAL_FILE_MAX} bytes: {flag} names a file that holds one {what}",
+            path.display()
         );
     }
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read the pool secret {}", path.display()))?;
-    let secret = text.trim();
+    let text = String::from_utf8(bytes).map_err(|_| {
+        anyhow::anyhow!(
+            "{} is not UTF-8 text: {flag} names a file that holds one {what}",
+            path.display()
+        )
+    })?;
+    Ok(text.trim().to_string())
+}
+
+/// A worker pool's secret from `path`, without surrounding whitespace (as the coordinator
+/// reads its copy).
+fn read_pool_secret(path: &Path) -> anyhow::Result<String> {
+    let secret = read_credential_file(path, "pool secret", "--pool-secret-file")?;
     if secret.len() < automaton_workflow::pool_token::MIN_SECRET_BYTES {
         anyhow::bail!(
             "the pool secret in {} is shorter than {} bytes: use the secret of the coordinator's [[worker_pools]] entry",
@@ -185,7 +230,88 @@ fn read_pool_secret(path: &Path) -> anyhow::Result<String> {
             automaton_workflow::pool_token::MIN_SECRET_BYTES
         );
     }
-    Ok(secret.to_string())
+    Ok(secret)
+}
+
+/// A worker token from `path` (`--token-file`), without surrounding whitespace.
+fn read_token_file(path: &Path) -> anyhow::Result<String> {
+    let token = read_credential_file(path, "worker token", "--token-file")?;
+    if token.is_empty() {
+        anyhow::bail!(
+            "{} is empty: --token-file names the file that holds this worker's token",
+            path.display()
+        );
+    }
+    Ok(token)
+}
+
+fn check_name(name: &str) -> anyhow::Result<()> {
+    if name.parse::<automaton_workflow::AgentId>().is_err() {
+        anyhow::bail!(
+            "--name '{name}' is not a worker name: use 1 to 64 letters, digits, '.', '_', '@' or '-', starting with a letter or digit"
+        );
+    }
+    Ok(())
+}
+
+/// `mint-token`: the token alone on stdout, one line.
+fn mint_token(pool_secret_file: &Path, name: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    check_name(name)?;
+    let secret = read_pool_secret(pool_secret_file)?;
+    let token = automaton_workflow::pool_token::mint(secret.as_bytes(), name);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{token}")
+        .and_then(|()| out.flush())
+        .context("cannot write the token to stdout")
+}
+
+/// Where the worker's credential comes from: at most one of them.
+enum Credential {
+    None,
+    Token(String),
+    TokenFile(PathBuf),
+    PoolSecretFile(PathBuf),
+}
+
+/// The one credential given by a flag or its variable (a flag wins over its own variable);
+/// two kinds at once is an error naming both.
+fn credential(
+    token: Option<String>,
+    token_file: Option<PathBuf>,
+    pool_secret_file: Option<PathBuf>,
+    env: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<Credential> {
+    let pick = |flag: Option<String>, flag_name: &'static str, var: &'static str| match flag {
+        Some(v) => Some((flag_name, v)),
+        None => env(var).map(|v| (var, v)),
+    };
+    let given = [
+        pick(token, "--token", "AUTOMATON_TOKEN"),
+        pick(
+            token_file.map(|p| p.to_string_lossy().into_owned()),
+            "--token-file",
+            "AUTOMATON_TOKEN_FILE",
+        ),
+        pick(
+            pool_secret_file.map(|p| p.to_string_lossy().into_owned()),
+            "--pool-secret-file",
+            "AUTOMATON_POOL_SECRET_FILE",
+        ),
+    ];
+    let named: Vec<&'static str> = given.iter().flatten().map(|(n, _)| *n).collect();
+    if let [a, b, ..] = named[..] {
+        anyhow::bail!(
+            "both {a} and {b} are given: give the worker one credential (a token, a token file or a pool secret file) and drop the other"
+        );
+    }
+    let [token, token_file, pool] = given;
+    Ok(match (token, token_file, pool) {
+        (Some((_, t)), _, _) => Credential::Token(t),
+        (_, Some((_, p)), _) => Credential::TokenFile(PathBuf::from(p)),
+        (_, _, Some((_, p))) => Credential::PoolSecretFile(PathBuf::from(p)),
+        (None, None, None) => Credential::None,
+    })
 }
 
 fn serve(cli: Cli) -> anyhow::Result<()> {
@@ -202,6 +328,14 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
     if cli.capacity == 0 {
         anyhow::bail!("--capacity must be at least 1");
     }
+    // Before the probe: a refused credential fails the start at once.
+    let (mut token, pool_secret) =
+        match credential(cli.token, cli.token_file, cli.pool_secret_file, env)? {
+            Credential::None => (None, None),
+            Credential::Token(t) => (Some(t), None),
+            Credential::TokenFile(path) => (Some(read_token_file(&path)?), None),
+            Credential::PoolSecretFile(path) => (None, Some(read_pool_secret(&path)?)),
+        };
     let probe = probe::detect(&cli.detect);
     automaton_worker::metrics::METRICS.detected(
         probe
@@ -215,27 +349,14 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
             .collect(),
         probe.budget.max_peak_context_kb,
     );
-    let pool_secret = match cli
-        .pool_secret_file
-        .or_else(|| env("AUTOMATON_POOL_SECRET_FILE").map(PathBuf::from))
-    {
-        Some(path) => Some(read_pool_secret(&path)?),
-        None => None,
-    };
-    let mut token = match pool_secret {
-        Some(_) => None,
-        None => cli.token.or_else(|| env("AUTOMATON_TOKEN")),
-    };
     // With a token the coordinator knows the name (the token's); without, the host's.
     let name = match (cli.name, &token) {
         (Some(n), _) => n,
         (None, Some(_)) => String::new(),
         (None, None) => default_name(&probe.host),
     };
-    if !name.is_empty() && name.parse::<automaton_workflow::AgentId>().is_err() {
-        anyhow::bail!(
-            "--name '{name}' is not a worker name: use lowercase letters, digits and dashes"
-        );
+    if !name.is_empty() {
+        check_name(&name)?;
     }
     if let Some(secret) = pool_secret {
         token = Some(automaton_workflow::pool_token::mint(
@@ -305,7 +426,7 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot open the cache {}", cache_dir.display()))?;
             let bearer = match &token {
                 Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| {
-                    anyhow::anyhow!("--token holds characters a header cannot carry")
+                    anyhow::anyhow!("the worker token holds characters a header cannot carry: check --token or --token-file")
                 })?),
                 None => None,
             };
@@ -371,4 +492,125 @@ fn install_signals(stop: tokio::sync::watch::Sender<bool>) -> anyhow::Result<()>
         let _ = stop.send(true);
     });
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn given(
+        token: Option<&str>,
+        token_file: Option<&str>,
+        pool: Option<&str>,
+        vars: &[(&str, &str)],
+    ) -> anyhow::Result<Credential> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        credential(
+            token.map(String::from),
+            token_file.map(PathBuf::from),
+            pool.map(PathBuf::from),
+            |k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()),
+        )
+    }
+
+    #[test]
+    fn any_two_credentials_at_once_are_refused_naming_both() {
+        for (flags, vars, a, b) in [
+            (
+                (Some("t"), None, None),
+                &[("AUTOMATON_POOL_SECRET_FILE", "/s")][..],
+                "--token",
+                "AUTOMATON_POOL_SECRET_FILE",
+            ),
+            (
+                (None, None, None),
+                &[
+                    ("AUTOMATON_TOKEN", "t"),
+                    ("AUTOMATON_POOL_SECRET_FILE", "/s"),
+                ][..],
+                "AUTOMATON_TOKEN",
+                "AUTOMATON_POOL_SECRET_FILE",
+            ),
+            (
+                (None, Some("/t"), None),
+                &[("AUTOMATON_TOKEN", "t")][..],
+                "AUTOMATON_TOKEN",
+                "--token-file",
+            ),
+            (
+                (None, Some("/t"), Some("/s")),
+                &[][..],
+                "--token-file",
+                "--pool-secret-file",
+            ),
+            (
+                (None, None, Some("/s")),
+                &[("AUTOMATON_TOKEN_FILE", "/t")][..],
+                "AUTOMATON_TOKEN_FILE",
+                "--pool-secret-file",
+            ),
+        ] {
+            let (t, f, p) = flags;
+            let Err(e) = given(t, f, p, vars) else {
+                panic!("{a} with {b} accepted");
+            };
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!("both {a} and {b} are given")) && !msg.contains('\n'),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn one_credential_is_taken_and_a_flag_wins_over_its_own_variable() {
+        assert!(matches!(
+            given(Some("flag"), None, None, &[("AUTOMATON_TOKEN", "var")]),
+            Ok(Credential::Token(t)) if t == "flag"
+        ));
+        assert!(matches!(
+            given(None, None, None, &[("AUTOMATON_TOKEN_FILE", "/t")]),
+            Ok(Credential::TokenFile(p)) if p == Path::new("/t")
+        ));
+        assert!(matches!(
+            given(None, None, Some("/s"), &[("AUTOMATON_POOL_SECRET_FILE", "/v")]),
+            Ok(Credential::PoolSecretFile(p)) if p == Path::new("/s")
+        ));
+        assert!(matches!(given(None, None, None, &[]), Ok(Credential::None)));
+    }
+
+    #[test]
+    fn a_credential_file_is_read_only_when_it_is_a_regular_file_of_at_most_4096_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = dir.path().join("token");
+        std::fs::write(&ok, format!("  {}\n", "t".repeat(4000))).unwrap();
+        assert_eq!(read_token_file(&ok).unwrap(), "t".repeat(4000));
+        let full = dir.path().join("full");
+        std::fs::write(&full, "t".repeat(4096)).unwrap();
+        assert_eq!(read_token_file(&full).unwrap().len(), 4096);
+        let big = dir.path().join("big");
+        std::fs::write(&big, "t".repeat(4097)).unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, " \n").unwrap();
+        for (path, why) in [
+            (big.as_path(), "holds more than 4096 bytes"),
+            (fifo.as_path(), "is not a file"),
+            (dir.path(), "is not a file"),
+            (empty.as_path(), "is empty"),
+            (&dir.path().join("missing"), "cannot read the worker token"),
+        ] {
+            let e = read_token_file(path).expect_err(why).to_string();
+            assert!(e.contains(why) && !e.contains('\n'), "{why}: {e}");
+        }
+    }
 }

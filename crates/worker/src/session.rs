@@ -33,7 +33,9 @@ pub enum Error {
     Refused(String),
     #[error("invalid coordinator address '{0}': write e.g. http://127.0.0.1:7070")]
     Address(String),
-    #[error("--token holds characters a header cannot carry")]
+    #[error(
+        "the worker token holds characters a header cannot carry: check --token or --token-file"
+    )]
     Token,
 }
 
