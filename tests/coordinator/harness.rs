@@ -434,16 +434,7 @@ impl Coord {
 
     /// Waits (bounded) until stderr contains `needle`; returns whether it did.
     pub fn wait_stderr(&self, needle: &str, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.stderr().contains(needle) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until(timeout, || self.stderr().contains(needle))
     }
 
     /// Sends SIGTERM and waits (bounded) for the exit.
@@ -875,6 +866,21 @@ impl Events {
         tokio::time::sleep(quiet).await;
         self.pull();
         &self.all
+    }
+}
+
+/// Checks `f` every 10 ms until it holds, at most `timeout`; whether it did. For waits on a
+/// child's output, off the async runtime.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -111,16 +111,7 @@ impl Worker {
 
     /// Waits (bounded) until stdout has `needle` at least `times` times.
     pub fn wait_stdout_n(&self, needle: &str, times: usize, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.stdout().matches(needle).count() >= times {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until(timeout, || self.stdout().matches(needle).count() >= times)
     }
 
     pub fn wait_stdout(&self, needle: &str, timeout: Duration) -> bool {
@@ -130,16 +121,7 @@ impl Worker {
     /// Waits (bounded) until stderr has `needle`: after an exit its last lines may still be
     /// on their way through the pipe.
     pub fn wait_stderr(&self, needle: &str, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if self.stderr().contains(needle) {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until(timeout, || self.stderr().contains(needle))
     }
 
     pub fn pid(&self) -> u32 {
@@ -594,15 +576,22 @@ async fn wrong_or_missing_worker_token_is_unauthenticated_and_claiming_as_anothe
 /// A worker pool: `pool-` names, one secret.
 const POOL_SECRET: &str = "pool-secret-0123456789abcdef0123456789";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pool_workers_join_with_tokens_minted_from_the_pool_secret_bound_to_their_names() {
-    use automaton_workflow::pool_token;
+/// A coordinator with the listed tokens and the `pool-` pool, and a file holding the pool's
+/// secret (with a trailing newline, as an editor leaves it).
+fn pool_coordinator() -> (Arc<Env>, Coord, std::path::PathBuf) {
     let env = Env::with_config(&format!(
         "{TOKENS_TOML}\n[[worker_pools]]\nprefix = \"pool-\"\nsecret = \"{POOL_SECRET}\"\n"
     ));
     let coord = Coord::start(&env, &fleet_args());
     let secret_file = env.root().join("pool.secret");
     std::fs::write(&secret_file, format!("{POOL_SECRET}\n")).expect("secret file");
+    (env, coord, secret_file)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_workers_join_with_tokens_minted_from_the_pool_secret_bound_to_their_names() {
+    use automaton_workflow::pool_token;
+    let (env, coord, secret_file) = pool_coordinator();
     let secret_arg = secret_file.to_str().expect("utf-8 path");
     // The real worker mints its token from the file and joins under its name.
     let w = Worker::start(
@@ -754,12 +743,7 @@ fn worker_output(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_workers_can_join_with_a_token_minted_beforehand_into_a_token_file() {
     use automaton_workflow::pool_token;
-    let env = Env::with_config(&format!(
-        "{TOKENS_TOML}\n[[worker_pools]]\nprefix = \"pool-\"\nsecret = \"{POOL_SECRET}\"\n"
-    ));
-    let coord = Coord::start(&env, &fleet_args());
-    let secret_file = env.root().join("pool.secret");
-    std::fs::write(&secret_file, format!("{POOL_SECRET}\n")).expect("secret file");
+    let (env, coord, secret_file) = pool_coordinator();
     let secret_arg = secret_file.to_str().expect("utf-8 path");
     // `mint-token` prints the token alone, one line; the worker reads it from a file and
     // joins under the token's name, never holding the secret.

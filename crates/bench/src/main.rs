@@ -340,11 +340,7 @@ fn compare(results: &[OpStats], clients: &[usize]) -> Vec<Comparison> {
             else {
                 continue;
             };
-            let ratio = if e.ops_per_s > 0.0 {
-                a.ops_per_s / e.ops_per_s
-            } else {
-                0.0
-            };
+            let ratio = throughput_ratio(a, e);
             out.push(Comparison {
                 op: op.to_string(),
                 clients: c,
@@ -363,6 +359,15 @@ fn compare(results: &[OpStats], clients: &[usize]) -> Vec<Comparison> {
     out
 }
 
+/// `a`'s throughput as a share of `reference`'s (0 when the reference did nothing).
+fn throughput_ratio(a: &OpStats, reference: &OpStats) -> f64 {
+    if reference.ops_per_s > 0.0 {
+        a.ops_per_s / reference.ops_per_s
+    } else {
+        0.0
+    }
+}
+
 fn compare_export(results: &[OpStats], clients: &[usize], second: &str) -> Vec<ExportComparison> {
     let mut out = Vec::new();
     for &c in clients {
@@ -373,11 +378,7 @@ fn compare_export(results: &[OpStats], clients: &[usize], second: &str) -> Vec<E
             ) else {
                 continue;
             };
-            let ratio = if off.ops_per_s > 0.0 {
-                on.ops_per_s / off.ops_per_s
-            } else {
-                0.0
-            };
+            let ratio = throughput_ratio(on, off);
             out.push(ExportComparison {
                 system: second.to_string(),
                 op: op.to_string(),

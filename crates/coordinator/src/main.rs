@@ -144,16 +144,11 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
             tracing::warn!(note = %n, "recovery");
         }
         if let Some(listener) = metrics {
-            let at = listener
-                .local_addr()
-                .context("cannot read the metrics address")?;
-            tracing::info!(address = %at, "metrics listening on http://{at}/metrics");
-            // Ends with the process: a scrape needs nothing drained.
-            tokio::spawn(automaton_telemetry::metrics::serve(
+            automaton_telemetry::metrics::spawn(
                 listener,
                 automaton_coordinator::metrics::render(coord.clone()),
-                std::future::pending(),
-            ));
+            )
+            .context("cannot read the metrics address")?;
         }
         let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         ownership.publish(&format!("{scheme}://{addr}"))?;

@@ -124,11 +124,32 @@ fn on_lease(l: &Live) {
     span.record("automaton.token", l.token);
 }
 
-/// A Work call's outcome, its error recorded on the call's span.
-fn traced<T>(r: Result<T, Status>) -> Result<T, Status> {
+/// A Work call's span, named `$name`: the handler fills in the lease's fields (`record_lease`)
+/// once it knows them, and a detail.
+macro_rules! work_span {
+    ($name:literal) => {
+        tracing::info_span!(
+            $name,
+            automaton.task = Empty,
+            automaton.phase = Empty,
+            automaton.agent = Empty,
+            automaton.lease_id = Empty,
+            automaton.token = Empty,
+            automaton.detail = Empty,
+        )
+    };
+}
+
+/// Runs a Work call in `span`, its error recorded there.
+async fn traced<T>(
+    span: tracing::Span,
+    call: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    use tracing::Instrument;
+    let r = call.instrument(span.clone()).await;
     if let Err(s) = &r {
         automaton_telemetry::trace::record_error(
-            &tracing::Span::current(),
+            &span,
             &format!("{:?}: {}", s.code(), s.message()),
         );
     }
@@ -139,64 +160,44 @@ fn traced<T>(r: Result<T, Status>) -> Result<T, Status> {
 impl pb::work_server::Work for Service {
     type FetchWorkspaceStream = Stream<pb::WorkspaceChunk>;
 
-    #[tracing::instrument(name = "work.fetch_workspace", skip_all, fields(
-        automaton.task = Empty,
-        automaton.phase = Empty,
-        automaton.agent = Empty,
-        automaton.lease_id = Empty,
-        automaton.token = Empty,
-        automaton.detail = Empty,
-    ))]
     async fn fetch_workspace(
         &self,
         req: Request<pb::FetchWorkspaceRequest>,
     ) -> Result<Response<Self::FetchWorkspaceStream>, Status> {
-        traced(self.fetch_workspace_in(req).await)
+        traced(
+            work_span!("work.fetch_workspace"),
+            self.fetch_workspace_in(req),
+        )
+        .await
     }
 
-    #[tracing::instrument(name = "work.upload_artifact", skip_all, fields(
-        automaton.task = Empty,
-        automaton.phase = Empty,
-        automaton.agent = Empty,
-        automaton.lease_id = Empty,
-        automaton.token = Empty,
-        automaton.detail = Empty,
-    ))]
     async fn upload_artifact(
         &self,
         req: Request<Streaming<pb::ArtifactChunk>>,
     ) -> Result<Response<pb::UploadResult>, Status> {
-        traced(self.upload_artifact_in(req).await)
+        traced(
+            work_span!("work.upload_artifact"),
+            self.upload_artifact_in(req),
+        )
+        .await
     }
 
-    #[tracing::instrument(name = "work.upload_patch", skip_all, fields(
-        automaton.task = Empty,
-        automaton.phase = Empty,
-        automaton.agent = Empty,
-        automaton.lease_id = Empty,
-        automaton.token = Empty,
-        automaton.detail = Empty,
-    ))]
     async fn upload_patch(
         &self,
         req: Request<Streaming<pb::PatchChunk>>,
     ) -> Result<Response<pb::PatchResult>, Status> {
-        traced(self.upload_patch_in(req).await)
+        traced(work_span!("work.upload_patch"), self.upload_patch_in(req)).await
     }
 
-    #[tracing::instrument(name = "work.complete_phase", skip_all, fields(
-        automaton.task = Empty,
-        automaton.phase = Empty,
-        automaton.agent = Empty,
-        automaton.lease_id = Empty,
-        automaton.token = Empty,
-        automaton.detail = Empty,
-    ))]
     async fn complete_phase(
         &self,
         req: Request<pb::CompletePhaseRequest>,
     ) -> Result<Response<pb::CompletePhaseResponse>, Status> {
-        traced(self.complete_phase_in(req).await)
+        traced(
+            work_span!("work.complete_phase"),
+            self.complete_phase_in(req),
+        )
+        .await
     }
 }
 

@@ -273,6 +273,16 @@ pub const MAX_CONNECTIONS: usize = 32;
 const LINGER_BYTES: usize = 4 << 20;
 const LINGER_TIME: Duration = Duration::from_secs(2);
 
+/// Serves `render` on `listener` for as long as the process runs (a scrape needs nothing
+/// drained at exit), and logs where (`metrics listening on http://ADDR/metrics`, which the
+/// benches read). Must be called inside a tokio runtime.
+pub fn spawn(listener: TcpListener, render: Render) -> std::io::Result<std::net::SocketAddr> {
+    let at = listener.local_addr()?;
+    tracing::info!(address = %at, "metrics listening on http://{at}/metrics");
+    tokio::spawn(serve(listener, render, std::future::pending()));
+    Ok(at)
+}
+
 /// Serves `GET /metrics` (and `HEAD`) on `listener` with what `render` returns, until
 /// `shutdown` resolves.
 pub async fn serve(listener: TcpListener, render: Render, shutdown: impl Future<Output = ()>) {

@@ -314,6 +314,17 @@ pub enum StopReason {
 }
 
 impl StopReason {
+    /// Every stop reason, in the order metrics label them.
+    pub const ALL: [StopReason; 7] = [
+        StopReason::Completed,
+        StopReason::AgentError,
+        StopReason::Crashed,
+        StopReason::TimedOut,
+        StopReason::LeaseLost,
+        StopReason::OperatorStopped,
+        StopReason::Shutdown,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             StopReason::Completed => "completed",
@@ -1184,16 +1195,7 @@ mod tests {
 
     #[test]
     fn reasons_and_states_have_their_wire_names() {
-        let reasons = [
-            StopReason::Completed,
-            StopReason::AgentError,
-            StopReason::Crashed,
-            StopReason::TimedOut,
-            StopReason::LeaseLost,
-            StopReason::OperatorStopped,
-            StopReason::Shutdown,
-        ]
-        .map(StopReason::as_str);
+        let reasons = StopReason::ALL.map(StopReason::as_str);
         assert_eq!(
             reasons,
             [

@@ -451,16 +451,8 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen for metrics on {addr}"))?;
-            let at = listener
-                .local_addr()
+            automaton_telemetry::metrics::spawn(listener, automaton_worker::metrics::render())
                 .context("cannot read the metrics address")?;
-            tracing::info!(address = %at, "metrics listening on http://{at}/metrics");
-            // Ends with the process.
-            tokio::spawn(automaton_telemetry::metrics::serve(
-                listener,
-                automaton_worker::metrics::render(),
-                std::future::pending(),
-            ));
         }
         session::run(probe, opts, session::Work::new(runner), stop).await?;
         Ok(())

@@ -16,17 +16,6 @@ use crate::agent::StopReason;
 
 const PHASES: usize = Phase::ALL.len();
 
-/// Every stop reason, in label order.
-const OUTCOMES: [StopReason; 7] = [
-    StopReason::Completed,
-    StopReason::AgentError,
-    StopReason::Crashed,
-    StopReason::TimedOut,
-    StopReason::LeaseLost,
-    StopReason::OperatorStopped,
-    StopReason::Shutdown,
-];
-
 /// One GPU as detected at start: its index, total and free memory (bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuMemory {
@@ -47,23 +36,28 @@ pub struct Metrics {
 }
 
 /// This process's metrics.
-pub static METRICS: LazyLock<Metrics> = LazyLock::new(|| Metrics {
-    connected: Gauge::new(),
-    runs_active: Gauge::new(),
-    runs: (0..PHASES * OUTCOMES.len())
-        .map(|_| Counter::new())
-        .collect(),
-    run_duration: (0..PHASES).map(|_| Histogram::new(PHASE_BUCKETS)).collect(),
-    heartbeat_rtt: Histogram::new(LATENCY_BUCKETS),
-    budget_tokens: Gauge::new(),
-    gpus: Mutex::new(Vec::new()),
-});
+pub static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
 
 fn phase_index(p: Phase) -> usize {
     Phase::ALL.iter().position(|q| *q == p).unwrap_or(0)
 }
 
 impl Metrics {
+    /// Everything at zero.
+    fn new() -> Metrics {
+        Metrics {
+            connected: Gauge::new(),
+            runs_active: Gauge::new(),
+            runs: (0..PHASES * StopReason::ALL.len())
+                .map(|_| Counter::new())
+                .collect(),
+            run_duration: (0..PHASES).map(|_| Histogram::new(PHASE_BUCKETS)).collect(),
+            heartbeat_rtt: Histogram::new(LATENCY_BUCKETS),
+            budget_tokens: Gauge::new(),
+            gpus: Mutex::new(Vec::new()),
+        }
+    }
+
     /// What the probe found at start: the GPUs' memory and the budget.
     pub fn detected(&self, gpus: Vec<GpuMemory>, budget_tokens: u64) {
         *self.gpus.lock().unwrap_or_else(|p| p.into_inner()) = gpus;
@@ -74,8 +68,8 @@ impl Metrics {
     /// A run of `phase` stopped for `reason` after `took`.
     pub fn run_stopped(&self, phase: Phase, reason: StopReason, took: Duration) {
         let p = phase_index(phase);
-        if let Some(o) = OUTCOMES.iter().position(|r| *r == reason)
-            && let Some(c) = self.runs.get(p * OUTCOMES.len() + o)
+        if let Some(o) = StopReason::ALL.iter().position(|r| *r == reason)
+            && let Some(c) = self.runs.get(p * StopReason::ALL.len() + o)
         {
             c.inc();
         }
@@ -102,10 +96,10 @@ impl Metrics {
             "Agent runs that stopped, by phase and stop reason (outcome).",
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
-            for (j, o) in OUTCOMES.iter().enumerate() {
+            for (j, o) in StopReason::ALL.iter().enumerate() {
                 let n = self
                     .runs
-                    .get(i * OUTCOMES.len() + j)
+                    .get(i * StopReason::ALL.len() + j)
                     .map_or(0, Counter::get);
                 if n > 0 {
                     t.sample(
@@ -177,17 +171,7 @@ mod tests {
 
     #[test]
     fn a_stopped_run_counts_under_its_phase_and_outcome() {
-        let m = Metrics {
-            connected: Gauge::new(),
-            runs_active: Gauge::new(),
-            runs: (0..PHASES * OUTCOMES.len())
-                .map(|_| Counter::new())
-                .collect(),
-            run_duration: (0..PHASES).map(|_| Histogram::new(PHASE_BUCKETS)).collect(),
-            heartbeat_rtt: Histogram::new(LATENCY_BUCKETS),
-            budget_tokens: Gauge::new(),
-            gpus: Mutex::new(Vec::new()),
-        };
+        let m = Metrics::new();
         m.run_stopped(Phase::Design, StopReason::TimedOut, Duration::from_secs(3));
         m.detected(
             vec![GpuMemory {
