@@ -123,19 +123,20 @@ impl Coordinator {
                             "the lease table changed under its lock".into(),
                         ));
                     };
-                    let longer = ttl > l.ttl;
-                    l.ttl = ttl;
-                    let rewrite = l.extend(now);
                     // Nothing is acknowledged before it is durable: the grant this claim
                     // repeats may still be on its way to the log (its own claim cut off,
                     // say). A restart gives every lease max(logged TTL, grace), so a longer
                     // TTL is logged before it is promised — queued under the table's lock, so
                     // no end of this lease can be queued before it and be undone at replay;
-                    // otherwise a barrier waits for what is queued.
-                    let logged = if longer {
-                        self.wal.grant(l)
+                    // otherwise a barrier waits for what is queued, and a shorter TTL is
+                    // applied only after it: a claim refused because the lease lapsed
+                    // during the wait has changed nothing.
+                    let (logged, rewrite) = if ttl > l.ttl {
+                        l.ttl = ttl;
+                        let rewrite = l.extend(now);
+                        (self.wal.grant(l), rewrite)
                     } else {
-                        self.wal.barrier()
+                        (self.wal.barrier(), false)
                     };
                     Some((l.clone(), logged, rewrite))
                 }
@@ -148,6 +149,17 @@ impl Coordinator {
                 .map_err(Error::Unavailable)?
                 .await
                 .map_err(Error::Unavailable)?;
+            // The TTL runs from the acknowledgement, which is now: the wait for the log may
+            // have taken a good part of it. A lease that lapsed meanwhile has ended.
+            let (l, rewrite) = {
+                let mut table = self.table();
+                let Some(now_l) = table.by_id_mut(&l.lease_id, Instant::now()) else {
+                    return Err(Error::LeaseNotFound(l.lease_id.clone()));
+                };
+                now_l.ttl = ttl;
+                let again = now_l.extend(Instant::now());
+                (now_l.clone(), rewrite || again)
+            };
             if rewrite {
                 self.view_of(&l, true);
             }
@@ -180,6 +192,8 @@ impl Coordinator {
                 view_expires: claimed,
                 ending: false,
                 session: session.clone(),
+                // Live, never lapsed, until its record is durable; its TTL starts then.
+                pending: true,
             };
             live.view_expires = live.next_view_expires();
             // A lease displaced here had lapsed; the grant's record is its end at replay.
@@ -208,7 +222,13 @@ impl Coordinator {
                     if let Some(d) = displaced {
                         c.after_end(d, "expired");
                     }
-                    c.after_grant(live)
+                    // Durable: the TTL starts now, as the grant is acknowledged.
+                    let confirmed = c
+                        .table()
+                        .confirm(&live.task, &live.lease_id, Instant::now());
+                    if let Some(l) = confirmed {
+                        c.after_grant(&l);
+                    }
                 }
                 Err(_) => c.unclaim(live),
             },
@@ -217,6 +237,14 @@ impl Coordinator {
         .await;
         logged.map_err(Error::Unavailable)?;
         let (live, _) = live;
+        // The lease as acknowledged (its deadline from now); gone only if its worker session
+        // ended while the grant was being logged (its end follows the grant in the log).
+        let acked = self
+            .table()
+            .confirm(&live.task, &live.lease_id, Instant::now());
+        let Some(live) = acked else {
+            return Err(Error::LeaseNotFound(live.lease_id));
+        };
         Ok(Granted {
             live,
             renewed: false,
@@ -744,6 +772,50 @@ mod tests {
         assert_eq!(
             automaton_store::Lease::parse(&text).map(|l| l.token),
             Ok(b.live.token)
+        );
+    }
+
+    /// Issue 20, finding 1: a grant's TTL runs from its acknowledgement. While its record
+    /// commits (held here past the whole TTL) it is live: never lapsed, never displaced by
+    /// another agent's claim; once acknowledged, its whole TTL is ahead of it.
+    #[tokio::test]
+    async fn a_grant_is_live_while_it_commits_and_its_ttl_starts_at_the_acknowledgement() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let coord = coordinator(dir.path()).await;
+        let task: TaskName = name("t");
+        let ttl = Duration::from_millis(200);
+        let held = coord.wal.hold_commits();
+        let agent_a: AgentId = name("a");
+        let mut claim = Box::pin(coord.claim(&task, &agent_a, Some(ttl)));
+        assert!(
+            claim
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+                .is_pending()
+        );
+        std::thread::sleep(ttl + Duration::from_millis(100));
+        assert_eq!(
+            coord.expire(),
+            0,
+            "a grant on its way to the log never lapses"
+        );
+        let agent_b: AgentId = name("b");
+        let b = tokio::time::timeout(Duration::from_secs(5), coord.claim(&task, &agent_b, None));
+        match b.await {
+            Ok(Err(Error::Store(automaton_store::Error::Leased { holder, .. }))) => {
+                assert_eq!(holder.as_str(), "a")
+            }
+            other => panic!("b must be refused while a's grant commits: {other:?}"),
+        }
+        drop(held);
+        let acked = claim.await.expect("claim a");
+        let left = acked
+            .live
+            .deadline
+            .saturating_duration_since(Instant::now());
+        assert!(
+            left + Duration::from_millis(50) >= ttl,
+            "acknowledged with {left:?} of its {ttl:?} left"
         );
     }
 

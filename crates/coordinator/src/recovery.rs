@@ -192,6 +192,7 @@ impl Live {
             view_expires: wall_later(now_wall, live.saturating_add(ttl)),
             ending: false,
             session: None,
+            pending: false,
         }
     }
 }

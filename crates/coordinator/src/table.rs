@@ -2,7 +2,10 @@
 //!
 //! Expiry is decided by the coordinator's monotonic clock (`Instant`), never by the wall
 //! clock of whoever reads a `.state.lock`. The TTL is a minimum: a lease lives at least its
-//! TTL after its last renewal, and at least the grace period after a restart.
+//! TTL after its acknowledgement and after its last renewal, and at least the grace period
+//! after a restart. A grant whose record is still on its way to the log is `pending`: live
+//! (nobody else gets its task) and never lapsed, whatever its deadline; its TTL starts when
+//! it is durable and acknowledged ([`Table::confirm`]), not when it was decided.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -32,9 +35,16 @@ pub struct Live {
     pub ending: bool,
     /// The worker session that owns the lease: it ends the moment the session dies.
     pub session: Option<Arc<str>>,
+    /// Granted, its record not yet durable: live whatever the deadline (see the module).
+    pub pending: bool,
 }
 
 impl Live {
+    /// Whether the lease is live at `now`: pending, or before its deadline.
+    pub fn is_live(&self, now: Instant) -> bool {
+        self.pending || self.deadline > now
+    }
+
     /// The wall-clock time this lease ends unless renewed (for people and files).
     pub fn expires_at(&self, now: Instant) -> SystemTime {
         SystemTime::now() + self.deadline.saturating_duration_since(now)
@@ -123,7 +133,24 @@ pub(crate) struct Table {
 impl Table {
     /// The live lease on `task`, if any.
     pub fn live(&self, task: &TaskName, now: Instant) -> Option<&Live> {
-        self.by_task.get(task).filter(|l| l.deadline > now)
+        self.by_task.get(task).filter(|l| l.is_live(now))
+    }
+
+    /// The grant `lease_id` is durable and acknowledged now: its TTL runs from `now` (never
+    /// shortened). Returns the lease as acknowledged, or `None` when it is no longer in the
+    /// table as a live lease (its session died meanwhile: its end is queued after it).
+    pub fn confirm(&mut self, task: &TaskName, lease_id: &str, now: Instant) -> Option<Live> {
+        let l = self
+            .by_task
+            .get_mut(task)
+            .filter(|l| l.lease_id == lease_id && !l.ending)?;
+        l.pending = false;
+        l.deadline = l.deadline.max(later(now, l.ttl));
+        // The view is kept at or beyond the real expiry, which has just moved.
+        if l.view_expires < l.expires_at(now) {
+            l.view_expires = l.next_view_expires();
+        }
+        Some(l.clone())
     }
 
     /// `task`'s entry, live or lapsed.
@@ -143,7 +170,7 @@ impl Table {
         let task = self.by_id.get(lease_id)?;
         self.by_task
             .get_mut(task)
-            .filter(|l| l.deadline > now && l.lease_id == lease_id)
+            .filter(|l| l.is_live(now) && l.lease_id == lease_id)
     }
 
     /// Inserts `live`, returning the lease it displaces on its task (a lapsed one: a live
@@ -187,6 +214,7 @@ impl Table {
                 && !l.ending
             {
                 l.ending = true;
+                l.pending = false;
                 l.deadline = l.deadline.min(now);
                 out.push(l.clone());
             }
@@ -225,7 +253,7 @@ impl Table {
     pub fn mark_lapsed(&mut self, now: Instant) -> Vec<Live> {
         self.by_task
             .values_mut()
-            .filter(|l| l.deadline <= now && !l.ending)
+            .filter(|l| !l.is_live(now) && !l.ending)
             .map(|l| {
                 l.ending = true;
                 l.clone()
@@ -238,7 +266,7 @@ impl Table {
         self.by_id
             .get(lease_id)
             .and_then(|t| self.by_task.get(t))
-            .is_some_and(|l| l.lease_id == lease_id && l.deadline <= now)
+            .is_some_and(|l| l.lease_id == lease_id && !l.is_live(now))
     }
 
     /// Makes sure the next token is above `token` (an adopted lease's).
@@ -272,7 +300,7 @@ impl Table {
     pub fn live_tasks(&self, now: Instant) -> impl Iterator<Item = &TaskName> {
         self.by_task
             .values()
-            .filter(move |l| l.deadline > now)
+            .filter(move |l| l.is_live(now))
             .map(|l| &l.task)
     }
 
