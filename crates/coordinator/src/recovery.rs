@@ -129,6 +129,23 @@ pub(crate) fn recover(
                     "{task}: dropped the lease of {agent} (token {token}): it was for '{state}', the task is now '{}'",
                     current.map_or("untracked".to_string(), |s| s.to_string())
                 ));
+                // Only the lease's own transition moves a leased task, and a crash after its
+                // `.state` and before its record leaves none: a retry of it finds one here.
+                if let Some(to) = current
+                    && project.completion(&lease_id).ok().flatten().is_none()
+                {
+                    let done = automaton_store::Completion {
+                        lease_id,
+                        token,
+                        agent,
+                        task,
+                        from: state,
+                        to,
+                    };
+                    if let Err(e) = project.record_completion(&done) {
+                        notes.push(format!("{}: no completion record: {e}", done.task));
+                    }
+                }
                 continue;
             }
             Err(e) => {

@@ -37,7 +37,7 @@ use automaton_workflow::{
 };
 
 pub use audit::{AuditReport, AuditTask, Category3, Modification};
-pub use change::{ApproveOutcome, TransitionOutcome, Upgraded};
+pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
 pub use git::{
     Applied, BranchHead, Change, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES, TreeFile,
     branch_name,
