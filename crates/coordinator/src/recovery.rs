@@ -1,6 +1,8 @@
 //! Recovery: a start rebuilds the lease table from the log alone (`replay`, `recover`); each
 //! task's files are reconciled with it when the task is first touched (`touch`), and by a
-//! background pass at the lowest CPU priority.
+//! background pass at the lowest CPU priority. A lease dropped because its task moved on
+//! (a crash inside its own transition) gets the completion record that transition would
+//! have written.
 
 use std::collections::HashMap;
 use std::sync::Arc;
