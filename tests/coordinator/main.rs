@@ -17,6 +17,7 @@ mod model_server;
 mod restart;
 mod service;
 mod traces;
+mod uploads;
 mod usage;
 mod views;
 mod waves;

@@ -46,7 +46,7 @@ pub fn git_init(env: &Env) {
     }
 }
 
-fn git(env: &Env, args: &[&str]) -> String {
+pub fn git(env: &Env, args: &[&str]) -> String {
     let out = Command::new("git")
         .args(args)
         .current_dir(env.root())
@@ -318,14 +318,14 @@ async fn sigstop_a_worker_mid_phase_past_the_timeout_then_sigcont_its_agent_grou
     assert_eq!(lost.stop_reason, "lease_lost", "{runs:#?}");
 }
 
-fn sha(b: &[u8]) -> String {
+pub fn sha(b: &[u8]) -> String {
     Sha256::digest(b)
         .iter()
         .map(|x| format!("{x:02x}"))
         .collect()
 }
 
-fn artifact(lease: &pb::Lease, name: &str, body: &[u8]) -> Vec<pb::ArtifactChunk> {
+pub fn artifact(lease: &pb::Lease, name: &str, body: &[u8]) -> Vec<pb::ArtifactChunk> {
     vec![pb::ArtifactChunk {
         lease_id: lease.lease_id.clone(),
         token: lease.token,

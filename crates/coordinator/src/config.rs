@@ -119,6 +119,9 @@ pub struct Config {
     pub dispatch: bool,
     /// The largest artifact a worker may upload.
     pub max_artifact_bytes: u64,
+    /// The bytes every upload in flight together may hold in memory (artifacts and
+    /// patches); an upload that would pass it is refused `RESOURCE_EXHAUSTED`.
+    pub max_upload_memory_bytes: u64,
     /// Seed 002's MAX_ITERATIONS: completed runs of one task before it is held.
     pub max_iterations: u32,
     /// Seed 002's MAX_TOTAL_TIME: from a task's first run until it is held.
@@ -152,6 +155,7 @@ impl Default for Config {
             max_attempts: 3,
             dispatch: true,
             max_artifact_bytes: 8 << 20,
+            max_upload_memory_bytes: crate::work_service::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
             tls: None,
@@ -352,6 +356,11 @@ impl Config {
                 .parse()
                 .map_err(|_| bad("AUTOMATON_MAX_ARTIFACT_BYTES", &v, "a number"))?;
         }
+        if let Some(v) = env_var("AUTOMATON_MAX_UPLOAD_MEMORY_BYTES") {
+            self.max_upload_memory_bytes = v
+                .parse()
+                .map_err(|_| bad("AUTOMATON_MAX_UPLOAD_MEMORY_BYTES", &v, "a number"))?;
+        }
         if let Some(v) = env_var("AUTOMATON_LOG_COMPACT_BYTES") {
             self.log_compact_bytes = v
                 .parse()
@@ -510,6 +519,11 @@ impl Config {
                 self.max_artifact_bytes == 0 || self.max_artifact_bytes > 1 << 30,
                 "max_artifact_bytes must be between 1 and 1 GiB",
             ),
+            (
+                self.max_upload_memory_bytes < self.max_artifact_bytes
+                    || self.max_upload_memory_bytes > 64 << 30,
+                "max_upload_memory_bytes must be at least max_artifact_bytes and at most 64 GiB",
+            ),
         ] {
             if bad {
                 return Err(Error::Config(what.into()));
@@ -546,6 +560,7 @@ impl Config {
             max_phase_time: self.max_phase_time,
             max_attempts: self.max_attempts,
             max_artifact_bytes: self.max_artifact_bytes,
+            max_upload_memory_bytes: self.max_upload_memory_bytes,
             max_iterations: self.max_iterations,
             max_total_time: self.max_total_time,
             failpoints,
@@ -677,6 +692,27 @@ mod tests {
             "{}",
             cfg.to_toml()
         );
+    }
+
+    #[test]
+    fn upload_memory_must_hold_the_largest_artifact() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = |memory: u64| Config {
+            project: dir.path().to_path_buf(),
+            max_artifact_bytes: 8 << 20,
+            max_upload_memory_bytes: memory,
+            ..Config::default()
+        };
+        assert_eq!(
+            Config::default().max_upload_memory_bytes,
+            512 << 20,
+            "docs/coordinator.md says 512 MiB"
+        );
+        cfg(8 << 20).validate().expect("equal is fine");
+        for bad in [0, (8 << 20) - 1, (64 << 30) + 1, u64::MAX] {
+            let e = cfg(bad).validate().expect_err("refused");
+            assert!(e.to_string().contains("max_upload_memory_bytes"), "{e}");
+        }
     }
 
     #[test]

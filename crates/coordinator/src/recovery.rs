@@ -1,6 +1,8 @@
 //! Recovery: a start rebuilds the lease table from the log alone (`replay`, `recover`); each
 //! task's files are reconciled with it when the task is first touched (`touch`), and by a
-//! background pass at the lowest CPU priority.
+//! background pass at the lowest CPU priority. A lease dropped because its task moved on
+//! (a crash inside its own transition) gets the completion record that transition would
+//! have written.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -129,6 +131,23 @@ pub(crate) fn recover(
                     "{task}: dropped the lease of {agent} (token {token}): it was for '{state}', the task is now '{}'",
                     current.map_or("untracked".to_string(), |s| s.to_string())
                 ));
+                // Only the lease's own transition moves a leased task, and a crash after its
+                // `.state` and before its record leaves none: a retry of it finds one here.
+                if let Some(to) = current
+                    && project.completion(&lease_id).ok().flatten().is_none()
+                {
+                    let done = automaton_store::Completion {
+                        lease_id,
+                        token,
+                        agent,
+                        task,
+                        from: state,
+                        to,
+                    };
+                    if let Err(e) = project.record_completion(&done) {
+                        notes.push(format!("{}: no completion record: {e}", done.task));
+                    }
+                }
                 continue;
             }
             Err(e) => {

@@ -43,6 +43,8 @@ pub struct Options {
     pub max_attempts: u32,
     /// The largest artifact a worker may upload.
     pub max_artifact_bytes: u64,
+    /// The bytes all uploads in flight together may hold in memory (`work_service.rs`).
+    pub max_upload_memory_bytes: u64,
     /// Seed 002's MAX_ITERATIONS: completed runs of one task before it is held.
     pub max_iterations: u32,
     /// Seed 002's MAX_TOTAL_TIME: from a task's first run until it is held.
@@ -63,6 +65,7 @@ impl Default for Options {
             max_phase_time: Duration::from_secs(3600),
             max_attempts: 3,
             max_artifact_bytes: 8 << 20,
+            max_upload_memory_bytes: crate::work_service::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
             failpoints: crate::wal::Failpoints::default(),
@@ -108,6 +111,8 @@ pub struct Coordinator {
     pub(crate) work: crate::dispatch::Work,
     /// Counters of the lease and dispatch paths (`metrics.rs`).
     pub(crate) metrics: crate::metrics::Metrics,
+    /// The memory every upload in flight may hold, together (`work_service.rs`).
+    pub(crate) uploads: crate::work_service::UploadBudget,
 }
 
 impl Coordinator {
@@ -167,6 +172,7 @@ impl Coordinator {
         let sessions =
             crate::sessions::Sessions::new(options.session_timeout, options.heartbeat_interval);
         let work = crate::dispatch::Work::new(&options);
+        let uploads = crate::work_service::UploadBudget::new(options.max_upload_memory_bytes);
         let coord = Arc::new_cyclic(|me| Coordinator {
             me: me.clone(),
             project,
@@ -190,6 +196,7 @@ impl Coordinator {
             sessions,
             work,
             metrics: crate::metrics::Metrics::default(),
+            uploads,
         });
         // Sessions that own live leases wait for their workers to resume them.
         coord.recover_sessions();

@@ -2,6 +2,7 @@
 //! guard and carried out whole once started (see `Coordinator::to_completion`).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use automaton_store::ApproveOutcome;
@@ -11,6 +12,26 @@ use crate::Error;
 use crate::lease_ops::Presented;
 use crate::state::Coordinator;
 use crate::table::Live;
+
+/// Completion records written since the last prune, by this process.
+static RECORDED: AtomicU64 = AtomicU64::new(0);
+
+/// Prunes old completion records at the first completion after a start and every 1024
+/// after: the folder holds about a day of completions.
+pub(crate) fn prune_now_and_then(project: &automaton_store::Project) {
+    if !RECORDED
+        .fetch_add(1, Ordering::Relaxed)
+        .is_multiple_of(1024)
+    {
+        return;
+    }
+    let before = SystemTime::now()
+        .checked_sub(automaton_store::COMPLETION_RECORD_AGE)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    if let Err(e) = project.prune_completions(before) {
+        tracing::warn!("pruning old completion records failed: {e}");
+    }
+}
 
 impl Coordinator {
     /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
@@ -59,13 +80,31 @@ impl Coordinator {
         let project = self.project.clone();
         let holders = self.holders.clone();
         let t = task.clone();
+        let ending = live.clone();
         let from = tokio::task::spawn_blocking(move || {
             // The phase's holders in the task's files before the task moves on: by the time
             // anyone can approve or review it, the files say who held it. A move the
             // lifecycle refuses writes nothing at all.
             project.check_transition_owned(&t, target)?;
             holders.flush(&project, &t)?;
-            project.transition_owned(&t, target).map_err(Error::from)
+            let from = project.transition_owned(&t, target)?;
+            // Which lease moved the task, before its end is logged: a retry of this
+            // completion under the ended lease is answered from it (`work_service.rs`).
+            if let Some(l) = ending {
+                let done = automaton_store::Completion {
+                    lease_id: l.lease_id,
+                    token: l.token,
+                    agent: l.agent,
+                    task: t.clone(),
+                    from,
+                    to: target,
+                };
+                if let Err(e) = project.record_completion(&done) {
+                    tracing::warn!(task = %t, "no completion record (a retry will be refused): {e}");
+                }
+                prune_now_and_then(&project);
+            }
+            Ok::<_, Error>(from)
         })
         .await
         .map_err(|e| Error::Internal(format!("transition task failed: {e}")))??;

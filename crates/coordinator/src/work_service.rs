@@ -3,6 +3,16 @@
 //! its fencing token; a caller bound to a name must be the lease's holder. Writes are fenced:
 //! the lease is checked again under the task's guard right before the bytes land, so nothing
 //! sent under a lease that has ended reaches the folder or the branch.
+//!
+//! Memory: every upload in flight takes its bytes from one [`UploadBudget`] as they arrive
+//! (an artifact its announced size at once) and gives them back when it ends; an upload that
+//! would pass the budget is refused `RESOURCE_EXHAUSTED` at once, never queued. So the bytes
+//! held for uploads never pass `max_upload_memory_bytes`, however many streams are open.
+//!
+//! Retries: a worker retries a call whose answer it lost. The same artifact again is answered
+//! as before (`unchanged`); the same patch again finds its commit at the branch head and
+//! answers with it (see `Project::apply_changes`); the same completion again, its lease now
+//! ended, is answered from the record its transition left (`Project::completion`).
 
 use std::sync::Arc;
 
@@ -10,7 +20,7 @@ use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
 use automaton_workflow::{AgentId, Artifact, State, TaskName};
 use sha2::{Digest, Sha256};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::field::Empty;
@@ -28,6 +38,48 @@ const CHUNK: usize = 1 << 20;
 /// A patch may change at most this many files, with at most this much content.
 const MAX_PATCH_FILES: usize = 10_000;
 const MAX_PATCH_BYTES: u64 = 256 << 20;
+/// What all uploads in flight may hold in memory by default: two patches at their cap.
+pub(crate) const DEFAULT_UPLOAD_MEMORY_BYTES: u64 = 512 << 20;
+
+/// The bytes all uploads in flight may hold in memory together: a semaphore of bytes, taken
+/// as they arrive, given back when the upload's bytes are dropped.
+pub(crate) struct UploadBudget {
+    bytes: Arc<Semaphore>,
+    total: u64,
+}
+
+impl UploadBudget {
+    pub(crate) fn new(total: u64) -> UploadBudget {
+        let total = total.min(Semaphore::MAX_PERMITS as u64);
+        UploadBudget {
+            bytes: Arc::new(Semaphore::new(total as usize)),
+            total,
+        }
+    }
+
+    /// Takes `n` more bytes into `held`, or refuses the upload (which then drops `held`).
+    fn take(&self, held: &mut Option<OwnedSemaphorePermit>, n: u64) -> Result<(), Status> {
+        let refused = || {
+            let busy = self.total - self.bytes.available_permits() as u64;
+            Status::resource_exhausted(format!(
+                "uploads in flight hold {busy} of the coordinator's {} bytes for uploads \
+                 (max_upload_memory_bytes): retry this upload later, or send a smaller one",
+                self.total
+            ))
+        };
+        let n = u32::try_from(n).map_err(|_| refused())?;
+        let permit = self
+            .bytes
+            .clone()
+            .try_acquire_many_owned(n)
+            .map_err(|_| refused())?;
+        match held {
+            Some(h) => h.merge(permit),
+            None => *held = Some(permit),
+        }
+        Ok(())
+    }
+}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -327,13 +379,23 @@ impl Service {
                 first.size
             )));
         }
+        let more = || {
+            Status::resource_exhausted(format!(
+                "{name}: more bytes than the {} announced (limit {limit})",
+                first.size
+            ))
+        };
+        // The announced size is taken from the budget at once, and the buffer holds no more.
+        let mut held = None;
+        self.coord.uploads.take(&mut held, first.size)?;
         let mut bytes = first.data;
+        if bytes.len() as u64 > first.size {
+            return Err(more());
+        }
+        bytes.reserve_exact(first.size as usize - bytes.len());
         while let Some(c) = chunks.message().await? {
-            if bytes.len() as u64 + c.data.len() as u64 > first.size.min(limit) {
-                return Err(Status::resource_exhausted(format!(
-                    "{name}: more bytes than the {} announced (limit {limit})",
-                    first.size
-                )));
+            if bytes.len() as u64 + c.data.len() as u64 > first.size {
+                return Err(more());
             }
             bytes.extend_from_slice(&c.data);
         }
@@ -361,6 +423,8 @@ impl Service {
         let changed = self
             .coord
             .under_lease(&l.task, &l.lease_id, l.token, move |p| {
+                // The budget is given back with the bytes, even if the call is dropped.
+                let _held = held;
                 p.write_artifact(&task, artifact, &bytes)
             })
             .await?;
@@ -423,15 +487,20 @@ impl Service {
         let mut total = 0u64;
         let mut open = false;
         let mut next = first.change;
+        // What this patch holds of the upload budget: its content and paths so far.
+        let mut held = None;
         loop {
             if let Some(c) = next.take() {
                 total += c.data.len() as u64;
                 if total > MAX_PATCH_BYTES {
                     return Err(Status::resource_exhausted(format!(
-                        "the patch is larger than {MAX_PATCH_BYTES} bytes"
+                        "the patch is larger than {MAX_PATCH_BYTES} bytes: send the change in \
+                         smaller patches"
                     )));
                 }
                 let continues = open && changes.last().is_some_and(|p| p.path == c.path);
+                let kept = c.data.len() + if continues { 0 } else { c.path.len() };
+                self.coord.uploads.take(&mut held, kept as u64)?;
                 if continues {
                     if let Some(p) = changes.last_mut() {
                         p.content.extend_from_slice(&c.data);
@@ -465,6 +534,7 @@ impl Service {
         let applied = self
             .coord
             .under_lease(&l.task, &l.lease_id, l.token, move |p| {
+                let _held = held;
                 p.apply_changes(&task, &base, &changes, &author, &message)
             })
             .await?;
@@ -492,16 +562,59 @@ impl Service {
         }))
     }
 
+    /// The answer to a completion whose lease has ended, if ending it is what this very
+    /// completion did: a retry whose first answer was lost. The lease's record must name the
+    /// token presented (and the caller, when bound to a name), and the target asked for, if
+    /// any. Anything else is answered as any call under an ended lease.
+    async fn completed_before(
+        &self,
+        r: &pb::CompletePhaseRequest,
+        who: Option<&AgentId>,
+    ) -> Result<Option<pb::CompletePhaseResponse>, Status> {
+        let id = r.lease_id.clone();
+        let Some(done) = self.coord.read(move |p| p.completion(&id)).await? else {
+            return Ok(None);
+        };
+        let same_target = r.target.is_empty() || r.target.parse::<State>().ok() == Some(done.to);
+        if done.token != r.token || who.is_some_and(|a| *a != done.agent) || !same_target {
+            return Ok(None);
+        }
+        let span = tracing::Span::current();
+        span.record("automaton.task", tracing::field::display(&done.task));
+        span.record("automaton.agent", done.agent.as_str());
+        span.record("automaton.lease_id", done.lease_id.as_str());
+        span.record("automaton.token", done.token);
+        span.record(
+            "automaton.detail",
+            format!("{} → {} (done already: a retry)", done.from, done.to),
+        );
+        Ok(Some(pb::CompletePhaseResponse {
+            task: done.task.to_string(),
+            from: done.from.to_string(),
+            to: done.to.to_string(),
+        }))
+    }
+
     async fn complete_phase_in(
         &self,
         req: Request<pb::CompletePhaseRequest>,
     ) -> Result<Response<pb::CompletePhaseResponse>, Status> {
         let who = bound(&caller(&req))?;
         let r = req.into_inner();
-        let l = self
+        let l = match self
             .coord
             .lease_for_work(&r.lease_id, r.token, who.as_ref())
-            .await?;
+            .await
+        {
+            Ok(l) => l,
+            Err(e @ Error::LeaseNotFound(_)) => {
+                return match self.completed_before(&r, who.as_ref()).await? {
+                    Some(done) => Ok(Response::new(done)),
+                    None => Err(e.into()),
+                };
+            }
+            Err(e) => return Err(e.into()),
+        };
         on_lease(&l);
         let target: State = if r.target.is_empty() {
             let verdict = if l.state.phase == automaton_workflow::Phase::Referee {

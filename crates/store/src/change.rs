@@ -3,6 +3,12 @@
 //! Each checks the rules of `automaton-workflow` and writes under the task's writer lock
 //! (creating a top-level task: the whole project's; see `fsx::TaskLock`); the lease files
 //! are `lease_files.rs`'s.
+//!
+//! Completions: a transition that ends a coordinator's lease leaves a record of it in
+//! `.automaton/completions/{lease_id}` (the task, the token, the agent, from and to), written
+//! after `.state` and before the lease's end is in the coordinator's log. A retry of that
+//! completion arrives under the ended lease and names nothing else, hence a record per lease
+//! rather than per task; records older than [`COMPLETION_RECORD_AGE`] are pruned.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -26,6 +32,56 @@ pub struct TransitionOutcome {
     pub to: State,
     /// The lease that ended with the phase it was granted for.
     pub released: Option<Lease>,
+}
+
+/// The folder of completion records, under `.automaton/`.
+const COMPLETIONS: &str = "completions";
+/// How long a completion record is kept: far longer than any retry of its call.
+pub const COMPLETION_RECORD_AGE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// The lease whose transition moved a task: what a retry of its completion is answered with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub lease_id: String,
+    pub token: u64,
+    pub agent: AgentId,
+    pub task: TaskName,
+    pub from: State,
+    pub to: State,
+}
+
+impl Completion {
+    fn render(&self) -> String {
+        format!(
+            "lease: {}\ntoken: {}\nagent: {}\ntask: {}\nfrom: {}\nto: {}\n",
+            self.lease_id, self.token, self.agent, self.task, self.from, self.to
+        )
+    }
+
+    fn parse(text: &str) -> Option<Completion> {
+        let field = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(": "))
+                .map(str::to_string)
+        };
+        Some(Completion {
+            lease_id: field("lease")?,
+            token: field("token")?.parse().ok()?,
+            agent: field("agent")?.parse().ok()?,
+            task: field("task")?.parse().ok()?,
+            from: field("from")?.parse().ok()?,
+            to: field("to")?.parse().ok()?,
+        })
+    }
+}
+
+/// A lease id as a file name: hexadecimal, as `new_lease_id` makes them; anything else has
+/// no record.
+fn lease_file_name(lease_id: &str) -> Option<&str> {
+    (!lease_id.is_empty()
+        && lease_id.len() <= 64
+        && lease_id.bytes().all(|b| b.is_ascii_hexdigit()))
+    .then_some(lease_id)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -242,6 +298,57 @@ impl Project {
         Ok(from)
     }
 
+    /// Records that `c.lease_id`'s transition moved its task, durably. Called after the
+    /// move is on disk and before the lease's end is: see the module doc.
+    pub fn record_completion(&self, c: &Completion) -> Result<(), Error> {
+        let Some(name) = lease_file_name(&c.lease_id) else {
+            return Ok(());
+        };
+        let dir = self.meta.join(COMPLETIONS);
+        if !dir.is_dir() {
+            fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+            fsx::sync_dir(&self.meta)?;
+        }
+        self.write(&dir.join(name), c.render().as_bytes())
+    }
+
+    /// The completion `lease_id`'s transition left, if any (a record that cannot be read as
+    /// one is none: a retry is then refused as any call under an ended lease).
+    pub fn completion(&self, lease_id: &str) -> Result<Option<Completion>, Error> {
+        let Some(name) = lease_file_name(lease_id) else {
+            return Ok(None);
+        };
+        let path = self.meta.join(COMPLETIONS).join(name);
+        let text = match fsx::read_optional(&path) {
+            Ok(t) => t,
+            Err(Error::NotUtf8 { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        Ok(text
+            .as_deref()
+            .and_then(Completion::parse)
+            .filter(|c| c.lease_id == lease_id))
+    }
+
+    /// Removes the completion records last written before `before`; returns how many.
+    pub fn prune_completions(&self, before: SystemTime) -> Result<usize, Error> {
+        let dir = self.meta.join(COMPLETIONS);
+        let mut removed = 0;
+        for (_, path, ft) in fsx::list_dir(&dir)? {
+            let old = ft.is_file()
+                && fs::symlink_metadata(&path)
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t < before);
+            if old && fs::remove_file(&path).is_ok() {
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            fsx::sync_dir(&dir)?;
+        }
+        Ok(removed)
+    }
+
     /// `status --approve` without a coordinator: the lease holder is read from `.state.lock`.
     pub fn approve(
         &self,
@@ -372,6 +479,45 @@ mod tests {
 
     use crate::Error;
     use crate::project::tests::{name, project};
+
+    #[test]
+    fn completion_records_round_trip_refuse_odd_lease_ids_and_are_pruned() {
+        let (_d, p) = project();
+        let done = super::Completion {
+            lease_id: "00ff00ff00ff00ff".into(),
+            token: u64::MAX,
+            agent: "agent-x".parse().expect("agent"),
+            task: name("a/b"),
+            from: "research".parse().expect("state"),
+            to: "research:awaiting_approval".parse().expect("state"),
+        };
+        p.record_completion(&done).expect("record");
+        assert_eq!(
+            p.completion("00ff00ff00ff00ff").expect("read"),
+            Some(done.clone())
+        );
+        for id in [
+            "",
+            "../../tasks/t/.state",
+            "00FF/..",
+            &"a".repeat(65),
+            "nothere0",
+        ] {
+            assert_eq!(p.completion(id).expect("read"), None, "{id:?}");
+        }
+        // A record that is not one is none.
+        let path = p.meta.join("completions").join("00ff00ff00ff00ff");
+        fs::write(&path, b"\xff\xfe").expect("garble");
+        assert_eq!(p.completion("00ff00ff00ff00ff").expect("read"), None);
+        fs::write(&path, b"lease: 00ff00ff00ff00ff\n").expect("truncate");
+        assert_eq!(p.completion("00ff00ff00ff00ff").expect("read"), None);
+        p.record_completion(&done).expect("record");
+        let past = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        assert_eq!(p.prune_completions(past).expect("prune"), 0, "young kept");
+        let future = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        assert_eq!(p.prune_completions(future).expect("prune"), 1);
+        assert_eq!(p.completion("00ff00ff00ff00ff").expect("read"), None);
+    }
 
     #[test]
     fn create_task_writes_new_and_empty_approvals() {

@@ -291,6 +291,11 @@ impl Project {
                 })?;
             let head = self.find_commit(&repo, head_id)?;
             let head_tree = head.tree().map_err(self.git("read a commit's tree"))?;
+            if head_id != base
+                && let Some(done) = self.landed_already(&repo, &head, changes, author, message)?
+            {
+                return Ok(Applied { branch, ..done });
+            }
             if head_id != base {
                 let conflicts =
                     conflicting_paths(&self.changed_paths(&repo, &base_tree, &head_tree)?, changes);
@@ -335,6 +340,43 @@ impl Project {
             task: task.clone(),
             branch,
         })
+    }
+
+    /// The answer `apply_changes` gave when these very changes made `head`: a retry whose
+    /// first answer was lost. `head` must carry the same message and author (the message
+    /// names the lease's fencing token, unique per lease), and `changes` applied to its parent
+    /// must give its tree. Otherwise `None`, and the changes are judged as new (a conflict,
+    /// say, or an empty patch that commits nothing).
+    fn landed_already(
+        &self,
+        repo: &Repository,
+        head: &Commit<'_>,
+        changes: &[Change],
+        author: &str,
+        message: &str,
+    ) -> Result<Option<Applied>, Error> {
+        if head.message_bytes() != message.as_bytes()
+            || head.author().name_bytes() != author.as_bytes()
+            || head.parent_count() != 1
+        {
+            return Ok(None);
+        }
+        let tree = head.tree().map_err(self.git("read a commit's tree"))?;
+        let parent = head
+            .parent(0)
+            .and_then(|p| p.tree())
+            .map_err(self.git("read a commit's tree"))?;
+        let patched =
+            build_tree(repo, &parent, changes).map_err(self.git("write the changed tree"))?;
+        if patched != tree.id() {
+            return Ok(None);
+        }
+        let files_changed = self.changed_paths(repo, &parent, &tree)?.len();
+        Ok(Some(Applied {
+            commit: Some(head.id().to_string()),
+            branch: String::new(),
+            files_changed: u32::try_from(files_changed).unwrap_or(u32::MAX),
+        }))
     }
 
     /// The project's repository; `None` when the root is not one.
@@ -927,6 +969,46 @@ mod tests {
         let got = files(&project, applied.commit.as_deref().expect("commit"));
         assert!(got.iter().all(|f| f.0 != "src/lib.rs"), "{got:?}");
         assert!(got.iter().any(|f| f.0 == "README.md"));
+    }
+
+    #[test]
+    fn the_same_patch_again_is_answered_with_its_commit_and_commits_nothing() {
+        let (_dir, project, repo, head) = checkout();
+        let task = name("t");
+        project.task_branch(&task).expect("branch");
+        let base = head.to_string();
+        let changes = [change("README.md", b"first\n"), deletion("bin/run.sh")];
+        let msg = "t: implement by a1 (fencing token 7)";
+        let first = project
+            .apply_changes(&task, &base, &changes, "a1", msg)
+            .expect("first");
+        assert_eq!(first.files_changed, 2);
+        let tip = branch_target(&repo, "t");
+        let again = project
+            .apply_changes(&task, &base, &changes, "a1", msg)
+            .expect("the same patch again");
+        assert_eq!(again, first, "the same answer");
+        assert_eq!(branch_target(&repo, "t"), tip, "no second commit");
+        // An empty patch of the same lease made nothing: it is not taken for the retry.
+        let empty = project
+            .apply_changes(&task, &base, &[], "a1", msg)
+            .expect("empty");
+        assert_eq!(empty.commit, None);
+        // Another lease's (another message), or other content, is judged as new: a conflict.
+        for (content, author, msg) in [
+            (
+                &b"first\n"[..],
+                "a2",
+                "t: implement by a2 (fencing token 8)",
+            ),
+            (&b"other\n"[..], "a1", msg),
+        ] {
+            let err = project
+                .apply_changes(&task, &base, &[change("README.md", content)], author, msg)
+                .expect_err("not a retry");
+            assert!(matches!(err, Error::PatchConflict { .. }), "{err}");
+            assert_eq!(branch_target(&repo, "t"), tip);
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The on-disk task store of automaton: the layout under `{project}/.automaton/`, atomic
 //! `.state` writes, the append-only approvals log, `.state.lock` leases with fencing tokens,
-//! `.state.implementer` and `.state.holders`, the layered lookup of framework files, and the audit (git2 for unauthorised modifications).
+//! `.state.implementer` and `.state.holders`, the completion records that answer a retried
+//! completion, the layered lookup of framework files, and the audit (git2 for unauthorised modifications).
 //!
 //! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
 //! writes the result durably under fs4 writer locks (one per task; the whole project's for
@@ -37,7 +38,7 @@ use automaton_workflow::{
 };
 
 pub use audit::{AuditReport, AuditTask, Category3, Modification};
-pub use change::{ApproveOutcome, TransitionOutcome, Upgraded};
+pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
 pub use git::{
     Applied, BranchHead, Change, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES, TreeFile,
     branch_name,
