@@ -45,6 +45,8 @@ struct Planned {
 
 /// A round runs at least this often (the offer timeouts, a worker back from a refusal).
 const ROUND_EVERY: Duration = Duration::from_millis(250);
+/// Rounds start at most this often, however often they are poked.
+const ROUND_GAP: Duration = Duration::from_millis(5);
 /// An offer the worker has not answered in this long is taken back.
 pub(crate) const OFFER_TIMEOUT: Duration = Duration::from_secs(10);
 /// A worker that refused work is not offered more for this long.
@@ -318,6 +320,7 @@ impl Coordinator {
         let me = self.clone();
         tokio::spawn(async move {
             loop {
+                let started = tokio::time::Instant::now();
                 if let Err(e) = me.dispatch_round().await {
                     tracing::warn!(error = %e, "dispatch round failed");
                 }
@@ -326,6 +329,9 @@ impl Coordinator {
                     _ = tokio::time::sleep(ROUND_EVERY) => {}
                     _ = stop.changed() => return,
                 }
+                // A round walks every task: pokes that come faster than this (a burst of
+                // releases with workers connected) are served together by the next one.
+                tokio::time::sleep_until(started + ROUND_GAP).await;
             }
         });
     }

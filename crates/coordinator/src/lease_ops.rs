@@ -501,8 +501,13 @@ impl Coordinator {
         self.metrics.ended(l.state.phase, l.claimed, reason);
         self.view_of(l, false);
         self.tell_session(l, reason);
-        // The task may be dispatched again.
-        self.work.poke();
+        // The task may be dispatched again — by a worker: with none in session, a round
+        // (which walks every task) would find nobody to give it to. This poke cost every
+        // Release a round over thousands of tasks (issue 20, finding 8); the periodic round
+        // still looks at everything.
+        if self.sessions_live() > 0 {
+            self.work.poke();
+        }
         // Without a KeepAlive stream, building the notice is wasted work.
         if self.watchers.any() {
             self.watchers.lost(&Lost {
