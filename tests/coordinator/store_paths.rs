@@ -120,6 +120,7 @@ async fn symlink_in_a_task_folder_to_etc_passwd_or_the_config_is_refused_naming_
         let before = env.snapshot();
         let s = fetch_all(&mut work, &agent, &lease)
             .await
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
             .expect_err("a linked task file");
         refused_naming(file, &s, &link, &secrets);
         // Status reads it too: GetTask names the link and shows nothing of the target.
@@ -213,6 +214,7 @@ async fn symlink_a_linked_task_or_subtask_folder_is_refused_naming_it_and_nothin
             let what = format!("{what} ({})", lease.task);
             let s = fetch_all(&mut work, &agent, lease)
                 .await
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
                 .expect_err("a linked folder");
             refused_naming(&what, &s, &dir, &secrets);
             let s = work
