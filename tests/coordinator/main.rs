@@ -16,6 +16,7 @@ mod metrics;
 mod model_server;
 mod restart;
 mod service;
+mod store_paths;
 mod traces;
 mod uploads;
 mod usage;

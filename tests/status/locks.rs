@@ -258,7 +258,7 @@ fn lock_a_fifo_in_a_tasks_place_is_not_found_and_never_blocks() {
 }
 
 #[test]
-fn lock_a_task_folder_linked_to_the_project_folder_is_not_found_and_never_blocks() {
+fn lock_a_task_folder_linked_to_the_project_folder_is_refused_naming_the_link_and_never_blocks() {
     let env = two_tasks_in_research();
     // `tasks/evil -> ..`: locking it would take `.automaton/` exclusively while holding it
     // shared, and wait for itself forever (holding up every create).
@@ -274,7 +274,8 @@ fn lock_a_task_folder_linked_to_the_project_folder_is_not_found_and_never_blocks
     );
     let (status, err) = finishes(child, "a move of a linked folder");
     assert!(!status.success());
-    assert!(err.contains("not found"), "{err}");
+    // Issue 20: a link under .automaton/ is refused by name (it is no task), not "not found".
+    assert!(err.contains("tasks/evil is a symbolic link"), "{err}");
     let (status, err) = finishes(spawn(&env, &["--create-task", "c"]), "a create after it");
     assert!(status.success(), "{err}");
 }

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_proto::v1 as pb;
-use automaton_workflow::{AgentId, State, TaskName};
+use automaton_workflow::{AgentId, Artifact, State, TaskName};
 use tokio::sync::{Notify, watch};
 use tracing::Instrument as _;
 
@@ -591,12 +591,10 @@ impl Coordinator {
             (Phase::New, _) => Ok(Some(State::open(Phase::Research))),
             (p, Gate::Approved) => {
                 let text = match p.artifact() {
+                    // Through the store: never a link, a FIFO or a file without end.
                     Some(a) => {
-                        let path = self.project.task_dir(task).join(a.file_name());
-                        tokio::task::spawn_blocking(move || std::fs::read_to_string(path).ok())
-                            .await
-                            .ok()
-                            .flatten()
+                        let t = task.clone();
+                        self.read(move |p| p.read_artifact_text(&t, a)).await?
                     }
                     None => None,
                 };
@@ -1050,8 +1048,11 @@ impl Coordinator {
         if state.phase != automaton_workflow::Phase::HumanIntervention {
             return;
         }
-        let dir = self.project.task_dir(task);
-        let verdict = std::fs::read_to_string(dir.join("VERDICT.md")).unwrap_or_default();
+        // Through the store (never a link): what a follow-up starts with is served to agents.
+        let read = |a| self.project.read_artifact(task, a).ok().flatten();
+        let verdict = read(Artifact::Verdict)
+            .and_then(|v| String::from_utf8(v).ok())
+            .unwrap_or_default();
         if self.policy.autopilot {
             self.emit(
                 "human_intervention",
@@ -1071,7 +1072,7 @@ impl Coordinator {
             let mut files: Vec<(&str, Vec<u8>)> = f
                 .copy
                 .iter()
-                .filter_map(|n| std::fs::read(dir.join(n)).ok().map(|c| (*n, c)))
+                .filter_map(|n| Some((*n, read(Artifact::from_file_name(n)?)?)))
                 .collect();
             if f.empty_implementation {
                 files.push(("IMPLEMENTATION.md", Vec::new()));

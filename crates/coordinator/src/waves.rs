@@ -63,7 +63,7 @@ impl Coordinator {
             .project
             .task_dir(parent)
             .join(automaton_workflow::Artifact::Decomposition.file_name());
-        let meta = std::fs::metadata(&path).ok();
+        let meta = std::fs::symlink_metadata(&path).ok();
         let stamp = (
             meta.as_ref().map_or(0, |m| m.len()),
             meta.as_ref().and_then(|m| m.modified().ok()),
@@ -73,12 +73,15 @@ impl Coordinator {
         {
             return Ok(p);
         }
-        let text = tokio::task::spawn_blocking(move || std::fs::read_to_string(path))
-            .await
-            .map_err(|e| Error::Internal(format!("reading a decomposition failed: {e}")))?
-            .map_err(|e| {
+        // Through the store (never a link): its sections become sub-tasks' PARENT_SPEC.md.
+        let t = parent.clone();
+        let text = self
+            .read(move |p| p.read_artifact_text(&t, automaton_workflow::Artifact::Decomposition))
+            .await?
+            .ok_or_else(|| {
                 Error::Refused(format!(
-                    "{parent}: cannot read DECOMPOSITION.md ({e}): write it, then approve again"
+                    "{parent}: cannot read {} (it does not exist): write it, then approve again",
+                    path.display()
                 ))
             })?;
         let d = automaton_workflow::parse_decomposition(&text)
@@ -302,12 +305,8 @@ impl Coordinator {
         for sub in planned {
             let state = self.state_of(sub).await;
             let verdict = if state.is_some_and(|s| s.phase.is_terminal()) {
-                let path = self
-                    .project
-                    .task_dir(sub)
-                    .join(automaton_workflow::Artifact::Verdict.file_name());
-                std::fs::read_to_string(path)
-                    .ok()
+                let verdict = automaton_workflow::Artifact::Verdict;
+                (self.project.read_artifact_text(sub, verdict).ok().flatten())
                     .and_then(|t| automaton_workflow::parse_verdict(&t))
             } else {
                 None
@@ -315,13 +314,11 @@ impl Coordinator {
             verdicts.push((sub.leaf().to_string(), verdict));
         }
         let agg = automaton_workflow::aggregate(&verdicts);
-        let own = std::fs::read_to_string(
-            self.project
-                .task_dir(parent)
-                .join(automaton_workflow::Artifact::Verdict.file_name()),
-        )
-        .ok()
-        .and_then(|t| automaton_workflow::parse_verdict(&t));
+        let own = (self.project)
+            .read_artifact_text(parent, automaton_workflow::Artifact::Verdict)
+            .ok()
+            .flatten()
+            .and_then(|t| automaton_workflow::parse_verdict(&t));
         let (target, why) = match automaton_workflow::parent_outcome(&agg, own) {
             ParentOutcome::Waiting => return Ok(()),
             ParentOutcome::Complete => (

@@ -618,15 +618,11 @@ impl Service {
         on_lease(&l);
         let target: State = if r.target.is_empty() {
             let verdict = if l.state.phase == automaton_workflow::Phase::Referee {
-                let path = self
-                    .coord
-                    .project
-                    .task_dir(&l.task)
-                    .join(Artifact::Verdict.file_name());
-                tokio::task::spawn_blocking(move || std::fs::read_to_string(path).ok())
-                    .await
-                    .ok()
-                    .flatten()
+                // Through the store: never a link, a FIFO or a file without end.
+                let task = l.task.clone();
+                self.coord
+                    .read(move |p| p.read_artifact_text(&task, Artifact::Verdict))
+                    .await?
             } else {
                 None
             };

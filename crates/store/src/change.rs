@@ -175,7 +175,7 @@ impl Project {
         };
         if let Some(p) = task.parent() {
             let pdir = self.task_dir(&p);
-            if !pdir.is_dir() {
+            if !self.is_real_dir(&pdir)? {
                 return Err(Error::ParentNotFound {
                     parent: p,
                     tasks: self.tasks_display(),
@@ -194,6 +194,8 @@ impl Project {
             .expect("a task folder has a parent")
             .to_path_buf();
         fs::create_dir_all(&parent_dir).map_err(io_err("create", &parent_dir))?;
+        // `tasks/` or `subtasks/` a link: the folder would be renamed into wherever it points.
+        self.is_real_dir(&parent_dir)?;
         let staging = self
             .tmp_dir()
             .join(fsx::temp_name(&format!("create-{}", task.leaf())));

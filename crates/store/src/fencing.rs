@@ -4,14 +4,14 @@
 
 use std::fs;
 
-use crate::fsx::{io_err, read_optional};
+use crate::fsx::io_err;
 use crate::{Error, Project};
 
 impl Project {
     /// The project's fencing high-water mark: no token at or below it will be issued again.
     pub fn fencing_mark(&self) -> Result<u64, Error> {
         let path = self.meta.join("fencing");
-        match read_optional(&path)? {
+        match self.read_optional(&path)? {
             None => Ok(0),
             Some(t) => t
                 .trim()

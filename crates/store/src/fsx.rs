@@ -1,8 +1,13 @@
-//! Durable file primitives: atomic replacement, directory sync, the project and task locks.
+//! Durable file primitives: atomic replacement, directory sync, the project and task locks,
+//! and the reads of the task store, which follow no symbolic link below `.automaton/`.
 
 use std::fs::{self, File};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::os::fd::OwnedFd;
+use std::path::{Component, Path, PathBuf};
+
+use rustix::fs::{AtFlags, CWD, FileType, Mode, OFlags, openat, statat};
+use rustix::io::Errno;
 
 use crate::Error;
 
@@ -95,33 +100,108 @@ pub(crate) fn remove_durably(path: &Path) -> Result<(), Error> {
 /// The largest state file (`.state`, `.state.approvals`, `.state.holders`, …) read whole.
 pub(crate) const MAX_STATE_FILE: u64 = 64 << 20;
 
-/// Opens `path` for reading if it is a regular file, without ever blocking: a FIFO or a
-/// device put in a file's place is refused (checked on the opened handle, so nothing can be
-/// swapped in between), never opened for a read that waits for a writer. `Ok(None)`: absent.
-pub(crate) fn open_regular(path: &Path) -> std::io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = match fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
+/// A folder opened to read or lock, never blocking (a FIFO put in a folder's place is refused
+/// by `O_DIRECTORY` before anything waits on it).
+const DIR: OFlags = OFlags::RDONLY
+    .union(OFlags::DIRECTORY)
+    .union(OFlags::NONBLOCK)
+    .union(OFlags::CLOEXEC);
+/// A file opened to read, never blocking: a FIFO opens at once, and is then refused.
+const FILE: OFlags = OFlags::RDONLY
+    .union(OFlags::NONBLOCK)
+    .union(OFlags::CLOEXEC);
+
+/// Opens `path` with `last` on its final component, and every component below `root` with
+/// `O_NOFOLLOW`, one `openat` at a time from `root`'s descriptor: nothing below `root` is
+/// reached through a symbolic link, and nothing swapped in between two steps is followed.
+/// `root` itself is opened as given (`.automaton` may be a link: `~/.automaton` kept
+/// elsewhere); `path == root` opens just it, links followed (the operator's own file).
+/// `Ok(None)`: absent (or a file where a folder should be). A link is [`Error::Symlink`],
+/// naming it.
+fn open_below(root: &Path, path: &Path, last: OFlags) -> Result<Option<OwnedFd>, Error> {
+    let outside = || io_err("open", path)(std::io::Error::other("not inside the task store"));
+    let parts = path
+        .strip_prefix(root)
+        .map_err(|_| outside())?
+        .components()
+        .map(|c| match c {
+            Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(outside)?;
+    let first = if parts.is_empty() { last } else { DIR };
+    let mut fd = match openat(CWD, root, first, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT | Errno::NOTDIR) => return Ok(None),
+        Err(e) => return Err(io_err("open", root)(e.into())),
     };
-    if f.metadata()?.is_file() {
-        Ok(Some(f))
+    let mut at = root.to_path_buf();
+    for (i, name) in parts.iter().enumerate() {
+        at.push(name);
+        let flags = if i + 1 == parts.len() { last } else { DIR };
+        let next = match openat(&fd, *name, flags | OFlags::NOFOLLOW, Mode::empty()) {
+            Ok(next) => next,
+            Err(Errno::NOENT) => return Ok(None),
+            // ELOOP (Linux, macOS) or EMLINK (FreeBSD): a link at the end; ENOTDIR: a link
+            // or a file where a folder should be. Which, the entry itself says.
+            Err(e @ (Errno::LOOP | Errno::MLINK | Errno::NOTDIR)) => {
+                let link = statat(&fd, *name, AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink);
+                if link {
+                    return Err(Error::Symlink { path: at });
+                }
+                if e == Errno::NOTDIR {
+                    return Ok(None);
+                }
+                return Err(io_err("open", &at)(e.into()));
+            }
+            Err(e) => return Err(io_err("open", &at)(e.into())),
+        };
+        fd = next;
+    }
+    Ok(Some(fd))
+}
+
+/// What a read found at a path.
+pub(crate) enum Found {
+    Absent,
+    File(File),
+    /// A folder, a FIFO, a device: never read.
+    Other,
+}
+
+/// Opens `path` for reading without following a link below `root` ([`open_below`]) and
+/// without ever blocking: a FIFO or a device put in a file's place is found on the opened
+/// handle (so nothing can be swapped in between), never read.
+pub(crate) fn open_found(root: &Path, path: &Path) -> Result<Found, Error> {
+    let Some(fd) = open_below(root, path, FILE)? else {
+        return Ok(Found::Absent);
+    };
+    let f = File::from(fd);
+    if f.metadata().map_err(io_err("stat", path))?.is_file() {
+        Ok(Found::File(f))
     } else {
-        Err(std::io::Error::other(
-            "not a regular file: replace it with one, or remove it",
-        ))
+        Ok(Found::Other)
     }
 }
 
-/// Reads a regular file of at most `cap` bytes whole; `Ok(None)` when absent.
-pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Error> {
+/// [`open_found`], where anything but a regular file is an error. `Ok(None)`: absent.
+pub(crate) fn open_regular(root: &Path, path: &Path) -> Result<Option<File>, Error> {
+    match open_found(root, path)? {
+        Found::Absent => Ok(None),
+        Found::File(f) => Ok(Some(f)),
+        Found::Other => Err(io_err("read", path)(std::io::Error::other(
+            "not a regular file: replace it with one, or remove it",
+        ))),
+    }
+}
+
+/// Reads a regular file of at most `cap` bytes whole, through no link below `root`;
+/// `Ok(None)` when absent.
+pub(crate) fn read_capped(root: &Path, path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Error> {
     use std::io::Read;
-    let Some(f) = open_regular(path).map_err(io_err("read", path))? else {
+    let Some(f) = open_regular(root, path)? else {
         return Ok(None);
     };
     let mut bytes = Vec::new();
@@ -136,9 +216,9 @@ pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Option<Vec<u8>>, Erro
     Ok(Some(bytes))
 }
 
-/// Reads a state file that may be absent.
-pub(crate) fn read_optional(path: &Path) -> Result<Option<String>, Error> {
-    match read_capped(path, MAX_STATE_FILE)? {
+/// Reads a state file that may be absent, through no link below `root`.
+pub(crate) fn read_optional(root: &Path, path: &Path) -> Result<Option<String>, Error> {
+    match read_capped(root, path, MAX_STATE_FILE)? {
         None => Ok(None),
         Some(bytes) => String::from_utf8(bytes)
             .map(Some)
@@ -148,39 +228,26 @@ pub(crate) fn read_optional(path: &Path) -> Result<Option<String>, Error> {
     }
 }
 
-/// Opens a folder to lock it, never blocking and never through a symlink: a task folder
-/// that is a link is not a task (the listings skip links too), and `O_DIRECTORY` refuses a
-/// FIFO swapped into its place before anything is opened. `Ok(None)`: not a real folder
-/// (absent, a link, a file).
-fn open_dir(path: &Path) -> Result<Option<File>, Error> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-    {
-        Ok(f) => Ok(Some(f)),
-        Err(e)
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
-            ) =>
-        {
-            Ok(None)
-        }
-        Err(e) => Err(io_err("open", path)(e)),
-    }
+/// Opens a folder below `root` to lock or read it, never blocking and never through a link
+/// ([`open_below`]): a task folder that is a link (or lies under one) is refused, naming the
+/// link, and `O_DIRECTORY` refuses a FIFO swapped into its place before anything is opened.
+/// `Ok(None)`: not a folder (absent, a file, a FIFO).
+pub(crate) fn open_dir(root: &Path, path: &Path) -> Result<Option<File>, Error> {
+    Ok(open_below(root, path, DIR)?.map(File::from))
+}
+
+/// Whether `path` is a real folder below `root`, reached through no link: what a write into
+/// a task folder checks first, so that no write lands outside the task store.
+pub(crate) fn is_real_dir(root: &Path, path: &Path) -> Result<bool, Error> {
+    Ok(open_dir(root, path)?.is_some())
 }
 
 /// Opens the project's `.automaton/` folder to lock it (it may itself be a link: `~/.automaton`
 /// kept elsewhere), never blocking.
 fn open_meta(meta: &Path) -> Result<File, Error> {
-    use std::os::unix::fs::OpenOptionsExt;
-    fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_NONBLOCK)
-        .open(meta)
-        .map_err(io_err("open", meta))
+    openat(CWD, meta, DIR, Mode::empty())
+        .map(File::from)
+        .map_err(|e| io_err("open", meta)(e.into()))
 }
 
 /// (device, inode) of an open file.
@@ -215,8 +282,8 @@ pub(crate) struct TaskLock {
 
 impl TaskLock {
     /// Locks the task at `task_dir` (a sub-task: under `parent_dir`) in the project `meta`.
-    /// `None`: no such task folder (absent, a link, a file, or the project's own folder);
-    /// nothing was created.
+    /// `None`: no such task folder (absent, a file, or the project's own folder); nothing was
+    /// created. A folder that is a link, or under one, is [`Error::Symlink`].
     pub(crate) fn acquire(
         meta: &Path,
         tmp_dir: &Path,
@@ -230,7 +297,7 @@ impl TaskLock {
         let parent = match parent_dir {
             None => None,
             Some(p) => {
-                let Some(f) = open_dir(p)? else {
+                let Some(f) = open_dir(meta, p)? else {
                     return Ok(None);
                 };
                 if taken.contains(&identity(&f, p)?) {
@@ -244,7 +311,7 @@ impl TaskLock {
         // A folder replaced between the open and the lock would leave this lock on the old
         // one: lock again until the locked folder is the one at the path.
         loop {
-            let Some(dir) = open_dir(task_dir)? else {
+            let Some(dir) = open_dir(meta, task_dir)? else {
                 return Ok(None);
             };
             let held = identity(&dir, task_dir)?;
@@ -274,9 +341,9 @@ impl TaskLock {
 
 /// A shared flock on a task's folder, for reading its state while its writers (who hold it
 /// exclusively through their syncs) are kept out: a value read under it is durable. `None`
-/// when it is not a real folder.
-pub(crate) fn read_lock(dir: &Path) -> Option<File> {
-    let f = open_dir(dir).ok()??;
+/// when it is not a real folder below `root`.
+pub(crate) fn read_lock(root: &Path, dir: &Path) -> Option<File> {
+    let f = open_dir(root, dir).ok()??;
     fs4::FileExt::lock_shared(&f).ok()?;
     Some(f)
 }

@@ -496,6 +496,13 @@ fn check_changes(changes: &[Change]) -> Result<(), Error> {
     Ok(())
 }
 
+/// Why git (with `core.protectHFS` and `core.protectNTFS` on, as on macOS and Windows) would
+/// refuse `path` in a tree, or why the task store does; `None`: it may be committed. git's
+/// own rules (`verify_path` in read-cache.c, `is_ntfs_dotgit` in path.c, `is_hfs_dotgit` in
+/// utf8.c): no `.git` in any component, in any case, nor what NTFS or HFS+ reads as `.git`; a
+/// backslash is a separator to NTFS. Stricter than git: the aliases of `.gitmodules`,
+/// `.gitattributes`, `.gitignore` and `.mailmap` (which git refuses only as links) are refused
+/// in any component (the exact names are fine), and so are `.automaton`'s at the root.
 fn path_problem(path: &str) -> Option<&'static str> {
     if path.is_empty() {
         return Some("it is empty");
@@ -513,15 +520,135 @@ fn path_problem(path: &str) -> Option<&'static str> {
         match part {
             "" => return Some("it has an empty component ('//' or a trailing '/')"),
             "." | ".." => return Some("it has a '.' or '..' component"),
-            // git refuses `.git` at any depth (and in any case, for case-insensitive disks).
-            p if p.eq_ignore_ascii_case(".git") => return Some("it is inside .git/"),
-            ".automaton" if i == 0 => {
+            _ => {}
+        }
+        for (j, name) in part.split('\\').enumerate() {
+            if is_dotgit(name) {
+                return Some(
+                    "it names .git, or what NTFS or HFS+ reads as .git (any case, a trailing '.' or ' ', a ':' stream, git~1, an ignorable code point such as U+200C, '\\' as a separator); git refuses them all",
+                );
+            }
+            if GIT_DOTFILES
+                .iter()
+                .any(|(file, short)| is_alias_of(name, file, Some(short)))
+            {
+                return Some(
+                    "it is what NTFS or HFS+ reads as .gitmodules, .gitattributes, .gitignore or .mailmap, under another spelling: use the exact name",
+                );
+            }
+            if i == 0 && j == 0 && (name == ".automaton" || is_alias_of(name, "automaton", None)) {
                 return Some("it is inside .automaton/ (the task store is not code)");
             }
-            _ => {}
         }
     }
     None
+}
+
+/// The files git protects beside `.git` (without the dot), with the prefix of the hashed
+/// NTFS short name Windows may give each (git's `is_ntfs_dotgitmodules` and siblings).
+const GIT_DOTFILES: [(&str, &str); 4] = [
+    ("gitmodules", "gi7eba"),
+    ("gitignore", "gi250a"),
+    ("gitattributes", "gi7d29"),
+    ("mailmap", "maba30"),
+];
+
+/// Code points HFS+ leaves out of a file name when it compares names (git's
+/// `next_hfs_char`): `.g\u{200c}it` is `.git` there.
+fn hfs_ignorable(c: char) -> bool {
+    matches!(
+        c,
+        '\u{200c}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{206a}'..='\u{206f}' | '\u{feff}'
+    )
+}
+
+/// Whether HFS+ reads the component `name` as `.{needle}` (`needle` lowercase ASCII): ASCII
+/// case folded, ignorable code points dropped (git's `is_hfs_dot_generic`).
+fn is_hfs_dot(name: &str, needle: &str) -> bool {
+    let mut chars = name.chars().filter(|c| !hfs_ignorable(*c));
+    chars.next() == Some('.')
+        && needle
+            .chars()
+            .all(|n| chars.next().is_some_and(|c| c.to_ascii_lowercase() == n))
+        && chars.next().is_none()
+}
+
+/// The rest of an NTFS name after what it aliases: NTFS drops trailing spaces and periods,
+/// and a `:` starts an alternate data stream of the same file (`.git::$INDEX_ALLOCATION`).
+fn ntfs_same_name(rest: &[u8]) -> bool {
+    for &c in rest {
+        if c == b':' {
+            return true;
+        }
+        if c != b' ' && c != b'.' {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether the component `name` is `.git` to git: on any disk, or to NTFS (`.git`, or its
+/// short name `git~1`, in any case, then [`ntfs_same_name`]; git's `is_ntfs_dotgit`) or
+/// HFS+ ([`is_hfs_dot`]).
+fn is_dotgit(name: &str) -> bool {
+    let b = name.as_bytes();
+    let rest = if b.len() >= 4 && b[0] == b'.' && b[1..4].eq_ignore_ascii_case(b"git") {
+        &b[4..]
+    } else if b.len() >= 5 && b[..5].eq_ignore_ascii_case(b"git~1") {
+        &b[5..]
+    } else {
+        return is_hfs_dot(name, "git");
+    };
+    ntfs_same_name(rest) || is_hfs_dot(name, "git")
+}
+
+/// Whether the component `name` is another spelling of `.{file}` to NTFS or HFS+ (git's
+/// `is_ntfs_dot_generic` and `is_hfs_dot_generic`): any case, then [`ntfs_same_name`]; the
+/// short name (the first six characters, `~1` to `~4`); with `short`, the hashed short name
+/// (up to six of its characters, `~`, digits: eight in all). The exact `.{file}` is not.
+fn is_alias_of(name: &str, file: &str, short: Option<&str>) -> bool {
+    let (b, f) = (name.as_bytes(), file.as_bytes());
+    if b.first() == Some(&b'.') && &b[1..] == f {
+        return false;
+    }
+    if is_hfs_dot(name, file) {
+        return true;
+    }
+    if b.len() > f.len() && b[0] == b'.' && b[1..=f.len()].eq_ignore_ascii_case(f) {
+        return ntfs_same_name(&b[f.len() + 1..]);
+    }
+    if b.len() >= 8
+        && b[..6].eq_ignore_ascii_case(&f[..6])
+        && b[6] == b'~'
+        && (b'1'..=b'4').contains(&b[7])
+    {
+        return ntfs_same_name(&b[8..]);
+    }
+    let Some(short) = short.map(str::as_bytes) else {
+        return false;
+    };
+    let at = |i: usize| b.get(i).copied().unwrap_or(0);
+    let (mut i, mut tilde) = (0, false);
+    while i < 8 {
+        let c = at(i);
+        if c == 0 {
+            return false;
+        } else if tilde {
+            if !c.is_ascii_digit() {
+                return false;
+            }
+        } else if c == b'~' {
+            i += 1;
+            if !(b'1'..=b'9').contains(&at(i)) {
+                return false;
+            }
+            tilde = true;
+        } else if i >= 6 || c.to_ascii_lowercase() != short[i] {
+            return false;
+        }
+        i += 1;
+    }
+    ntfs_same_name(&b[8..])
 }
 
 fn check_text(field: &'static str, value: &str, is_name: bool) -> Result<(), Error> {
@@ -1184,6 +1311,169 @@ mod tests {
             )
             .expect_err("gave up");
         assert!(matches!(err, Error::BranchRace { .. }), "{err}");
+    }
+
+    /// Aliases of `.git` that git itself refuses (core.protectNTFS and core.protectHFS on).
+    const DOTGIT_ALIASES: &[&str] = &[
+        ".git/config",
+        ".GIT/config",
+        ".Git/HEAD",
+        "src/.git/config",
+        "src/.git",
+        ".g\u{200c}it/config",
+        "\u{200c}.git/x",
+        ".git\u{200d}/x",
+        ".gi\u{200e}t/x",
+        ".g\u{200f}it",
+        ".g\u{202a}it/x",
+        ".g\u{202e}it/x",
+        ".g\u{206a}it/x",
+        ".g\u{206f}it/x",
+        ".g\u{feff}it/x",
+        ".git./config",
+        ".git /config",
+        ".git . ./x",
+        ".git::$INDEX_ALLOCATION/x",
+        ".git:/x",
+        ".git:stream",
+        "git~1/config",
+        "GIT~1/config",
+        "git~1. /x",
+        ".git\\config",
+        "a\\.git\\config",
+        "a\\git~1\\b",
+    ];
+
+    /// Other spellings of the files git protects as links: git refuses them as symlinks
+    /// only; the store refuses them in any component.
+    const DOTFILE_ALIASES: &[&str] = &[
+        "gitmod~1",
+        "GITMOD~4",
+        ".gitmodules.",
+        ".gitmodules ",
+        ".GITMODULES",
+        ".gitmodules::$DATA",
+        ".git\u{200c}modules",
+        "gi7eba~1",
+        "gi7eb~12",
+        "sub/gitmod~2",
+        "gitign~1",
+        "gi250a~1",
+        ".gitignore.",
+        ".GitIgnore",
+        "gitatt~1",
+        "gi7d29~1",
+        ".gitattributes ",
+        "mailma~1",
+        "maba30~1",
+        ".mailmap.",
+    ];
+
+    /// What git must accept, and so must the store.
+    const LEGIT: &[&str] = &[
+        ".github/workflows/ci.yml",
+        "git/x",
+        ".gitkeep",
+        "a.git/x",
+        "x.git",
+        "git~2/x",
+        "git~10/x",
+        ".git~1/x",
+        ".git.foo",
+        ".gitfoo/x",
+        ".gitmodules",
+        ".gitignore",
+        "src/.gitignore",
+        ".gitattributes",
+        ".mailmap",
+        "gitmod~5",
+        ".gitmodulesx",
+        "my.gitignore",
+        "a\\b.txt",
+        "automaton/x",
+        "src/.automaton/x",
+        "\u{200c}file.txt",
+        "d\u{e9}j\u{e0}.md",
+    ];
+
+    /// Whether git (2.x, with core.protectNTFS and core.protectHFS on) lets `path` into an
+    /// index as a file of `mode` (`100644`, or `120000` for a link): git's own verify_path.
+    fn git_accepts(repo: &Path, path: &str, mode: &str) -> bool {
+        let blob = "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391";
+        std::process::Command::new("git")
+            .args(["-c", "core.protectNTFS=true", "-c", "core.protectHFS=true"])
+            .args(["update-index", "--add", "--cacheinfo"])
+            .arg(format!("{mode},{blob},{path}"))
+            .current_dir(repo)
+            .env("GIT_INDEX_FILE", repo.join("probe-index"))
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("run git")
+            .success()
+    }
+
+    #[test]
+    fn git_path_aliases_are_refused_as_git_refuses_them_and_git_legit_names_pass() {
+        let (dir, project, repo, head) = checkout();
+        let task = name("t");
+        project.task_branch(&task).expect("branch");
+        for bad in DOTGIT_ALIASES {
+            assert!(!git_accepts(dir.path(), bad, "100644"), "git takes {bad:?}");
+        }
+        for bad in DOTFILE_ALIASES {
+            // git takes them as files; as links, the .gitmodules ones are refused.
+            assert!(
+                git_accepts(dir.path(), bad, "100644"),
+                "git refuses {bad:?}"
+            );
+            if bad.contains("mod") || bad.contains("gi7eb") {
+                assert!(!git_accepts(dir.path(), bad, "120000"), "git links {bad:?}");
+            }
+        }
+        let root_aliases = [
+            ".AUTOMATON/tasks/t/.state",
+            ".automaton./x",
+            ".automaton /x",
+            ".autom\u{200c}aton/x",
+            "automa~1/x",
+            ".automaton\\tasks\\t\\.state",
+        ];
+        for bad in DOTGIT_ALIASES
+            .iter()
+            .chain(DOTFILE_ALIASES)
+            .chain(&root_aliases)
+        {
+            let err = project
+                .apply_changes(
+                    &task,
+                    &head.to_string(),
+                    &[change("ok.txt", b"fine"), change(bad, b"evil")],
+                    "agent",
+                    "m",
+                )
+                .expect_err(bad);
+            assert!(matches!(err, Error::BadPath { .. }), "{bad:?}: {err}");
+            assert_eq!(err.kind(), ErrorKind::Invalid, "{bad:?}");
+            let text = err.to_string();
+            assert!(text.len() < 400 && !text.contains('\n'), "{text}");
+            assert_eq!(branch_target(&repo, "t"), Some(head), "{bad:?}");
+        }
+        for ok in LEGIT {
+            assert_eq!(path_problem(ok), None, "{ok:?}");
+            assert!(git_accepts(dir.path(), ok, "100644"), "git refuses {ok:?}");
+        }
+        // Each legit name commits, and git fsck finds nothing wrong with the result.
+        let changes: Vec<Change> = LEGIT.iter().map(|p| change(p, b"x\n")).collect();
+        let applied = project
+            .apply_changes(&task, &head.to_string(), &changes, "agent", "m")
+            .expect("legit names commit");
+        assert!(applied.commit.is_some());
+        let fsck = std::process::Command::new("git")
+            .args(["fsck", "--strict", "--no-dangling"])
+            .current_dir(dir.path())
+            .output()
+            .expect("git fsck");
+        assert!(fsck.status.success(), "{fsck:?}");
     }
 
     #[test]

@@ -1,19 +1,27 @@
 //! Seed 002's layered lookup of framework files (`{project}/.automaton/…` over
 //! `~/.automaton/…`), the `.agent.md` that sets the project's policy (and a misplaced one at
 //! the project root), and that policy.
+//!
+//! Links: the project's layer comes with its repository (a merged change can add a link), and
+//! its prompts, rules and contracts are served to agents, so nothing below the project's
+//! `.automaton/` is read through a symbolic link ([`Error::Symlink`]); a link there is found,
+//! and refused, never passed over for the user's file. `~/.automaton/` is the operator's own
+//! (a dotfiles manager's links are common there): its links are followed, as is
+//! `.automaton/` itself being one.
 
 use std::path::{Component, Path, PathBuf};
 
 use automaton_workflow::{Policy, PolicyFile};
 
-use crate::fsx::read_optional;
+use crate::fsx;
 use crate::project::AGENT_MD;
 use crate::{Error, Project};
 
 impl Project {
-    /// Seed 002's layered lookup of a framework file: `{project}/.automaton/{relative}` if it
-    /// exists, else `~/.automaton/{relative}` if that exists (file-level precedence: the first
-    /// found is the whole answer). For `.agent.md`, `.rules.md`, `prompts/…`, `contracts/…`,
+    /// Seed 002's layered lookup of a framework file: `{project}/.automaton/{relative}` if
+    /// anything is there (a link too: its reader refuses it), else `~/.automaton/{relative}`
+    /// if that exists (file-level precedence: the first found is the whole answer). Read what
+    /// it finds through no link below [`Project::links_stop_at`]. For `.agent.md`, `.rules.md`, `prompts/…`, `contracts/…`,
     /// `scripts/…`. A path that is absolute or climbs out with `..` is never looked up.
     pub fn layered(&self, relative: impl AsRef<Path>) -> Option<PathBuf> {
         let rel = relative.as_ref();
@@ -23,7 +31,7 @@ impl Project {
             return None;
         }
         let own = self.meta.join(rel);
-        if own.exists() {
+        if present(&own) {
             return Some(own);
         }
         let user = self.home.as_ref()?.join(".automaton").join(rel);
@@ -46,12 +54,24 @@ impl Project {
     /// when the project has no `.automaton/.agent.md`.
     pub fn policy_file(&self) -> Option<PathBuf> {
         let own = self.meta.join(AGENT_MD);
-        if own.exists() {
+        if present(&own) {
             return Some(own);
         }
         match self.misplaced_agent_md() {
             Some((legacy, true)) => Some(legacy),
             _ => self.layered(AGENT_MD),
+        }
+    }
+
+    /// Below which folder links are not followed for a file the layered lookup found: the
+    /// project's `.automaton/` for its own layer (see the module's header); none for the
+    /// user's `~/.automaton/` (the file itself is returned: links followed), which is also the
+    /// project's layer when the project is `~/.automaton` itself.
+    pub(crate) fn links_stop_at<'a>(&'a self, path: &'a Path) -> &'a Path {
+        if self.meta != self.root && path.starts_with(&self.meta) {
+            &self.meta
+        } else {
+            path
         }
     }
 
@@ -61,7 +81,7 @@ impl Project {
         let Some(path) = self.policy_file() else {
             return Ok(Policy::default());
         };
-        let file = match read_optional(&path)? {
+        let file = match fsx::read_optional(self.links_stop_at(&path), &path)? {
             None => PolicyFile::default(),
             Some(text) => {
                 PolicyFile::parse(&text).map_err(|source| Error::Policy { source, path })?
@@ -69,6 +89,11 @@ impl Project {
         };
         Ok(Policy::layered(&file, &PolicyFile::default()))
     }
+}
+
+/// Whether something is at `path` (a link counts, even a dangling one).
+fn present(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
 }
 
 #[cfg(test)]

@@ -219,6 +219,11 @@ impl Project {
     /// it repairs these files at start.
     pub fn write_lease_view(&self, task: &TaskName, lease: Option<&Lease>) -> Result<(), Error> {
         let dir = self.task_dir(task);
+        // The task folder is gone: there is nothing to mirror into. A link: nothing is
+        // written or removed through it.
+        if !self.is_real_dir(&dir)? {
+            return Ok(());
+        }
         let path = dir.join(LOCK);
         match lease {
             None => match fs::remove_file(&path) {
@@ -226,11 +231,7 @@ impl Project {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
                 Err(e) => Err(io_err("remove", &path)(e)),
             },
-            Some(l) if dir.is_dir() => {
-                fsx::replace_unsynced(&self.tmp_dir(), &path, l.render().as_bytes())
-            }
-            // The task folder is gone: there is nothing to mirror into.
-            Some(_) => Ok(()),
+            Some(l) => fsx::replace_unsynced(&self.tmp_dir(), &path, l.render().as_bytes()),
         }
     }
 }

@@ -237,6 +237,11 @@ pub enum Error {
     },
     #[error("Corrupt fencing counter {}: it must hold one number. Restore it from the highest 'token:' in any .state.lock.", path.display())]
     CorruptFencing { path: PathBuf },
+    #[error(
+        "{} is a symbolic link, and nothing under a project's .automaton/ is read through one (task files, prompts, rules and contracts are served to agents). Replace the link with a copy of what it points to, or remove it, then retry.",
+        path.display()
+    )]
+    Symlink { path: PathBuf },
     #[error("{} is not UTF-8 text. Rewrite it as UTF-8.", path.display())]
     NotUtf8 { path: PathBuf },
     #[error("'{name}' is not an artifact: a follow-up task copies artifacts only.")]
@@ -379,6 +384,7 @@ impl Error {
             | SelfApproval { .. }
             | HeldPhase { .. }
             | InputTooLarge { .. }
+            | Symlink { .. }
             | NoCommits { .. }
             | TreeTooLarge { .. }
             | PatchConflict { .. }

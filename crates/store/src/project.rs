@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use automaton_workflow::{AgentId, Phase, TaskName};
 
 use crate::Error;
-use crate::fsx::{ProjectLock, TaskLock, atomic_write};
+use crate::fsx::{self, ProjectLock, TaskLock, atomic_write};
 
 pub(crate) const STATE: &str = ".state";
 pub(crate) const APPROVALS: &str = ".state.approvals";
@@ -104,6 +104,18 @@ impl Project {
             });
         }
         ProjectLock::acquire(&self.meta, &self.tmp_dir())
+    }
+
+    /// Reads a file of the task store that may be absent (at most 64 MiB, UTF-8), through no
+    /// link below `.automaton/` ([`Error::Symlink`]).
+    pub(crate) fn read_optional(&self, path: &Path) -> Result<Option<String>, Error> {
+        fsx::read_optional(&self.meta, path)
+    }
+
+    /// Whether `dir` is a real folder of the task store, reached through no link: checked
+    /// before a write into it, so that nothing is written outside the store.
+    pub(crate) fn is_real_dir(&self, dir: &Path) -> Result<bool, Error> {
+        fsx::is_real_dir(&self.meta, dir)
     }
 
     pub(crate) fn write(&self, target: &Path, bytes: &[u8]) -> Result<(), Error> {

@@ -13,7 +13,7 @@ use automaton_workflow::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::fsx::{self, io_err, read_optional};
+use crate::fsx::{self, io_err};
 use crate::project::{APPROVALS, HOLDERS, IMPLEMENTER, LOCK, STATE, SUBTASKS, hex};
 use crate::records::{Approval, Lease, parse_holders, parse_implementers};
 use crate::{Error, Project};
@@ -54,11 +54,8 @@ impl Unaddressable {
 
 /// Whether a file holds nothing but whitespace (or nothing). Reads only until the first
 /// other byte, which for a real artifact is almost always in the first block.
-fn is_blank(path: &Path) -> Result<bool, Error> {
+fn is_blank(f: &mut fs::File, path: &Path) -> Result<bool, Error> {
     use std::io::Read;
-    let Some(mut f) = fsx::open_regular(path).map_err(io_err("read", path))? else {
-        return Ok(true);
-    };
     let mut buf = [0u8; 4096];
     loop {
         let n = f.read(&mut buf).map_err(io_err("read", path))?;
@@ -113,14 +110,14 @@ impl Folder {
 impl Project {
     pub(crate) fn folder(&self, task: &TaskName) -> Result<Folder, Error> {
         let dir = self.task_dir(task);
-        if !dir.is_dir() {
+        if !self.is_real_dir(&dir)? {
             return Err(Error::TaskNotFound {
                 task: task.clone(),
                 tasks: self.tasks_display(),
             });
         }
         let state_path = dir.join(STATE);
-        let state = match read_optional(&state_path)? {
+        let state = match self.read_optional(&state_path)? {
             None => None,
             Some(text) => {
                 Some(
@@ -138,8 +135,15 @@ impl Project {
             if let Some(artifact) = Artifact::from_file_name(&name)
                 && !ft.is_dir()
             {
-                let bytes = fs::metadata(&path).map_err(io_err("stat", &path))?.len();
-                let blank = bytes == 0 || is_blank(&path)?;
+                // Opened, not stat'ed by name: a link is refused, never measured through.
+                let (bytes, blank) = match fsx::open_found(&self.meta, &path)? {
+                    fsx::Found::File(mut f) => {
+                        let bytes = f.metadata().map_err(io_err("stat", &path))?.len();
+                        (bytes, bytes == 0 || is_blank(&mut f, &path)?)
+                    }
+                    // Gone since the listing, or a FIFO: nothing to read, no evidence.
+                    fsx::Found::Absent | fsx::Found::Other => (0, true),
+                };
                 artifacts.push(ArtifactInfo {
                     artifact,
                     bytes,
@@ -164,7 +168,7 @@ impl Project {
 
     pub(crate) fn lease(&self, dir: &Path) -> Result<Option<Lease>, Error> {
         let path = dir.join(LOCK);
-        match read_optional(&path)? {
+        match self.read_optional(&path)? {
             None => Ok(None),
             Some(text) => Lease::parse(&text)
                 .map(Some)
@@ -174,7 +178,7 @@ impl Project {
 
     pub(crate) fn approvals(&self, dir: &Path) -> Result<Vec<Approval>, Error> {
         let path = dir.join(APPROVALS);
-        match read_optional(&path)? {
+        match self.read_optional(&path)? {
             None => Ok(Vec::new()),
             Some(text) => Approval::parse_log(&text)
                 .map_err(|(line, detail)| Error::CorruptApprovals { path, line, detail }),
@@ -183,7 +187,7 @@ impl Project {
 
     pub(crate) fn implementers(&self, dir: &Path) -> Result<Vec<AgentId>, Error> {
         let path = dir.join(IMPLEMENTER);
-        match read_optional(&path)? {
+        match self.read_optional(&path)? {
             None => Ok(Vec::new()),
             Some(text) => parse_implementers(&text)
                 .map_err(|(line, detail)| Error::CorruptImplementers { path, line, detail }),
@@ -192,7 +196,7 @@ impl Project {
 
     pub(crate) fn holders(&self, dir: &Path) -> Result<Vec<(Phase, AgentId)>, Error> {
         let path = dir.join(HOLDERS);
-        match read_optional(&path)? {
+        match self.read_optional(&path)? {
             None => Ok(Vec::new()),
             Some(text) => parse_holders(&text).map_err(|(line, detail)| Error::CorruptHolders {
                 path,
@@ -211,7 +215,7 @@ impl Project {
         for sub in self.subtask_names(task)? {
             // Called under the parent's writer lock: each sub-task's state is read under its
             // own lock (shared), so a move still being synced by its writer is waited for.
-            let _read = crate::fsx::read_lock(&self.task_dir(&sub));
+            let _read = crate::fsx::read_lock(&self.meta, &self.task_dir(&sub));
             let state = match self.tracked_state(&sub) {
                 Ok(s) if s.is_terminal() => continue,
                 Ok(s) => s.to_string(),
@@ -234,7 +238,7 @@ impl Project {
         artifact: Artifact,
     ) -> Result<Option<String>, Error> {
         let path = dir.join(artifact.file_name());
-        let Some(mut f) = fsx::open_regular(&path).map_err(io_err("read", &path))? else {
+        let Some(mut f) = fsx::open_regular(&self.meta, &path)? else {
             return Ok(None);
         };
         // Streamed: an artifact may be large.
@@ -283,7 +287,10 @@ impl Project {
         }
         if state.phase == Phase::Referee {
             let path = folder.dir.join(Artifact::Verdict.file_name());
-            facts.verdict = read_optional(&path)?.as_deref().and_then(parse_verdict);
+            facts.verdict = self
+                .read_optional(&path)?
+                .as_deref()
+                .and_then(parse_verdict);
         }
         if state
             .legal_targets()
@@ -350,7 +357,7 @@ impl Project {
     pub fn tracked_state(&self, task: &TaskName) -> Result<State, Error> {
         let dir = self.task_dir(task);
         let state_path = dir.join(STATE);
-        match read_optional(&state_path)? {
+        match self.read_optional(&state_path)? {
             Some(text) => text
                 .trim()
                 .parse::<State>()
@@ -358,7 +365,7 @@ impl Project {
                     source,
                     path: state_path.clone(),
                 }),
-            None if dir.is_dir() => Err(Error::Untracked { task: task.clone() }),
+            None if self.is_real_dir(&dir)? => Err(Error::Untracked { task: task.clone() }),
             None => Err(Error::TaskNotFound {
                 task: task.clone(),
                 tasks: self.tasks_display(),
@@ -395,7 +402,7 @@ impl Project {
     }
 
     pub(crate) fn state_mtime(&self, folder: &Folder) -> Option<SystemTime> {
-        fs::metadata(folder.dir.join(STATE))
+        fs::symlink_metadata(folder.dir.join(STATE))
             .and_then(|m| m.modified())
             .ok()
     }
@@ -427,5 +434,210 @@ fn unaddressable(folder: String, path: PathBuf) -> Unaddressable {
         rename_to: kebab(&leaf),
         folder,
         path,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::symlink;
+    use std::path::Path;
+    use std::time::SystemTime;
+
+    use automaton_workflow::{Artifact, Phase, State};
+
+    use crate::project::tests::{name, project};
+    use crate::{Error, ErrorKind, Project};
+
+    const SECRET: &str = "token = \"operator-secret-0123456789\"\n";
+
+    /// A file outside the project that a planted link points at.
+    fn secret() -> (tempfile::TempDir, std::path::PathBuf) {
+        let d = tempfile::tempdir().expect("tempdir");
+        let f = d.path().join("coordinator.toml");
+        std::fs::write(&f, SECRET).expect("secret");
+        (d, f)
+    }
+
+    /// `r` refused with [`Error::Symlink`] naming `link`, the target's bytes nowhere.
+    #[track_caller]
+    fn refused<T: std::fmt::Debug>(what: &str, r: Result<T, Error>, link: &Path) {
+        let err = r.expect_err(what);
+        assert!(
+            matches!(&err, Error::Symlink { path } if path == link),
+            "{what}: {err:?}"
+        );
+        assert_eq!(err.kind(), ErrorKind::Refused, "{what}");
+        let text = err.to_string();
+        assert!(text.contains(&link.display().to_string()), "{what}: {text}");
+        assert!(
+            !text.contains("operator-secret") && !text.contains('\n'),
+            "{text}"
+        );
+    }
+
+    fn relink(p: &Project, task: &str, file: &str, to: &Path) -> std::path::PathBuf {
+        let path = p.task_dir(&name(task)).join(file);
+        let _ = std::fs::remove_file(&path);
+        symlink(to, &path).expect("link");
+        path
+    }
+
+    #[test]
+    fn symlink_every_reader_of_a_task_file_refuses_a_link_naming_it() {
+        let (_s, secret) = secret();
+        let (_d, p) = project();
+        let t = name("t");
+        let now = SystemTime::now();
+        p.create_task(&t).expect("create");
+        let dir = p.task_dir(&t);
+        let link = relink(&p, "t", ".state", &secret);
+        refused("tracked_state", p.tracked_state(&t), &link);
+        refused("read_state", p.read_state(&t), &link);
+        refused("view", p.view(&t, now), &link);
+        let row = p.list(now).expect("list").remove(0);
+        assert!(
+            row.error
+                .as_deref()
+                .is_some_and(|e| e.contains("symbolic link"))
+        );
+        std::fs::remove_file(&link).expect("unlink");
+        std::fs::write(&link, "design:approved\n").expect("state");
+        for (file, read) in [
+            (
+                ".state.lock",
+                (|p: &Project, d: &Path| p.lease(d).map(drop))
+                    as fn(&Project, &Path) -> Result<(), Error>,
+            ),
+            (".state.approvals", |p, d| p.approvals(d).map(drop)),
+            (".state.implementer", |p, d| p.implementers(d).map(drop)),
+            (".state.holders", |p, d| p.holders(d).map(drop)),
+        ] {
+            let link = relink(&p, "t", file, &secret);
+            refused(file, read(&p, &dir), &link);
+            std::fs::remove_file(&link).expect("unlink");
+        }
+        // Artifacts: listed (status, GetTask), hashed (approvals), read whole.
+        let link = relink(&p, "t", "SPEC.md", Path::new("/etc/passwd"));
+        refused("view", p.view(&t, now), &link);
+        refused("read_artifact", p.read_artifact(&t, Artifact::Spec), &link);
+        refused("sha", p.artifact_sha(&dir, Artifact::Spec), &link);
+        std::fs::remove_file(&link).expect("unlink");
+        let link = relink(&p, "t", "DESIGN.md", &secret);
+        let log = vec![
+            crate::Approval::parse_line(&format!(
+                "design:approved|2026-06-14T14:30:00Z|ops|{}",
+                "0".repeat(64)
+            ))
+            .expect("line"),
+        ];
+        refused(
+            "approval",
+            p.approval_status(&dir, Phase::Design, &log),
+            &link,
+        );
+        std::fs::remove_file(&link).expect("unlink");
+        let link = relink(&p, "t", "VERDICT.md", &secret);
+        refused(
+            "verdict",
+            p.read_artifact_text(&t, Artifact::Verdict),
+            &link,
+        );
+        // A move reads the folder first: refused, and nothing is written.
+        let before = std::fs::read(dir.join(".state")).expect("state");
+        refused(
+            "transition",
+            p.transition(&t, State::open(Phase::Implement), None, None, now),
+            &link,
+        );
+        assert_eq!(std::fs::read(dir.join(".state")).expect("state"), before);
+        assert_eq!(std::fs::read_to_string(&secret).expect("secret"), SECRET);
+    }
+
+    #[test]
+    fn symlink_a_linked_task_or_subtask_folder_is_refused_and_nothing_is_written_through_it() {
+        let (s, secret) = secret();
+        let (_d, p) = project();
+        p.create_task(&name("p")).expect("parent");
+        p.create_task(&name("p/sub")).expect("sub");
+        // Elsewhere: a folder that looks like a task, with the secret as its spec.
+        let elsewhere = s.path().join("elsewhere");
+        std::fs::create_dir_all(elsewhere.join("subtasks/sub")).expect("mkdir");
+        for d in [elsewhere.clone(), elsewhere.join("subtasks/sub")] {
+            std::fs::write(d.join(".state"), "implement\n").expect("state");
+            std::fs::copy(&secret, d.join("SPEC.md")).expect("spec");
+        }
+        let snapshot = || {
+            let mut files = Vec::new();
+            for d in [elsewhere.clone(), elsewhere.join("subtasks/sub")] {
+                for e in std::fs::read_dir(&d).expect("dir").flatten() {
+                    files.push((e.path(), std::fs::read(e.path()).ok()));
+                }
+            }
+            files.sort();
+            files
+        };
+        let before = snapshot();
+        let now = SystemTime::now();
+        let swap = |dir: &Path, to: &Path| {
+            let aside = dir.with_extension("real");
+            std::fs::rename(dir, &aside).expect("aside");
+            symlink(to, dir).expect("link");
+            aside
+        };
+        let check = |task: &str, link: &Path| {
+            let t = name(task);
+            refused("tracked_state", p.tracked_state(&t), link);
+            refused("view", p.view(&t, now), link);
+            refused("read_lease", p.read_lease(&t), link);
+            refused("work_inputs", p.work_inputs(&t, Phase::Implement), link);
+            refused(
+                "write_artifact",
+                p.write_artifact(&t, Artifact::Spec, b"x"),
+                link,
+            );
+            refused(
+                "transition",
+                p.transition(&t, State::open(Phase::Research), None, None, now),
+                link,
+            );
+            refused("lease view", p.write_lease_view(&t, None), link);
+        };
+        // tasks/p itself, for p and for its sub-task.
+        let top = p.task_dir(&name("p"));
+        let aside = swap(&top, &elsewhere);
+        check("p", &top);
+        check("p/sub", &top);
+        refused("create", p.create_task(&name("p/other")), &top);
+        std::fs::remove_file(&top).expect("unlink");
+        std::fs::rename(&aside, &top).expect("back");
+        // tasks/p/subtasks/sub, and tasks/p/subtasks.
+        let sub = p.task_dir(&name("p/sub"));
+        let aside = swap(&sub, &elsewhere.join("subtasks/sub"));
+        check("p/sub", &sub);
+        std::fs::remove_file(&sub).expect("unlink");
+        std::fs::rename(&aside, &sub).expect("back");
+        let subtasks = top.join("subtasks");
+        let aside = swap(&subtasks, &elsewhere.join("subtasks"));
+        check("p/sub", &subtasks);
+        let files = vec![("PARENT_SPEC.md", b"x".to_vec())];
+        refused(
+            "create_subtasks",
+            p.create_subtasks(&name("p"), &[(name("p/new"), files)]),
+            &subtasks,
+        );
+        std::fs::remove_file(&subtasks).expect("unlink");
+        std::fs::rename(&aside, &subtasks).expect("back");
+        // The whole tasks folder.
+        let tasks = p.tasks_dir().to_path_buf();
+        let aside = swap(&tasks, s.path());
+        refused("read_state", p.read_state(&name("elsewhere")), &tasks);
+        std::fs::remove_file(&tasks).expect("unlink");
+        std::fs::rename(&aside, &tasks).expect("back");
+        assert_eq!(snapshot(), before, "something was written through a link");
+        // Put back, everything reads again.
+        assert_eq!(
+            p.tracked_state(&name("p/sub")).expect("state"),
+            State::open(Phase::New)
+        );
     }
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use automaton_workflow::{Artifact, Phase, TaskName};
 
 use crate::Error;
-use crate::fsx::io_err;
+use crate::fsx::{self, io_err};
 use crate::project::Project;
 
 /// Files a sub-task carries besides its artifacts (seed 002).
@@ -35,14 +35,15 @@ pub struct InputFile {
     pub content: Vec<u8>,
 }
 
-fn read_small(path: &std::path::Path, budget: &mut u64) -> Result<Option<Vec<u8>>, Error> {
+/// Reads an input of at most `budget` bytes, through no link below `root`: a link is refused
+/// ([`Error::Symlink`], naming it), never served and never skipped, so that the operator
+/// sees it.
+fn read_small(root: &Path, path: &Path, budget: &mut u64) -> Result<Option<Vec<u8>>, Error> {
     use std::io::Read;
-    // Anything but a regular file (a folder, a FIFO) is not an input.
-    let f = match crate::fsx::open_regular(path) {
-        Ok(Some(f)) => f,
-        Ok(None) => return Ok(None),
-        Err(_) if !path.is_file() => return Ok(None),
-        Err(e) => return Err(io_err("read", path)(e)),
+    let f = match fsx::open_found(root, path)? {
+        fsx::Found::File(f) => f,
+        // Anything but a regular file (a folder, a FIFO) is not an input.
+        fsx::Found::Absent | fsx::Found::Other => return Ok(None),
     };
     let mut bytes = Vec::new();
     f.take(budget.saturating_add(1))
@@ -62,6 +63,9 @@ impl Project {
     /// The inputs of `phase` of `task`: the task's artifacts so far and its sub-task files,
     /// then the phase prompt (`prompts/{phase}.md`), `.rules.md` and every `contracts/*.md`,
     /// each through the layered lookup (the project's `.automaton/`, else `~/.automaton/`).
+    /// Nothing is read through a link in the task folder or the project's layer: a link there
+    /// refuses the whole workspace ([`Error::Symlink`], naming it), rather than being served or
+    /// silently left out.
     pub fn work_inputs(&self, task: &TaskName, phase: Phase) -> Result<Vec<InputFile>, Error> {
         let dir = self.task_dir(task);
         let mut budget = MAX_FRAMEWORK_BYTES;
@@ -76,7 +80,7 @@ impl Project {
             .chain(SUBTASK_FILES)
             .chain(previous.iter().map(String::as_str));
         for name in names {
-            if let Some(content) = read_small(&dir.join(name), &mut budget)? {
+            if let Some(content) = read_small(&self.meta, &dir.join(name), &mut budget)? {
                 out.push(InputFile {
                     kind: "task",
                     path: name.to_string(),
@@ -90,7 +94,7 @@ impl Project {
             ("rules", ".rules.md", "rules.md"),
         ] {
             if let Some(p) = self.layered(rel)
-                && let Some(content) = read_small(&p, &mut budget)?
+                && let Some(content) = read_small(self.links_stop_at(&p), &p, &mut budget)?
             {
                 out.push(InputFile {
                     kind,
@@ -99,7 +103,9 @@ impl Project {
                 });
             }
         }
-        if let Some(contracts) = self.layered("contracts") {
+        if let Some(contracts) = self.layered("contracts")
+            && fsx::open_dir(self.links_stop_at(&contracts), &contracts)?.is_some()
+        {
             let mut names: Vec<_> = fs::read_dir(&contracts)
                 .map_err(io_err("list", &contracts))?
                 .filter_map(Result::ok)
@@ -108,7 +114,8 @@ impl Project {
                 .collect();
             names.sort();
             for n in names {
-                if let Some(content) = read_small(&contracts.join(&n), &mut budget)? {
+                let path = contracts.join(&n);
+                if let Some(content) = read_small(self.links_stop_at(&path), &path, &mut budget)? {
                     out.push(InputFile {
                         kind: "contract",
                         path: n,
@@ -118,6 +125,28 @@ impl Project {
             }
         }
         Ok(out)
+    }
+
+    /// An artifact of `task` read whole (at most 64 MiB), through no link below `.automaton/`
+    /// ([`Error::Symlink`]) and never blocking on a FIFO; `None` when it does not exist. For
+    /// what the coordinator reads itself (a verdict, a decomposition, the artifacts a follow-up
+    /// task starts with): each is served to agents later, or decides what they are given.
+    pub fn read_artifact(
+        &self,
+        task: &TaskName,
+        artifact: Artifact,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        let path = self.task_dir(task).join(artifact.file_name());
+        fsx::read_capped(&self.meta, &path, fsx::MAX_STATE_FILE)
+    }
+
+    /// [`Project::read_artifact`] as text ([`Error::NotUtf8`] when it is not UTF-8).
+    pub fn read_artifact_text(
+        &self,
+        task: &TaskName,
+        artifact: Artifact,
+    ) -> Result<Option<String>, Error> {
+        self.read_optional(&self.task_dir(task).join(artifact.file_name()))
     }
 
     /// Every agent `.state.implementer` names for `task` (empty when none).
@@ -236,9 +265,13 @@ impl Project {
             return Err(e);
         }
         let subtasks = self.task_dir(parent).join(crate::project::SUBTASKS);
-        if let Err(e) = fs::create_dir_all(&subtasks) {
+        // `subtasks/` a link: the folders would be renamed into wherever it points.
+        if let Err(e) = fs::create_dir_all(&subtasks)
+            .map_err(io_err("create", &subtasks))
+            .and_then(|()| self.is_real_dir(&subtasks))
+        {
             cleanup(&staged);
-            return Err(io_err("create", &subtasks)(e));
+            return Err(e);
         }
         let mut created = Vec::new();
         for (i, (sub, staging, _)) in staged.iter().enumerate() {
@@ -263,14 +296,15 @@ impl Project {
         bytes: &[u8],
     ) -> Result<bool, Error> {
         let dir = self.task_dir(task);
-        if task.parent().is_none() || !SUBTASK_FILES.contains(&name) || !dir.is_dir() {
+        if task.parent().is_none() || !SUBTASK_FILES.contains(&name) || !self.is_real_dir(&dir)? {
             return Err(Error::TaskNotFound {
                 task: task.clone(),
                 tasks: self.tasks_display(),
             });
         }
         let target = dir.join(name);
-        if crate::fsx::read_capped(&target, bytes.len() as u64)
+        // A link in the file's place is not "the same bytes": it is replaced by the file.
+        if fsx::read_capped(&self.meta, &target, bytes.len() as u64)
             .is_ok_and(|old| old.as_deref() == Some(bytes))
         {
             return Ok(false);
@@ -288,14 +322,15 @@ impl Project {
         bytes: &[u8],
     ) -> Result<bool, Error> {
         let dir = self.task_dir(task);
-        if !dir.is_dir() {
+        if !self.is_real_dir(&dir)? {
             return Err(Error::TaskNotFound {
                 task: task.clone(),
                 tasks: self.tasks_display(),
             });
         }
         let target = dir.join(artifact.file_name());
-        if crate::fsx::read_capped(&target, bytes.len() as u64)
+        // A link in the artifact's place is not "the same bytes": it is replaced by the file.
+        if fsx::read_capped(&self.meta, &target, bytes.len() as u64)
             .is_ok_and(|old| old.as_deref() == Some(bytes))
         {
             return Ok(false);
@@ -342,6 +377,159 @@ mod tests {
                 ("contract", "api.md".into(), b"api".to_vec()),
             ]
         );
+    }
+
+    /// A link planted where `work_inputs` reads: refused naming it, its target's bytes not
+    /// served; the same folder without it is served.
+    #[test]
+    fn symlink_inputs_of_a_task_refuse_the_workspace_naming_the_link() {
+        use std::os::unix::fs::symlink;
+        let home = tempfile::tempdir().expect("home");
+        let outside = tempfile::tempdir().expect("outside");
+        let secret = outside.path().join("coordinator.toml");
+        fs::write(&secret, "token = \"operator-secret\"\n").expect("secret");
+        let (d, _) = project();
+        let p = Project::open(d.path(), Some(home.path()));
+        let parent: TaskName = "big".parse().expect("name");
+        let sub: TaskName = "big/a".parse().expect("name");
+        p.create_task(&parent).expect("parent");
+        p.create_subtasks(&parent, &[(sub.clone(), vec![])])
+            .expect("sub");
+        let cases: [(&TaskName, &str, &Path); 5] = [
+            (&parent, "PREVIOUS_SPEC.md", Path::new("/etc/passwd")),
+            (&parent, "SPEC.md", &secret),
+            (&parent, "PREVIOUS_BUG_REPORT.md", &secret),
+            (&sub, "PARENT_SPEC.md", &secret),
+            (&sub, "VRAM_CONFIG.md", &secret),
+        ];
+        for (task, file, target) in cases {
+            let link = p.task_dir(task).join(file);
+            symlink(target, &link).expect("link");
+            let err = p.work_inputs(task, Phase::Implement).expect_err(file);
+            assert!(
+                matches!(&err, Error::Symlink { path } if *path == link),
+                "{file}: {err:?}"
+            );
+            let text = err.to_string();
+            assert!(text.contains(file) && !text.contains("secret\""), "{text}");
+            assert!(!text.contains("root:"), "{text}");
+            fs::remove_file(&link).expect("unlink");
+            assert!(p.work_inputs(task, Phase::Implement).is_ok(), "{file}");
+        }
+        // A FIFO in a file's place is still not an input (and never blocks).
+        let fifo = p.task_dir(&parent).join("DESIGN.md");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        assert!(
+            p.work_inputs(&parent, Phase::Implement)
+                .expect("inputs")
+                .is_empty()
+        );
+    }
+
+    /// The project's layer follows no link; the user's `~/.automaton/` is the operator's
+    /// own and may use them.
+    #[test]
+    fn symlink_layered_inputs_follow_links_in_the_users_folder_only() {
+        use std::os::unix::fs::symlink;
+        let home = tempfile::tempdir().expect("home");
+        let outside = tempfile::tempdir().expect("outside");
+        fs::create_dir_all(outside.path().join("prompts")).expect("mkdir");
+        let prompt = outside.path().join("prompts/design.md");
+        fs::write(&prompt, "dotfiles prompt").expect("prompt");
+        fs::create_dir_all(outside.path().join("contracts")).expect("mkdir");
+        fs::write(outside.path().join("contracts/api.md"), "api").expect("contract");
+        let (d, _) = project();
+        let p = Project::open(d.path(), Some(home.path()));
+        let t: TaskName = "t".parse().expect("name");
+        p.create_task(&t).expect("create");
+        let user = home.path().join(".automaton");
+        fs::create_dir_all(user.join("prompts")).expect("mkdir");
+        symlink(&prompt, user.join("prompts/design.md")).expect("link");
+        symlink(outside.path().join("contracts"), user.join("contracts")).expect("link");
+        let got: Vec<(&str, Vec<u8>)> = p
+            .work_inputs(&t, Phase::Design)
+            .expect("the user's links are followed")
+            .into_iter()
+            .map(|f| (f.kind, f.content))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("prompt", b"dotfiles prompt".to_vec()),
+                ("contract", b"api".to_vec())
+            ]
+        );
+        // The same links in the project's layer: refused, naming them.
+        let own = d.path().join(".automaton");
+        for (link, target) in [
+            (own.join("prompts"), outside.path().join("prompts")),
+            (own.join(".rules.md"), prompt.clone()),
+            (own.join("contracts"), outside.path().join("contracts")),
+        ] {
+            symlink(&target, &link).expect("link");
+            let err = p
+                .work_inputs(&t, Phase::Design)
+                .expect_err("a project link");
+            assert!(
+                matches!(&err, Error::Symlink { path } if *path == link),
+                "{link:?}: {err:?}"
+            );
+            fs::remove_file(&link).expect("unlink");
+        }
+        // A dangling link in the project's layer is refused too, not passed over.
+        let dangling = own.join(".rules.md");
+        symlink(outside.path().join("gone"), &dangling).expect("link");
+        assert!(matches!(
+            p.work_inputs(&t, Phase::Design),
+            Err(Error::Symlink { path }) if path == dangling
+        ));
+        fs::remove_file(&dangling).expect("unlink");
+        // When the project is ~/.automaton itself, its layer is the operator's own.
+        let mine = Project::open(&user, Some(home.path()));
+        fs::write(user.join(".rules.md"), "rules").expect("rules");
+        mine.create_task(&t).expect("create");
+        assert_eq!(
+            mine.work_inputs(&t, Phase::Design).expect("inputs").len(),
+            3
+        );
+    }
+
+    #[test]
+    fn symlink_an_upload_replaces_a_linked_artifact_and_leaves_its_target_alone() {
+        use std::os::unix::fs::symlink;
+        let outside = tempfile::tempdir().expect("outside");
+        let target = outside.path().join("passwd");
+        fs::write(&target, "same").expect("target");
+        let (d, _) = project();
+        let p = Project::open(d.path(), None);
+        let t: TaskName = "t".parse().expect("name");
+        p.create_task(&t).expect("create");
+        let link = p.task_dir(&t).join("SPEC.md");
+        symlink(&target, &link).expect("link");
+        // Even the target's own bytes are a change: the link is not the artifact.
+        assert!(
+            p.write_artifact(&t, Artifact::Spec, b"same")
+                .expect("write")
+        );
+        assert!(fs::symlink_metadata(&link).expect("spec").is_file());
+        assert_eq!(fs::read(&link).expect("spec"), b"same");
+        assert_eq!(fs::read(&target).expect("target"), b"same");
+        fs::write(&target, "other").expect("target");
+        let sub: TaskName = "t/s".parse().expect("name");
+        p.create_subtasks(&t, &[(sub.clone(), vec![])])
+            .expect("sub");
+        let link = p.task_dir(&sub).join("PARENT_SPEC.md");
+        symlink(&target, &link).expect("link");
+        assert!(
+            p.write_subtask_file(&sub, "PARENT_SPEC.md", b"other")
+                .expect("write")
+        );
+        assert!(fs::symlink_metadata(&link).expect("file").is_file());
+        assert_eq!(fs::read(&target).expect("target"), b"other");
     }
 
     #[test]
