@@ -17,7 +17,7 @@
 //!    after each restart), and generally: a certainly-live lease is never refused or lost;
 //! 5. a write under a lease known to have ended is refused;
 //! 6. (checked by the clients as answers arrive) a TTL runs from the acknowledgement: a Claim
-//!    or Renew answered OK shows its whole TTL remaining, less [`ACK_TTL_SLACK`].
+//!    answered OK shows its whole TTL remaining, less [`ACK_TTL_SLACK`].
 //!
 //! "Certainly live" is a safe bound: from the answer to a grant or renewal until its send
 //! time plus the TTL (cut where a renewal that may have come later set a shorter deadline, and
@@ -73,6 +73,8 @@ struct Profile {
     /// Transitions, approvals and reads besides the lease calls; without them the same tasks
     /// see only claims, renewals and releases for the whole run (more contention on each).
     transitions: bool,
+    /// `AUTOMATON_FAILPOINTS` for the coordinator (a slow disk), or empty.
+    failpoints: &'static str,
 }
 
 /// Many clients spread over many tasks: every kind of call, every kind of end.
@@ -87,6 +89,7 @@ const SPREAD: Profile = Profile {
     short_ttl_ms: (50, 400),
     clients_per_task: None,
     transitions: true,
+    failpoints: "",
 };
 
 /// What the issue's tester ran (issue 20, finding 1): two clients racing for each of six
@@ -102,13 +105,18 @@ const CONTENTION: Profile = Profile {
     short_ttl_ms: (150, 3_000),
     clients_per_task: Some(2),
     transitions: false,
+    // A slow disk: every commit of the lease log takes 150 ms more, so a TTL counted from
+    // before the commit instead of from the acknowledgement shows in every grant (rule 6),
+    // not only when the machine happens to be slow.
+    failpoints: "log-sync-delay-ms=150",
 };
 
 const GRACE_MS: u64 = 500;
-/// Rule 6: how much of its TTL an acknowledged grant or renewal may have spent by the time
-/// its answer is built (the code between the acknowledgement and the answer, on a loaded
-/// machine). A TTL counted from before the log's commit spends a commit's worth.
-const ACK_TTL_SLACK: Duration = Duration::from_millis(25);
+/// Rule 6: how much of its TTL an acknowledged grant may have spent by the time its answer is
+/// built: the few lines between the acknowledgement and the answer, on a machine loaded
+/// enough (a whole test suite on two cores) to preempt them for some 30 ms. A TTL counted
+/// from before the log's commit spends a commit's worth: 150 ms at least in `CONTENTION`.
+const ACK_TTL_SLACK: Duration = Duration::from_millis(75);
 /// The coordinator refuses TTLs under `--lease-ttl-min` (default 1 s); the short ones here
 /// (50–400 ms) are the point.
 const TTL_MIN_ARGS: &[&str] = &["--lease-ttl-min", "10ms"];
@@ -257,8 +265,10 @@ impl Shared {
         }
     }
 
-    /// Rule 6: a TTL runs from the acknowledgement. A Claim or Renew answered OK must show
-    /// (nearly) its whole TTL remaining: the coordinator measured it as it built the answer.
+    /// Rule 6: a TTL runs from the acknowledgement. A Claim answered OK (a grant, or its
+    /// holder's renewal, both of which wait for the log) must show (nearly) its whole TTL
+    /// remaining: the coordinator measured it as it built the answer. (A Renew waits for
+    /// nothing: only preemption could make it short.)
     fn check_ack(&self, op: &str, l: &pb::Lease) {
         let ttl = l
             .ttl
@@ -491,9 +501,6 @@ impl Client {
         };
         let start = self.sh.now();
         let r = self.api.renew(&l.lease_id, l.token).await;
-        if let Ok(a) = &r {
-            self.sh.check_ack("renew", a);
-        }
         let outcome = match &r {
             Ok(a) => Outcome::Ok(Answer::Lease {
                 lease: info(a, &l),
@@ -907,6 +914,7 @@ async fn restart(
     }
     let env = sh.env.clone();
     let t0 = sh.t0;
+    let failpoints = sh.profile.failpoints;
     let (coord, kill, spawn) = tokio::task::spawn_blocking(move || {
         let mut coord = coord;
         coord.kill9();
@@ -915,7 +923,8 @@ async fn restart(
         let kill = t0.elapsed().as_micros() as Us;
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let spawn = t0.elapsed().as_micros() as Us;
-        (Coord::start(&env, &args), kill, spawn)
+        let envs = [("AUTOMATON_FAILPOINTS", failpoints)];
+        (Coord::start_with_env(&env, &args, &envs), kill, spawn)
     })
     .await
     .unwrap_or_else(|e| panic!("restart {n} failed: {e}"));
@@ -1067,7 +1076,8 @@ async fn run_history(profile: Profile) {
         .map(|s| s.to_string())
         .collect();
     let first: Vec<&str> = args.iter().map(String::as_str).collect();
-    let coord = tokio::task::block_in_place(|| Coord::start(&env, &first));
+    let envs = [("AUTOMATON_FAILPOINTS", profile.failpoints)];
+    let coord = tokio::task::block_in_place(|| Coord::start_with_env(&env, &first, &envs));
     // Every restart listens on the same port, so the clients' channels reconnect by themselves.
     args.extend(["--listen".to_string(), coord.addr.to_string()]);
     let sh = Arc::new(Shared {

@@ -207,10 +207,13 @@ pub struct Failpoints {
     pub log_sync_fails_after: Option<u64>,
     /// A rewrite fails after its rename, as a failed directory sync would.
     pub log_rewrite_dir_sync_fails: bool,
+    /// Every commit takes at least this long, as on a slow or busy disk.
+    pub log_sync_delay: Option<Duration>,
 }
 
 impl Failpoints {
-    /// `log-sync-fails-after=N`, `log-rewrite-dir-sync-fails`, comma-separated.
+    /// `log-sync-fails-after=N`, `log-rewrite-dir-sync-fails`, `log-sync-delay-ms=N`,
+    /// comma-separated.
     pub fn parse(text: &str) -> Result<Failpoints, String> {
         let mut f = Failpoints::default();
         for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
@@ -221,10 +224,19 @@ impl Failpoints {
                             format!("failpoint '{item}': write log-sync-fails-after=N")
                         })?)
                 }
+                Some(("log-sync-delay-ms", n)) => {
+                    let ms: u64 = n.trim().parse().map_err(|_| {
+                        format!("failpoint '{item}': write log-sync-delay-ms=N (at most 10000)")
+                    })?;
+                    if ms > 10_000 {
+                        return Err(format!("failpoint '{item}': at most 10000 ms"));
+                    }
+                    f.log_sync_delay = Some(Duration::from_millis(ms));
+                }
                 None if item == "log-rewrite-dir-sync-fails" => f.log_rewrite_dir_sync_fails = true,
                 _ => {
                     return Err(format!(
-                        "unknown failpoint '{item}': use log-sync-fails-after=N or log-rewrite-dir-sync-fails"
+                        "unknown failpoint '{item}': use log-sync-fails-after=N, log-rewrite-dir-sync-fails or log-sync-delay-ms=N"
                     ));
                 }
             }
@@ -244,6 +256,7 @@ struct Shared {
     /// Commits left before a failpoint fails one (`u64::MAX`: never).
     commits_before_failure: AtomicU64,
     rewrite_dir_sync_fails: AtomicBool,
+    sync_delay: Option<Duration>,
     /// Why the writer stopped, once it has: the coordinator then stops too.
     failed: tokio::sync::watch::Sender<Option<String>>,
     /// Tests: held, no commit starts.
@@ -423,6 +436,7 @@ impl Wal {
                 failpoints.log_sync_fails_after.unwrap_or(u64::MAX),
             ),
             rewrite_dir_sync_fails: AtomicBool::new(failpoints.log_rewrite_dir_sync_fails),
+            sync_delay: failpoints.log_sync_delay,
             failed: tokio::sync::watch::channel(None).0,
             #[cfg(test)]
             held: std::sync::Mutex::new(()),
@@ -579,6 +593,9 @@ fn writer(mut log: Log, path: &Path, rx: mpsc::Receiver<Job>, shared: &Shared) {
         }
         #[cfg(test)]
         let _held = shared.held.lock();
+        if let Some(d) = shared.sync_delay {
+            std::thread::sleep(d);
+        }
         let result = if shared.failing() {
             Err(format!(
                 "cannot sync {}: fdatasync failure injected",

@@ -321,7 +321,7 @@ impl Project {
             return Ok(None);
         };
         let path = self.meta.join(COMPLETIONS).join(name);
-        let text = match fsx::read_optional(&path) {
+        let text = match fsx::read_optional(&self.meta, &path) {
             Ok(t) => t,
             Err(Error::NotUtf8 { .. }) => None,
             Err(e) => return Err(e),
