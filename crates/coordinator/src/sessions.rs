@@ -11,7 +11,9 @@
 //! Sessions live in memory. What must survive a restart is which leases a session owns: the
 //! grant records name it, so a start rebuilds each session that owns a live lease as
 //! *awaiting* its worker for the grace period. The worker resumes it (same id, its leases
-//! kept) or, if it never comes, its leases end as if it had gone silent.
+//! kept) or, if it never comes, its leases end as if it had gone silent. A resume also holds
+//! the session's leases against the runs its worker reports: adopted, or ended `run_lost`
+//! (`dispatch.rs`, `Coordinator::resumed_runs`).
 //!
 //! Lock order: the lease table, then the sessions.
 
