@@ -5,6 +5,7 @@
 mod api;
 mod cli;
 mod deploy;
+mod durable;
 mod faults;
 mod harness;
 mod history;

@@ -15,12 +15,24 @@
 //! → stopping → stopped, with a stop reason); the last ones per task are kept for
 //! `automaton status --task` and `automaton workers`. A failed run releases its lease; after
 //! `max_attempts` failed runs of one phase the task is held from dispatch, with the reason.
+//!
+//! Restarts: what dispatch must not forget — an operator's and the limits' holds, the failure
+//! and iteration counts, when a task's first run was offered, the need a sub-task was first
+//! dispatched with, what its runs used, its last runs — is each task's `.state.dispatch`
+//! (store), written durably when a hold or count changes and when a run stops (a hold before
+//! it is acknowledged), read for every task before the first round and before any change to
+//! a task. The live runs are rebuilt from the workers: a resumed session reports the runs it
+//! still has and the coordinator adopts them; a lease of a resumed session whose run the
+//! worker no longer has ends (`run_lost`) and its task is offered again (see
+//! [`Coordinator::resumed_runs`]); a `stopped` for a run the coordinator does not know is
+//! applied to its lease all the same.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_proto::v1 as pb;
+use automaton_store::{DispatchRecord, RunRecord};
 use automaton_workflow::{AgentId, Artifact, State, TaskName};
 use tokio::sync::{Notify, watch};
 use tracing::Instrument as _;
@@ -28,6 +40,7 @@ use tracing::Instrument as _;
 use crate::Error;
 use crate::lease_ops::Presented;
 use crate::state::Coordinator;
+use crate::table::Live;
 
 /// Decisions of one round carried out at once.
 const ROUND_CONCURRENCY: usize = 64;
@@ -86,13 +99,23 @@ struct Offer {
     at: Instant,
 }
 
+/// Why a task is not dispatched; `durable`: kept across restarts (an operator's stop, the
+/// limits). The others (an unreadable file, an illegal move) are found again by a round.
+#[derive(Clone)]
+struct Hold {
+    why: String,
+    durable: bool,
+}
+
 #[derive(Default)]
 struct Inner {
     /// Every task the coordinator knows, with when it was created (oldest first wins).
     tasks: HashMap<TaskName, SystemTime>,
     seeded: bool,
+    /// Tasks whose `.state.dispatch` was read (or that were made by this coordinator).
+    loaded: HashSet<TaskName>,
     /// Tasks not to dispatch, with why.
-    held: HashMap<TaskName, String>,
+    held: HashMap<TaskName, Hold>,
     /// Failed runs per task and state.
     failures: HashMap<(TaskName, State), u32>,
     /// Offers not answered yet, by lease id.
@@ -107,8 +130,9 @@ struct Inner {
     plans: HashMap<TaskName, crate::waves::Plan>,
     /// Sub-tasks reported orphaned.
     orphans: std::collections::HashSet<TaskName>,
-    /// (estimate, reported peak) of completed sub-task runs.
+    /// (estimate, reported peak) of completed sub-task runs, and their sums per task.
     samples: Vec<(u64, u64)>,
+    sized: HashMap<TaskName, (u64, u64)>,
     /// The need a sub-task was first dispatched with: corrections apply only to sub-tasks
     /// not yet dispatched.
     fixed: HashMap<TaskName, u64>,
@@ -116,13 +140,16 @@ struct Inner {
     waves: HashMap<TaskName, (usize, u64)>,
     /// Completed runs per task (seed 002's iterations) and when its first run was offered.
     iterations: HashMap<TaskName, u32>,
-    first_offered: HashMap<TaskName, Instant>,
+    first_offered: HashMap<TaskName, (Instant, SystemTime)>,
     /// Terminal tasks already looked at (follow-ups made in manual mode).
     settled: std::collections::HashSet<TaskName>,
 }
 
 pub(crate) struct Work {
     inner: Mutex<Inner>,
+    /// Per task: its `.state.dispatch` as last written, held while it is written (one write
+    /// of a task at a time, the latest state each time).
+    saved: Mutex<HashMap<TaskName, Arc<tokio::sync::Mutex<Option<DispatchRecord>>>>>,
     pub(crate) wake: Notify,
     pub(crate) max_phase_time: Duration,
     pub(crate) max_attempts: u32,
@@ -136,6 +163,7 @@ impl Work {
     pub(crate) fn new(o: &crate::Options) -> Work {
         Work {
             inner: Mutex::default(),
+            saved: Mutex::default(),
             wake: Notify::new(),
             max_phase_time: o.max_phase_time,
             max_attempts: o.max_attempts.max(1),
@@ -155,10 +183,14 @@ impl Work {
     }
 
     pub(crate) fn task_created(&self, task: &TaskName) {
-        self.inner()
+        let mut inner = self.inner();
+        inner
             .tasks
             .entry(task.clone())
             .or_insert_with(SystemTime::now);
+        // A new task has no record to read.
+        inner.loaded.insert(task.clone());
+        drop(inner);
         self.poke();
     }
 
@@ -189,10 +221,15 @@ impl Work {
     }
 
     /// Records a completed run's estimate and reported peak; the new ratio when it moved.
-    pub(crate) fn learn(&self, _task: &TaskName, estimate: u64, actual: u64) -> Option<f64> {
+    pub(crate) fn learn(&self, task: &TaskName, estimate: u64, actual: u64) -> Option<f64> {
         let mut inner = self.inner();
         let before = crate::waves::ratio(&inner.samples);
         inner.samples.push((estimate, actual));
+        let sums = inner.sized.entry(task.clone()).or_insert((0, 0));
+        *sums = (
+            sums.0.saturating_add(estimate),
+            sums.1.saturating_add(actual),
+        );
         let after = crate::waves::ratio(&inner.samples);
         (before.map(|b| (b * 100.0).round()) != after.map(|a| (a * 100.0).round()))
             .then_some(after)
@@ -233,7 +270,7 @@ impl Work {
 
     /// Why `task` is held from dispatch, if it is.
     pub(crate) fn held(&self, task: &TaskName) -> Option<String> {
-        self.inner().held.get(task).cloned()
+        self.inner().held.get(task).map(|h| h.why.clone())
     }
 
     pub(crate) fn runs(&self, task: &TaskName) -> Vec<pb::Run> {
@@ -259,6 +296,195 @@ impl Work {
             .values()
             .filter(|o| &*o.session == session)
             .count()
+    }
+
+    fn is_loaded(&self, task: &TaskName) -> bool {
+        self.inner().loaded.contains(task)
+    }
+
+    /// `task`'s record as it would be written now.
+    fn record_of(&self, task: &TaskName) -> DispatchRecord {
+        let inner = self.inner();
+        let mut failures: Vec<(State, u32)> = inner
+            .failures
+            .iter()
+            .filter(|((t, _), _)| t == task)
+            .map(|((_, s), n)| (*s, *n))
+            .collect();
+        failures.sort_by_key(|(s, _)| s.to_string());
+        DispatchRecord {
+            held: inner
+                .held
+                .get(task)
+                .filter(|h| h.durable)
+                .map(|h| h.why.clone()),
+            failures,
+            iterations: inner.iterations.get(task).copied().unwrap_or(0),
+            first_offered_ms: inner.first_offered.get(task).map(|(_, at)| wall_ms(*at)),
+            need: inner.fixed.get(task).copied(),
+            sized: inner.sized.get(task).copied(),
+            runs: inner
+                .runs
+                .get(task)
+                .map(|r| r.iter().map(run_record).collect())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Takes in `task`'s record as read at start (once; what this coordinator did to the task
+    /// meanwhile wins). A record that cannot be read holds the task (it may say it was held):
+    /// the reason is returned.
+    /// `live`: the token of the task's live lease, if any (a run under any other token that
+    /// the record shows as running has ended with the coordinator that knew it).
+    fn take_in(
+        &self,
+        task: &TaskName,
+        read: Result<Option<DispatchRecord>, String>,
+        live: Option<u64>,
+    ) -> Option<String> {
+        let mut inner = self.inner();
+        if !inner.loaded.insert(task.clone()) {
+            return None;
+        }
+        let r = match read {
+            Ok(Some(r)) => r,
+            Ok(None) => return None,
+            Err(e) => {
+                let why = format!(
+                    "cannot read its dispatch record: {e} Then `automaton stop {task} --resume`"
+                );
+                inner.held.insert(
+                    task.clone(),
+                    Hold {
+                        why: why.clone(),
+                        durable: false,
+                    },
+                );
+                return Some(why);
+            }
+        };
+        if let Some(why) = r.held {
+            inner
+                .held
+                .entry(task.clone())
+                .or_insert(Hold { why, durable: true });
+        }
+        for (state, n) in r.failures {
+            let c = inner.failures.entry((task.clone(), state)).or_insert(0);
+            *c = (*c).max(n);
+        }
+        let it = inner.iterations.entry(task.clone()).or_insert(0);
+        *it = (*it).max(r.iterations);
+        if let Some(ms) = r.first_offered_ms {
+            let at = from_ms(ms);
+            let age = SystemTime::now().duration_since(at).unwrap_or_default();
+            let then = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+            inner
+                .first_offered
+                .entry(task.clone())
+                .or_insert((then, at));
+        }
+        if let Some(n) = r.need {
+            inner.fixed.entry(task.clone()).or_insert(n);
+        }
+        if let Some((e, a)) = r.sized
+            && !inner.sized.contains_key(task)
+        {
+            inner.sized.insert(task.clone(), (e, a));
+            inner.samples.push((e, a));
+        }
+        // The runs read go before those this coordinator has recorded since its start.
+        let known = inner.runs.remove(task).unwrap_or_default();
+        let mut runs: VecDeque<pb::Run> = r
+            .runs
+            .iter()
+            .filter(|old| !known.iter().any(|k| k.token == old.token))
+            .map(|old| {
+                let mut run = run_pb(old);
+                if run.state != "stopped" && live != Some(run.token) {
+                    run.state = "stopped".into();
+                    run.stop_reason = "run_lost".into();
+                    run.detail = "the coordinator restarted and its lease did not survive".into();
+                }
+                run
+            })
+            .collect();
+        runs.extend(known);
+        while runs.len() > RUNS_KEPT {
+            runs.pop_front();
+        }
+        if !runs.is_empty() {
+            inner.runs.insert(task.clone(), runs);
+        }
+        None
+    }
+
+    /// The slot that serialises `task`'s record writes.
+    fn save_slot(&self, task: &TaskName) -> Arc<tokio::sync::Mutex<Option<DispatchRecord>>> {
+        self.saved
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(task.clone())
+            .or_default()
+            .clone()
+    }
+}
+
+fn wall_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn from_ms(ms: u64) -> SystemTime {
+    automaton_store::clamp_time(
+        SystemTime::UNIX_EPOCH
+            .checked_add(Duration::from_millis(ms))
+            .unwrap_or(SystemTime::UNIX_EPOCH),
+    )
+}
+
+fn ts_ms(t: &Option<automaton_proto::prost_types::Timestamp>) -> Option<u64> {
+    t.as_ref()
+        .and_then(|t| SystemTime::try_from(*t).ok())
+        .map(wall_ms)
+}
+
+fn run_record(r: &pb::Run) -> RunRecord {
+    RunRecord {
+        worker: r.worker.clone(),
+        phase: r.phase.clone(),
+        token: r.token,
+        state: r.state.clone(),
+        stop_reason: r.stop_reason.clone(),
+        detail: r.detail.clone(),
+        exit_code: r.exit_code,
+        started_ms: ts_ms(&r.started_at),
+        ended_ms: ts_ms(&r.ended_at),
+        estimated_tokens: r.estimated_tokens,
+        peak_context_tokens: r.peak_context_tokens,
+        why: r.why.clone(),
+        peak_context_source: r.peak_context_source.clone(),
+    }
+}
+
+/// A run read from a record; its texts bounded as a worker's report is.
+fn run_pb(r: &RunRecord) -> pb::Run {
+    pb::Run {
+        worker: clip(&r.worker, 256),
+        phase: clip(&r.phase, 64),
+        token: r.token,
+        state: clip(&r.state, 16),
+        stop_reason: clip(&r.stop_reason, 400),
+        detail: clip(&r.detail, 400),
+        exit_code: r.exit_code,
+        started_at: r
+            .started_ms
+            .map(|ms| crate::service::timestamp(from_ms(ms))),
+        ended_at: r.ended_ms.map(|ms| crate::service::timestamp(from_ms(ms))),
+        estimated_tokens: r.estimated_tokens,
+        peak_context_tokens: r.peak_context_tokens,
+        why: clip(&r.why, 400),
+        peak_context_source: clip(&r.peak_context_source, 40),
     }
 }
 
@@ -336,30 +562,82 @@ impl Coordinator {
         });
     }
 
-    /// Every task, once (the store's list, off the async threads).
+    /// Every task, once (the store's list, off the async threads), with its dispatch record:
+    /// no task is offered before its holds are known.
     async fn seed_tasks(&self) -> Result<(), Error> {
         if self.work.inner().seeded {
             return Ok(());
         }
         let now = SystemTime::now();
-        let found: Vec<(TaskName, SystemTime)> = self
+        type Found = (
+            TaskName,
+            SystemTime,
+            Result<Option<DispatchRecord>, automaton_store::Error>,
+        );
+        let found: Vec<Found> = self
             .read(move |p| {
                 let mut out = Vec::new();
                 for e in p.list(now)? {
                     for row in e.rows() {
                         let age = p.task_age(&row.task, now).unwrap_or_default();
-                        out.push((row.task.clone(), now - age));
+                        let record = p.read_dispatch(&row.task);
+                        out.push((row.task.clone(), now - age, record));
                     }
                 }
                 Ok(out)
             })
             .await?;
-        let mut inner = self.work.inner();
-        for (t, created) in found {
-            inner.tasks.entry(t).or_insert(created);
+        for (t, created, record) in found {
+            self.take_in(&t, record.map_err(|e| e.to_string()));
+            self.work.inner().tasks.entry(t).or_insert(created);
         }
-        inner.seeded = true;
+        self.work.inner().seeded = true;
         Ok(())
+    }
+
+    /// Takes in a record read for `task` (see [`Work::take_in`]); a hold it causes is an event.
+    fn take_in(&self, task: &TaskName, read: Result<Option<DispatchRecord>, String>) {
+        let live = self.live_of(task).map(|l| l.token);
+        if let Some(why) = self.work.take_in(task, read, live) {
+            tracing::warn!(task = %task, why = %why, "task held from dispatch");
+            self.emit("task_held", &task.to_string(), "", 0, why);
+        }
+    }
+
+    /// Reads `task`'s dispatch record if this coordinator has not yet (before any change to
+    /// its holds, counts or runs).
+    pub(crate) async fn load_dispatch(&self, task: &TaskName) {
+        if self.work.is_loaded(task) {
+            return;
+        }
+        let t = task.clone();
+        let read = self.read(move |p| p.read_dispatch(&t)).await;
+        self.take_in(task, read.map_err(|e| e.to_string()));
+    }
+
+    /// Makes `task`'s dispatch record durable as it stands now: once this returns, every
+    /// change made before the call is on disk. Writes of one task go one at a time, each the
+    /// latest state (a write that finds its change written already is skipped). It runs on
+    /// its own task: a caller that goes away cannot leave two writes of one file racing.
+    pub(crate) async fn save_dispatch(&self, task: &TaskName) -> Result<(), Error> {
+        let Some(me) = self.me.upgrade() else {
+            return Err(Error::Unavailable("the coordinator is stopping".into()));
+        };
+        let task = task.clone();
+        tokio::spawn(async move {
+            let slot = me.work.save_slot(&task);
+            let mut written = slot.lock().await;
+            let record = me.work.record_of(&task);
+            if written.as_ref() == Some(&record) {
+                return Ok(());
+            }
+            let (t, r) = (task.clone(), record.clone());
+            me.read(move |p| p.write_dispatch(&t, &r)).await?;
+            *written = Some(record);
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("writing a dispatch record failed: {e}")))?
     }
 
     /// The idle workers now.
@@ -414,9 +692,13 @@ impl Coordinator {
                 self.settle(&task, state).await;
                 continue;
             }
-            // Seed 002's loop limits.
+            // Seed 002's loop limits: a hold kept across restarts.
             if let Some(why) = self.over_limits(&task) {
-                self.hold(&task, why);
+                if self.hold_as(&task, why, true)
+                    && let Err(e) = self.save_dispatch(&task).await
+                {
+                    tracing::warn!(task = %task, error = %e, "cannot make a hold durable");
+                }
                 continue;
             }
             // A decomposed parent: its sub-tasks are made, and it ends when they have. Each
@@ -721,7 +1003,7 @@ impl Coordinator {
             .inner()
             .first_offered
             .entry(task.clone())
-            .or_insert_with(Instant::now);
+            .or_insert_with(|| (Instant::now(), SystemTime::now()));
         self.work.inner().offers.insert(
             live.lease_id.clone(),
             Offer {
@@ -892,23 +1174,45 @@ impl Coordinator {
         }
     }
 
-    /// A run update from `worker`'s session. A run that stopped without completing releases
-    /// its lease (if it still stands) and counts against the phase; too many, and the task is
-    /// held.
-    pub(crate) async fn run_update(&self, worker: &AgentId, u: pb::RunUpdate) {
+    /// A run update from `worker`'s session `session`. A run that stopped without completing
+    /// releases its lease (if it still stands) and counts against the phase; too many, and the
+    /// task is held. A run this coordinator does not know (it restarted, and the worker did not
+    /// report the run when it resumed) is adopted if its lease is this worker's, in this
+    /// session, with this token: its `stopped` then ends the lease as any other.
+    pub(crate) async fn run_update(&self, worker: &AgentId, session: &str, u: pb::RunUpdate) {
         let Ok(task) = u.task.parse::<TaskName>() else {
             return;
         };
         let Ok(state) = u.phase.parse::<State>() else {
             return;
         };
+        self.load_dispatch(&task).await;
         // Only runs under a lease this worker was granted.
-        let known = self
-            .work
-            .run_of(&task, u.token)
-            .is_some_and(|r| r.worker == worker.as_str());
-        if !known {
-            return;
+        match self.work.run_of(&task, u.token) {
+            Some(r) if r.worker != worker.as_str() => return,
+            // A stop is reported once: a repeat changes nothing, nor does a step after it (a
+            // `run_lost` the coordinator guessed gives way to the worker's own stop).
+            Some(r)
+                if r.state == "stopped"
+                    && (r.stop_reason != "run_lost" || u.state != "stopped") =>
+            {
+                return;
+            }
+            Some(_) => {}
+            None => {
+                let lease = self.live_of(&task).filter(|l| {
+                    l.lease_id == u.lease_id
+                        && l.token == u.token
+                        && &l.agent == worker
+                        && l.session.as_deref() == Some(session)
+                });
+                let Some(l) = lease else {
+                    return;
+                };
+                if self.adopt_run(&l, "active") {
+                    tracing::info!(task = %task, worker = %worker, token = l.token, "a run not known to this coordinator reported: adopted");
+                }
+            }
         }
         let detail = clip(&u.detail, 400);
         let reason = automaton_workflow::excerpt(&u.stop_reason);
@@ -970,6 +1274,7 @@ impl Coordinator {
                         .iterations
                         .entry(task.clone())
                         .or_insert(0) += 1;
+                    self.save_or_warn(&task).await;
                 } else {
                     self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
                         .await;
@@ -999,20 +1304,147 @@ impl Coordinator {
                 *n
             };
             if n >= self.work.max_attempts {
-                self.hold(
+                self.hold_as(
                     task,
                     format!(
                         "{n} failed runs of {state} (last: {reason}{}): fix the cause, then `automaton stop {task} --resume`",
                         if detail.is_empty() { String::new() } else { format!(", {detail}") }
                     ),
+                    true,
                 );
             }
         }
+        // The count and any hold are durable before the lease is released (and the task
+        // could be offered again).
+        self.save_or_warn(task).await;
         if self
             .live_of(task)
             .is_some_and(|l| l.lease_id == lease_id && l.token == token)
         {
             let _ = self.release(lease_id, Some(token), Some(worker)).await;
+        }
+        self.work.poke();
+    }
+
+    /// [`Coordinator::save_dispatch`] where nobody waits for the answer: a failure is logged
+    /// (the record is written again with the task's next change).
+    async fn save_or_warn(&self, task: &TaskName) {
+        if let Err(e) = self.save_dispatch(task).await {
+            tracing::warn!(task = %task, error = %e, "cannot write the task's dispatch record");
+        }
+    }
+
+    /// Records the run under lease `l` as `state` if this coordinator has no record of it
+    /// (it began before this start): adopted. Whether it was.
+    fn adopt_run(&self, l: &Live, state: &str) -> bool {
+        let state = match state {
+            "requested" | "starting" | "active" | "stopping" => state,
+            _ => "active",
+        };
+        let mut inner = self.work.inner();
+        let estimated = inner.fixed.get(&l.task).copied().unwrap_or(0);
+        let runs = inner.runs.entry(l.task.clone()).or_default();
+        if let Some(r) = runs.iter_mut().rev().find(|r| r.token == l.token) {
+            if r.state != "stopped" {
+                r.state = state.into();
+            }
+            return false;
+        }
+        runs.push_back(pb::Run {
+            worker: l.agent.to_string(),
+            phase: l.state.to_string(),
+            token: l.token,
+            state: state.into(),
+            stop_reason: String::new(),
+            detail: String::new(),
+            exit_code: -1,
+            started_at: Some(crate::service::timestamp(l.claimed)),
+            ended_at: None,
+            estimated_tokens: estimated,
+            peak_context_tokens: 0,
+            why: "adopted: the run began before the coordinator's restart".into(),
+            peak_context_source: String::new(),
+        });
+        while runs.len() > RUNS_KEPT {
+            runs.pop_front();
+        }
+        true
+    }
+
+    /// Whether lease `l`, owned by a resumed session whose worker reports its runs, has a run
+    /// its worker should have reported: it was granted before this start (this coordinator
+    /// knows of no other use of it), or this coordinator saw its run offered and answered. An
+    /// offer not yet answered is left to its timeout; a lease claimed by hand in the session
+    /// (no run) is kept.
+    pub(crate) fn run_expected(&self, l: &Live) -> bool {
+        let inner = self.work.inner();
+        if inner.offers.contains_key(&l.lease_id) {
+            return false;
+        }
+        l.token <= self.log_mark
+            || inner
+                .runs
+                .get(&l.task)
+                .is_some_and(|r| r.iter().any(|r| r.token == l.token))
+    }
+
+    /// What a session's resume found (sessions.rs): the runs its worker reported under the
+    /// leases it keeps are adopted; the leases whose run it no longer has (`lost`, their ends
+    /// queued in the log) end with `run_lost`, and their tasks are offered again.
+    pub(crate) async fn resumed_runs(
+        &self,
+        worker: &AgentId,
+        adopted: Vec<(Live, String)>,
+        lost: Vec<(Live, crate::wal::Commit)>,
+    ) {
+        for (l, state) in adopted {
+            self.load_dispatch(&l.task).await;
+            if self.adopt_run(&l, &state) {
+                tracing::info!(task = %l.task, worker = %worker, token = l.token, "run adopted after a restart");
+                self.emit(
+                    "run_adopted",
+                    &l.task.to_string(),
+                    worker.as_str(),
+                    l.token,
+                    format!(
+                        "{}: reported by its worker when it resumed its session",
+                        l.state
+                    ),
+                );
+            }
+        }
+        for ending in lost {
+            let l = ending.0.clone();
+            self.load_dispatch(&l.task).await;
+            if let Err(e) = self.end(ending, "run_lost").await {
+                tracing::warn!(task = %l.task, error = %e, "cannot end a lease whose run was lost");
+                continue;
+            }
+            // A run whose stop was reported (its lease outlived it: the release was cut off
+            // by the restart) keeps its reason.
+            if self
+                .work
+                .run_of(&l.task, l.token)
+                .is_some_and(|r| r.state == "stopped")
+            {
+                tracing::info!(task = %l.task, token = l.token, "the lease of a stopped run outlived it: ended (run_lost)");
+                continue;
+            }
+            const WHY: &str =
+                "its worker resumed its session without this run: the run ended unreported";
+            tracing::warn!(task = %l.task, worker = %worker, token = l.token, "{WHY}; the lease ended (run_lost)");
+            self.adopt_run(&l, "active");
+            self.record_run(
+                &l.task, worker, l.state, l.token, "stopped", "run_lost", WHY, -1,
+            );
+            self.emit(
+                "run_stopped",
+                &l.task.to_string(),
+                worker.as_str(),
+                l.token,
+                format!("{}: run_lost ({WHY})", l.state),
+            );
+            self.save_or_warn(&l.task).await;
         }
         self.work.poke();
     }
@@ -1027,10 +1459,10 @@ impl Coordinator {
                 self.work.max_iterations
             ));
         }
-        let first = inner.first_offered.get(task)?;
+        let (first, _) = inner.first_offered.get(task)?;
         (first.elapsed() >= self.work.max_total_time).then(|| {
             format!(
-                "MAX_TOTAL_TIME reached: running for {} (max_total_time {}): a person decides how to go on",
+                "MAX_TOTAL_TIME reached: running for {} (max_total_time {}): a person decides how to go on, then `automaton stop {task} --resume`",
                 humantime::format_duration(Duration::from_secs(first.elapsed().as_secs())),
                 humantime::format_duration(self.work.max_total_time)
             )
@@ -1104,16 +1536,31 @@ impl Coordinator {
         }
     }
 
-    /// Holds `task` from dispatch with `why` (an event says so).
+    /// Holds `task` from dispatch with `why` (an event says so), until a round finds it
+    /// again or an operator resumes it; not kept across restarts (see [`Coordinator::hold_as`]).
     pub(crate) fn hold(&self, task: &TaskName, why: String) {
+        self.hold_as(task, why, false);
+    }
+
+    /// Holds `task` with `why`; `durable`: kept in its dispatch record (the caller saves it).
+    /// Whether the hold is new.
+    pub(crate) fn hold_as(&self, task: &TaskName, why: String, durable: bool) -> bool {
         let new = {
             let mut inner = self.work.inner();
-            inner.held.insert(task.clone(), why.clone()).as_ref() != Some(&why)
+            let hold = Hold {
+                why: why.clone(),
+                durable,
+            };
+            inner
+                .held
+                .insert(task.clone(), hold)
+                .is_none_or(|old| old.why != why || old.durable != durable)
         };
         if new {
             tracing::warn!(task = %task, why = %why, "task held from dispatch");
             self.emit("task_held", &task.to_string(), "", 0, why);
         }
+        new
     }
 
     /// `automaton stop TASK`: ends the run on `task` (`operator_stopped`) and holds the task;
@@ -1130,17 +1577,34 @@ impl Coordinator {
                 tasks: String::new(),
             }));
         }
+        // Its record first: what it says is what this changes.
+        self.load_dispatch(task).await;
         if resume {
+            // The counts start again: a person has decided to go on (a MAX_ITERATIONS or
+            // MAX_TOTAL_TIME hold would otherwise come straight back).
             {
                 let mut inner = self.work.inner();
                 inner.held.remove(task);
                 inner.failures.retain(|(t, _), _| t != task);
+                inner.iterations.remove(task);
+                inner.first_offered.remove(task);
             }
+            self.save_dispatch(task).await?;
             self.emit("task_resumed", &task.to_string(), "", 0, format!("by {by}"));
             self.work.poke();
             return Ok((None, false));
         }
-        self.hold(task, format!("stopped by an operator ({by})"));
+        let before = self.work.inner().held.get(task).cloned();
+        self.hold_as(task, format!("stopped by an operator ({by})"), true);
+        // Acknowledged only once durable; if it cannot be, the task is as it was.
+        if let Err(e) = self.save_dispatch(task).await {
+            let mut inner = self.work.inner();
+            match before {
+                Some(h) => inner.held.insert(task.clone(), h),
+                None => inner.held.remove(task),
+            };
+            return Err(e);
+        }
         let Some(l) = self.live_of(task) else {
             return Ok((None, true));
         };
@@ -1156,5 +1620,91 @@ impl Coordinator {
         }
         self.release(&l.lease_id, Some(l.token), None).await?;
         Ok((Some(l.agent), true))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> DispatchRecord {
+        DispatchRecord {
+            held: Some("stopped by an operator (ops)".into()),
+            failures: vec![("research".parse().expect("state"), 2)],
+            iterations: 3,
+            first_offered_ms: Some(wall_ms(SystemTime::now() - Duration::from_secs(60))),
+            need: Some(12_000),
+            sized: Some((10_000, 9_000)),
+            runs: vec![
+                RunRecord {
+                    worker: "gpu-a".into(),
+                    phase: "research".into(),
+                    token: 7,
+                    state: "stopped".into(),
+                    stop_reason: "agent_error".into(),
+                    started_ms: Some(1_000),
+                    ended_ms: Some(2_000),
+                    ..RunRecord::default()
+                },
+                RunRecord {
+                    worker: "gpu-a".into(),
+                    phase: "research".into(),
+                    token: 8,
+                    state: "active".into(),
+                    started_ms: Some(3_000),
+                    ..RunRecord::default()
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn a_record_read_at_start_is_what_the_next_write_holds_and_runs_without_a_lease_are_lost() {
+        let work = Work::new(&crate::Options::default());
+        let t: TaskName = "t".parse().expect("name");
+        assert!(work.take_in(&t, Ok(Some(record())), None).is_none());
+        assert_eq!(
+            work.held(&t).as_deref(),
+            Some("stopped by an operator (ops)")
+        );
+        assert!(work.learned_ratio().is_some_and(|r| (r - 0.9).abs() < 1e-9));
+        let again = work.record_of(&t);
+        let mut want = record();
+        // The run that was going has no lease after the restart: it ended with the old
+        // coordinator.
+        want.runs[1].state = "stopped".into();
+        want.runs[1].stop_reason = "run_lost".into();
+        want.runs[1].detail = "the coordinator restarted and its lease did not survive".into();
+        // Times round-trip to the second (the wire's precision for runs).
+        assert_eq!(again.held, want.held);
+        assert_eq!(again.failures, want.failures);
+        assert_eq!(again.iterations, want.iterations);
+        assert_eq!(again.first_offered_ms, want.first_offered_ms);
+        assert_eq!((again.need, again.sized), (want.need, want.sized));
+        assert_eq!(again.runs, want.runs);
+        // Read once: a second read changes nothing.
+        let other = DispatchRecord {
+            iterations: 99,
+            ..DispatchRecord::default()
+        };
+        work.take_in(&t, Ok(Some(other)), None);
+        assert_eq!(work.record_of(&t).iterations, 3);
+    }
+
+    #[test]
+    fn a_run_under_the_live_lease_stays_going_and_an_unreadable_record_holds_only_in_memory() {
+        let work = Work::new(&crate::Options::default());
+        let t: TaskName = "t".parse().expect("name");
+        work.take_in(&t, Ok(Some(record())), Some(8));
+        assert_eq!(work.run_of(&t, 8).map(|r| r.state), Some("active".into()));
+
+        let u: TaskName = "u".parse().expect("name");
+        let why = work
+            .take_in(&u, Err("Corrupt dispatch record x: EOF.".into()), None)
+            .expect("held");
+        assert!(why.contains("automaton stop u --resume"), "{why}");
+        assert_eq!(work.held(&u), Some(why));
+        // Not written back as a hold: a resume writes the record afresh.
+        assert_eq!(work.record_of(&u), DispatchRecord::default());
     }
 }

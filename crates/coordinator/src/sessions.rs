@@ -11,7 +11,9 @@
 //! Sessions live in memory. What must survive a restart is which leases a session owns: the
 //! grant records name it, so a start rebuilds each session that owns a live lease as
 //! *awaiting* its worker for the grace period. The worker resumes it (same id, its leases
-//! kept) or, if it never comes, its leases end as if it had gone silent.
+//! kept) or, if it never comes, its leases end as if it had gone silent. A resume also holds
+//! the session's leases against the runs its worker reports: adopted, or ended `run_lost`
+//! (`dispatch.rs`, `Coordinator::resumed_runs`).
 //!
 //! Lock order: the lease table, then the sessions.
 
@@ -105,6 +107,10 @@ pub(crate) struct Joined {
     pub name: AgentId,
     pub generation: u64,
     pub granted: pb::SessionGranted,
+    /// A resume's findings for [`Coordinator::resumed_runs`], once `granted` is sent: the
+    /// runs reported under kept leases, and the leases whose runs were lost (ends queued).
+    pub adopted: Vec<(Live, String)>,
+    pub run_lost: Vec<(Live, crate::wal::Commit)>,
 }
 
 /// Who opened a session stream: the name a worker token is bound to, or none (an operator,
@@ -205,6 +211,13 @@ fn check_register(bound: BoundName<'_>, r: &mut pb::Register) -> Result<AgentId,
         return Err(Error::Invalid(format!(
             "a register lists {} held leases: at most {}",
             r.leases.len(),
+            MAX_CAPACITY * 4
+        )));
+    }
+    if r.runs.len() > MAX_CAPACITY as usize * 4 {
+        return Err(Error::Invalid(format!(
+            "a register lists {} runs: at most {}",
+            r.runs.len(),
             MAX_CAPACITY * 4
         )));
     }
@@ -504,14 +517,19 @@ impl Coordinator {
         let generation = self.sessions.generation.fetch_add(1, Ordering::Relaxed) + 1;
         let now = Instant::now();
         let listed: Vec<pb::HeldLease> = std::mem::take(&mut reg.leases);
+        let reported: Vec<pb::RunUpdate> = std::mem::take(&mut reg.runs);
+        // Only a worker that says it reports its runs, and runs any, can have lost one.
+        let checks_runs = reg.reports_runs && reg.capacity > 0;
         let resume: Option<Arc<str>> =
             (!reg.resume_session_id.is_empty()).then(|| Arc::from(reg.resume_session_id.as_str()));
         let replace = reg.replace;
         // Under the table's lock (then the sessions'): the leases kept are exactly those the
         // session owns at this moment.
         let mut replaced: Option<Arc<str>> = None;
+        let mut adopted: Vec<(Live, String)> = Vec::new();
+        let mut run_lost = Vec::new();
         let joined = {
-            let table = self.table();
+            let mut table = self.table();
             let mut inner = self.sessions.inner();
             let inner = &mut *inner;
             let resumable = resume
@@ -529,12 +547,40 @@ impl Coordinator {
                 s.deadline = crate::table::later(now, self.sessions.timeout);
                 s.awaiting = false;
                 s.reg = reg;
-                let kept: Vec<pb::HeldLease> =
-                    table.of_session(&s.id, now).into_iter().map(held).collect();
-                let lost = listed
+                // Each lease the session owns: its run reported (adopted), lost (ended, its
+                // task offered again), or kept as it is (no run expected of it).
+                let owned: Vec<Live> = table.of_session(&s.id, now).into_iter().cloned().collect();
+                let mut kept: Vec<pb::HeldLease> = Vec::new();
+                let mut ended: Vec<pb::HeldLease> = Vec::new();
+                for l in owned {
+                    let run = reported
+                        .iter()
+                        .find(|r| r.lease_id == l.lease_id && r.token == l.token);
+                    if let Some(r) = run {
+                        kept.push(held(&l));
+                        adopted.push((l, r.state.clone()));
+                    } else if checks_runs && self.run_expected(&l) {
+                        match self.take_and_end(&mut table, &l.task) {
+                            Some(Ok(ending)) => {
+                                ended.push(held(&l));
+                                run_lost.push(ending);
+                            }
+                            Some(Err(e)) => {
+                                tracing::warn!(task = %l.task, error = %e, "cannot end a lease whose run was lost");
+                                kept.push(held(&l));
+                            }
+                            None => {}
+                        }
+                    } else {
+                        kept.push(held(&l));
+                    }
+                }
+                let mut lost: Vec<pb::HeldLease> = listed
                     .into_iter()
                     .filter(|h| !kept.iter().any(|k| k.lease_id == h.lease_id))
+                    .filter(|h| !ended.iter().any(|k| k.lease_id == h.lease_id))
                     .collect();
+                lost.extend(ended);
                 Joined {
                     id: s.id.clone(),
                     name: name.clone(),
@@ -549,6 +595,8 @@ impl Coordinator {
                         draining: inner.drained.contains(&name),
                         name: name.to_string(),
                     },
+                    adopted: std::mem::take(&mut adopted),
+                    run_lost: std::mem::take(&mut run_lost),
                 }
             } else {
                 if let Some(other) = inner.by_name.get(&name).cloned() {
@@ -604,6 +652,8 @@ impl Coordinator {
                         draining: inner.drained.contains(&name),
                         name: name.to_string(),
                     },
+                    adopted: Vec::new(),
+                    run_lost: Vec::new(),
                 }
             }
         };

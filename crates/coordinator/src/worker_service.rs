@@ -112,9 +112,16 @@ impl pb::workers_server::Workers for Service {
         let mut stop = self.shutdown.clone();
         let (id, generation) = (joined.id, joined.generation);
         let name = joined.name;
+        let (adopted, run_lost) = (joined.adopted, joined.run_lost);
         // A new worker may take work now.
         self.coord.work.poke();
         tokio::spawn(async move {
+            // A resume's runs first (after `Granted`, which must come first on the stream; a
+            // lost run's lease end is announced on it), then the worker's messages: its first
+            // updates may be of those runs.
+            if !adopted.is_empty() || !run_lost.is_empty() {
+                coord.resumed_runs(&name, adopted, run_lost).await;
+            }
             loop {
                 let next = tokio::select! {
                     m = inbound.message() => m,
@@ -137,7 +144,7 @@ impl pb::workers_server::Workers for Service {
                     })) => coord.answered(&name, a).await,
                     Ok(Some(pb::WorkerMessage {
                         msg: Some(In::Run(r)),
-                    })) => coord.run_update(&name, r).await,
+                    })) => coord.run_update(&name, &id, r).await,
                     Ok(Some(pb::WorkerMessage {
                         msg: Some(In::Deregister(_)),
                     })) => {

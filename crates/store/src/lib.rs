@@ -1,7 +1,8 @@
 //! The on-disk task store of automaton: the layout under `{project}/.automaton/`, atomic
 //! `.state` writes, the append-only approvals log, `.state.lock` leases with fencing tokens,
-//! `.state.implementer` and `.state.holders`, the completion records that answer a retried
-//! completion, the layered lookup of framework files, and the audit (git2 for unauthorised modifications).
+//! `.state.implementer` and `.state.holders`, the coordinator's `.state.dispatch`, the
+//! completion records that answer a retried completion, the layered lookup of framework
+//! files, and the audit (git2 for unauthorised modifications).
 //!
 //! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
 //! writes the result durably under fs4 writer locks (one per task; the whole project's for
@@ -9,6 +10,7 @@
 //! print anything: callers render what it returns.
 
 mod audit;
+mod dispatch;
 mod fsx;
 #[cfg(test)]
 #[path = "../../workflow/src/fuzz.rs"]
@@ -39,6 +41,7 @@ use automaton_workflow::{
 
 pub use audit::{AuditReport, AuditTask, Category3, Modification};
 pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
+pub use dispatch::{DispatchRecord, RunRecord};
 pub use git::{
     Applied, BranchHead, Change, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES, TreeFile,
     branch_name,
@@ -235,6 +238,11 @@ pub enum Error {
         line: usize,
         detail: String,
     },
+    #[error(
+        "Corrupt dispatch record {}: {detail}. Fix it, or remove it (the task's holds, counts and run history are then forgotten).",
+        path.display()
+    )]
+    CorruptDispatch { path: PathBuf, detail: String },
     #[error("Corrupt fencing counter {}: it must hold one number. Restore it from the highest 'token:' in any .state.lock.", path.display())]
     CorruptFencing { path: PathBuf },
     #[error(
@@ -368,6 +376,7 @@ impl Error {
             | CorruptImplementers { .. }
             | CorruptHolders { .. }
             | CorruptFencing { .. }
+            | CorruptDispatch { .. }
             | NotUtf8 { .. } => ErrorKind::Corrupt,
             Io { .. } | Git { .. } => ErrorKind::Io,
             Untracked { .. }

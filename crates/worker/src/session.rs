@@ -4,8 +4,10 @@
 //!
 //! The session is what keeps this worker's leases alive: if it cannot heartbeat for the
 //! session timeout, the coordinator ends every lease it holds. So a broken stream is resumed
-//! at once (same session id, the leases it still holds listed), and a session the
-//! coordinator no longer knows is replaced by a fresh one, its leases reported lost.
+//! at once (same session id, the leases it still holds listed, and its runs: those still
+//! going and those whose `stopped` is not yet sent, so that a restarted coordinator adopts
+//! them), and a session the coordinator no longer knows is replaced by a fresh one, its
+//! leases reported lost. A run whose lease the resume reports lost is stopped.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
@@ -78,6 +80,9 @@ struct State {
 struct RunHandle {
     task: String,
     token: u64,
+    /// The state it works in, and the run state it last reported (for a resume's report).
+    phase: String,
+    reported: String,
     stop: watch::Sender<Option<StopReason>>,
     /// Set by the run once all it sends is sent but the phase's completion: from then on the
     /// coordinator may offer this worker new work before the run has said it stopped.
@@ -165,6 +170,8 @@ fn register(probe: &Probe, opts: &Options, state: &State, work_enabled: bool) ->
         ram_bytes: probe.ram_bytes,
         cpus: probe.cpus,
         resume_session_id: state.session.clone().unwrap_or_default(),
+        runs: runs_report(state),
+        reports_runs: true,
         leases: state
             .leases
             .iter()
@@ -175,6 +182,26 @@ fn register(probe: &Probe, opts: &Options, state: &State, work_enabled: bool) ->
             .collect(),
         replace: opts.replace,
     }
+}
+
+/// The runs a resume reports: each still going, as last reported, and each whose `stopped`
+/// waits to be sent.
+fn runs_report(state: &State) -> Vec<pb::RunUpdate> {
+    let going = state.runs.iter().map(|(lease_id, r)| pb::RunUpdate {
+        lease_id: lease_id.clone(),
+        token: r.token,
+        task: r.task.clone(),
+        phase: r.phase.clone(),
+        state: r.reported.clone(),
+        exit_code: -1,
+        ..Default::default()
+    });
+    let stopped = state
+        .pending
+        .iter()
+        .filter(|u| u.state == "stopped")
+        .cloned();
+    going.chain(stopped).collect()
 }
 
 /// A random fraction in [0, 1) (jitter needs no more than the std hasher's random keys).
@@ -324,6 +351,18 @@ async fn stream(
     let before = state.session.replace(granted.session_id.clone());
     for l in &granted.lost {
         state.leases.remove(&l.lease_id);
+        // Its run's work would be refused: stop it (one that completed its phase already
+        // ended its lease itself: nothing to stop).
+        if let Some(r) = state.runs.get(&l.lease_id)
+            && r.token == l.token
+            && granted.resumed
+            && !r.finishing.load(std::sync::atomic::Ordering::Acquire)
+        {
+            tracing::warn!(task = %r.task, token = r.token, "the resumed session lost this run's lease: stop its work");
+            state.stop_runs(StopReason::LeaseLost, |x| {
+                x.token == l.token && x.task == r.task
+            });
+        }
     }
     for l in &granted.kept {
         state.leases.insert(l.lease_id.clone(), l.token);
@@ -454,6 +493,8 @@ async fn stream(
                 let Some(u) = u else { continue };
                 if u.state == "stopped" {
                     state.runs.remove(&u.lease_id);
+                } else if let Some(r) = state.runs.get_mut(&u.lease_id) {
+                    r.reported.clone_from(&u.state);
                 }
                 if tx.send(send(Out::Run(u.clone()))).await.is_err() {
                     state.pending.push_back(u);
@@ -523,6 +564,8 @@ fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb
         RunHandle {
             task: a.task.clone(),
             token: lease.token,
+            phase: a.phase.clone(),
+            reported: "requested".into(),
             stop: stop_tx,
             finishing: finishing.clone(),
         },
