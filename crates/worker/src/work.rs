@@ -9,9 +9,9 @@
 //! Every `Work` call is retried with backoff while the coordinator is unreachable (a restart,
 //! a network cut: `UNAVAILABLE`, `DEADLINE_EXCEEDED`, a broken connection), for up to
 //! `Runner::retry_for`, and never after the lease is lost; a definite refusal is final.
-//! The code tree the run works on stays pinned in the shared cache from the moment the
-//! worker tells the coordinator it holds it until the patch is made; a tree missing all the
-//! same is fetched again in full.
+//! The code tree the run works on is pinned in the shared cache from the manifest until the
+//! patch is made; a tree offered as cached but evicted by another worker before it was
+//! pinned (or removed by hand) is fetched again in full, never a failed run.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -335,22 +335,20 @@ async fn attempt(
         .parse()
         .map_err(|_| Failed::Error(format!("unknown phase '{}'", a.phase)))?;
     let work = pb::work_client::WorkClient::new(channel.clone()).max_decoding_message_size(8 << 20);
-    // Pinned before the coordinator hears of them: none can be evicted (by this worker or
-    // another sharing the cache) before the workspace is made from it.
-    let cached = runner.cache.pin_cached();
-    let offered: Vec<String> = cached.iter().map(|p| p.commit().to_string()).collect();
+    // The trees offered are not pinned (a worker fetching would keep every tree from
+    // eviction): one evicted meanwhile by another worker sharing the cache is fetched again.
+    let offered = runner.cache.commits();
     let (manifest, inputs, code) = retrying("FetchWorkspace", runner.retry_for, &stop, || {
         fetch(runner, work.clone(), lease, offered.clone())
     })
     .await?;
     let commit = (!manifest.commit.is_empty()).then_some(manifest.commit.clone());
+    // Pinned from here until the patch is made: no worker evicts it meanwhile.
     let mut tree = match (&commit, code) {
         (Some(c), Some(files)) => Some(store(runner, c, files)?),
-        // Left out because this worker holds it: the pin is the one it offered (the others
-        // are let go here).
-        (Some(c), None) => match cached.into_iter().find(|p| p.commit() == c) {
-            Some(pin) => Some(pin),
-            None => Some(fetch_tree(runner, &work, lease, c, &stop).await?),
+        (Some(c), None) => match runner.cache.pin(c) {
+            Ok(Some(pin)) => Some(pin),
+            _ => Some(fetch_tree(runner, &work, lease, c, &stop, EVICTED_MEANWHILE).await?),
         },
         (None, _) => None,
     };
@@ -365,7 +363,7 @@ async fn attempt(
     let ws = match (made, &commit) {
         // Gone all the same (removed by hand): a cache miss, fetched again, never a failure.
         (Err(crate::workspace::Error::NotCached(_)), Some(c)) => {
-            tree = Some(fetch_tree(runner, &work, lease, c, &stop).await?);
+            tree = Some(fetch_tree(runner, &work, lease, c, &stop, PINNED_GONE).await?);
             Workspace::create(
                 &runner.work_dir,
                 &name,
@@ -454,6 +452,12 @@ fn store(runner: &Runner, commit: &str, files: Vec<TreeFile>) -> Result<Pin, Fai
         .map_err(|e| Failed::Error(format!("cannot cache the code: {e}")))
 }
 
+/// Why a tree is fetched again: offered as cached, then evicted by another worker before this
+/// one pinned it (expected under churn) …
+const EVICTED_MEANWHILE: &str = "the tree offered as cached was evicted meanwhile";
+/// … or gone while pinned (removed by hand: a pinned tree is never evicted).
+const PINNED_GONE: &str = "a pinned tree is gone from the cache";
+
 /// `commit`'s whole tree, fetched again (nothing offered as cached) and stored pinned: for a
 /// tree this worker needs but no longer holds. The task's head must still be `commit`.
 async fn fetch_tree(
@@ -462,8 +466,13 @@ async fn fetch_tree(
     lease: &pb::Lease,
     commit: &str,
     stop: &watch::Receiver<Option<StopReason>>,
+    why: &'static str,
 ) -> Result<Pin, Failed> {
-    tracing::info!(commit = %commit, "the cached tree is gone: fetching it again");
+    if why == PINNED_GONE {
+        tracing::warn!(commit = %commit, "{why}: fetching it in full");
+    } else {
+        tracing::info!(commit = %commit, "{why}: fetching it in full");
+    }
     let (manifest, _, code) = retrying("FetchWorkspace", runner.retry_for, stop, || {
         fetch(runner, work.clone(), lease, vec![])
     })
@@ -609,7 +618,7 @@ async fn report_back(
         let files = match runner.cache.load(&pin) {
             // Gone all the same (removed by hand): fetched again, never a failed run.
             Err(crate::workspace::Error::NotCached(_)) => {
-                let again = fetch_tree(runner, work, lease, &base, stop).await?;
+                let again = fetch_tree(runner, work, lease, &base, stop, PINNED_GONE).await?;
                 runner.cache.load(&again)
             }
             loaded => loaded,

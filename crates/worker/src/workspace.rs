@@ -5,8 +5,8 @@
 //! coordinator can apply; `Workspace::discard` removes everything.
 //!
 //! The cache is shared by every worker of a user on a machine (one per GPU): a tree a worker
-//! uses, or has told the coordinator it holds, is pinned by a shared `flock`, and eviction
-//! takes the lock exclusively or skips the tree; trees appear whole by rename.
+//! uses is pinned by a shared `flock`, and eviction takes the lock exclusively or skips the
+//! tree; trees appear whole by rename; a tree evicted before it was pinned is a miss.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -306,7 +306,8 @@ impl Cache {
         found
     }
 
-    /// The cached commits, most recently stored or used first.
+    /// The cached commits, most recently stored or used first: what to tell the coordinator
+    /// (not pinned: one may be evicted before `pin`, which then says so).
     pub fn commits(&self) -> Vec<String> {
         self.entries()
             .into_iter()
@@ -350,16 +351,6 @@ impl Cache {
             commit: commit.to_string(),
             _lock: lock,
         }))
-    }
-
-    /// Every cached tree, pinned, most recently used first: what the worker may tell the
-    /// coordinator it holds (the code of any of them can be left out of a workspace, so none
-    /// may go before the workspace is made).
-    pub fn pin_cached(&self) -> Vec<Pin> {
-        self.commits()
-            .iter()
-            .filter_map(|c| self.pin(c).ok().flatten())
-            .collect()
     }
 
     /// Stores `files` as the tree of `commit` and pins it: every path is checked first (a
@@ -1014,9 +1005,8 @@ mod tests {
         let a = Cache::open(tmp.path()).unwrap().with_keep(1);
         let b = Cache::open(tmp.path()).unwrap().with_keep(1);
         drop(a.store("c0", tree_of("c0")).unwrap());
-        // Worker A tells the coordinator it holds c0 (so it is sent no code for it) …
-        let offered = a.pin_cached();
-        assert_eq!(offered.len(), 1);
+        // Worker A was told c0 is its run's tree and pins it …
+        let offered = vec![a.pin("c0").unwrap().unwrap()];
         // … and stores c1 for another run; worker B churns through trees meanwhile.
         let c1 = a.store("c1", tree_of("c1")).unwrap();
         for c in ["c2", "c3", "c4"] {
@@ -1040,6 +1030,21 @@ mod tests {
     }
 
     #[test]
+    fn cache_tree_offered_then_evicted_by_another_worker_is_a_miss_never_a_torn_tree() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = Cache::open(tmp.path()).unwrap().with_keep(1);
+        let b = Cache::open(tmp.path()).unwrap().with_keep(1);
+        drop(a.store("c0", tree_of("c0")).unwrap());
+        // A offers c0 to the coordinator; B evicts it before A pins it.
+        assert_eq!(a.commits(), vec!["c0".to_string()]);
+        drop(b.store("c1", tree_of("c1")).unwrap());
+        assert!(a.pin("c0").unwrap().is_none(), "a miss: fetch it again");
+        // Fetched again in full, it is whole.
+        let again = a.store("c0", tree_of("c0")).unwrap();
+        assert_eq!(a.load(&again).unwrap().len(), 16);
+    }
+
+    #[test]
     fn cache_shared_by_threads_under_churn_never_finds_a_tree_missing_or_torn() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().to_path_buf();
@@ -1053,8 +1058,14 @@ mod tests {
                     let root = dir.join(format!("work-{w}"));
                     for i in 0..60u64 {
                         let c = format!("c{}", (i * 7 + w * 3) % 10);
-                        let offered = cache.pin_cached();
-                        let pin = match offered.into_iter().find(|p| p.commit() == c) {
+                        // What a run does: offer the cached commits, pin the one it gets
+                        // (or store it when it was not cached, or evicted meanwhile).
+                        let offered = cache.commits();
+                        let pinned = offered
+                            .contains(&c)
+                            .then(|| cache.pin(&c).unwrap())
+                            .flatten();
+                        let pin = match pinned {
                             Some(p) => p,
                             None => cache.store(&c, tree_of(&c)).unwrap(),
                         };
