@@ -128,7 +128,7 @@ async fn issue20_b_coordinator_kill_9_and_restart_at_the_upload_the_worker_retri
     args.extend(["--grace-period", "10s"]);
     let mut coord = Coord::start(&env, &args);
     let listen = format!("127.0.0.1:{}", coord.addr.port());
-    let mut api = coord.api().await;
+    let api = coord.api().await;
     // The agent takes 3 s: the coordinator is killed during it and is still down when the
     // agent finishes and the worker uploads.
     let w = worker(
@@ -160,12 +160,37 @@ async fn issue20_b_coordinator_kill_9_and_restart_at_the_upload_the_worker_retri
     restarted.extend(["--listen", listen.as_str()]);
     let coord = Coord::start(&env, &restarted);
     let mut api = coord.api().await;
-    // The phase completed under the run's lease: research waits for its approval.
-    poll("research completed", Duration::from_secs(30), || {
-        let mut api = api.clone();
-        async move { (api.state("t").await == "research:awaiting_approval").then_some(()) }
-    })
-    .await;
+    // The phase completed under the run's lease (research waits for its approval), and no
+    // run failed on the way.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let failed = loop {
+        let runs = api.get("t").await.map(|d| d.runs).unwrap_or_default();
+        if let Some(r) = runs.iter().find(|r| r.stop_reason == "agent_error") {
+            break Some(format!("{r:?}"));
+        }
+        // The restarted coordinator may never hear of the run: the worker's log says it.
+        if let Some(l) = w
+            .stderr()
+            .lines()
+            .find(|l| l.contains("reason=agent_error"))
+        {
+            break Some(l.to_string());
+        }
+        if api.state("t").await == "research:awaiting_approval" {
+            break None;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "research did not complete in 30 s; runs: {runs:?};\nworker:\n{}",
+            w.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        failed.is_none(),
+        "the run failed across the restart: {failed:?}\nworker:\n{}",
+        w.stderr()
+    );
     // The artifact is the run's own, whole.
     let spec =
         String::from_utf8(env.task_file("t", "SPEC.md").expect("SPEC.md uploaded")).expect("utf-8");
