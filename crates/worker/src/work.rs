@@ -695,3 +695,121 @@ async fn report_back(
     .await?;
     Ok(())
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tonic::Status;
+
+    /// A call that fails with `fail` for its first `n` tries, then answers `tries`.
+    async fn flaky(
+        retry_for: Duration,
+        stop: &watch::Receiver<Option<StopReason>>,
+        fail: Status,
+        n: u32,
+    ) -> (Result<u32, Failed>, u32) {
+        let calls = AtomicU32::new(0);
+        let out = retrying("Test", retry_for, stop, || {
+            let k = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let fail = fail.clone();
+            async move { if k <= n { Err(fail.into()) } else { Ok(k) } }
+        })
+        .await;
+        (out, calls.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test]
+    async fn work_calls_are_retried_while_the_coordinator_is_unreachable() {
+        let (_tx, stop) = watch::channel(None);
+        for s in [
+            Status::unavailable("tcp connect error"),
+            Status::deadline_exceeded("timeout expired"),
+            Status::unknown("h2 protocol error: error reading a body from connection"),
+        ] {
+            let (out, calls) = flaky(Duration::from_secs(10), &stop, s.clone(), 2).await;
+            assert_eq!(out.unwrap(), 3, "{s:?}");
+            assert_eq!(calls, 3);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_definite_refusal_is_never_retried() {
+        let (_tx, stop) = watch::channel(None);
+        for s in [
+            Status::failed_precondition("the changes touch path 'a'"),
+            Status::invalid_argument("bad"),
+            Status::not_found("No live lease 'x'"),
+            Status::permission_denied("not yours"),
+            Status::resource_exhausted("too big"),
+            Status::unauthenticated("no token"),
+            Status::unknown("boom"),
+            Status::internal("oops"),
+        ] {
+            let (out, calls) = flaky(Duration::from_secs(10), &stop, s.clone(), 5).await;
+            assert!(
+                matches!(out, Err(Failed::Error(_) | Failed::LeaseLost(_))),
+                "{s:?}: {out:?}"
+            );
+            assert_eq!(calls, 1, "{s:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_retried_call_stops_at_once_when_the_lease_is_lost() {
+        let (tx, stop) = watch::channel(None);
+        // Sent while the loop waits between tries (the waits are 0.8 s and more by then).
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let _ = tx.send(Some(StopReason::LeaseLost));
+        });
+        let t = Instant::now() + Duration::from_millis(1500);
+        let (out, _) = flaky(
+            Duration::from_secs(60),
+            &stop,
+            Status::unavailable("down"),
+            u32::MAX,
+        )
+        .await;
+        assert!(
+            matches!(out, Err(Failed::Stopped(StopReason::LeaseLost))),
+            "{out:?}"
+        );
+        let late = Instant::now().saturating_duration_since(t);
+        assert!(
+            late < Duration::from_millis(200),
+            "stopped {late:?} after the loss"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_call_unreachable_for_longer_than_retry_for_fails_saying_so() {
+        let (_tx, stop) = watch::channel(None);
+        let t = Instant::now();
+        let (out, calls) = flaky(
+            Duration::from_millis(400),
+            &stop,
+            Status::unavailable("tcp connect error"),
+            u32::MAX,
+        )
+        .await;
+        let Err(Failed::Error(why)) = out else {
+            panic!("{out:?}")
+        };
+        assert!(
+            why.contains("unreachable") && why.contains("tcp connect error"),
+            "{why}"
+        );
+        assert!(calls >= 2, "{calls}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn jitter_is_a_fraction() {
+        for _ in 0..100 {
+            let j = jitter();
+            assert!((0.0..1.0).contains(&j), "{j}");
+        }
+    }
+}

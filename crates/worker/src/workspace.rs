@@ -401,7 +401,7 @@ impl Cache {
                 return Ok(());
             }
             // … or a stale one (an earlier boot's) is in the way: nobody can be using it.
-            self.remove_entry(commit);
+            Self::remove_moved(self.move_out(commit));
             fs::rename(&tmp, &dest).map_err(io_err("rename into", &dest))
         })();
         if tmp.exists() {
@@ -446,19 +446,27 @@ impl Cache {
         }
     }
 
-    /// Moves `commit`'s folder out of `store/` at once (a reader never sees half of it),
-    /// then removes it.
-    fn remove_entry(&self, commit: &str) {
+    /// Moves `commit`'s folder out of `store/` at once (a reader never sees half of it);
+    /// returns where it went, for `remove_moved` (outside the tree's lock: removing a large
+    /// tree takes a while, and a worker pinning it again must not wait for that).
+    fn move_out(&self, commit: &str) -> Option<PathBuf> {
         let gone = self.dir.join(TMP).join(temp_name("evicted"));
         match fs::rename(self.entry_dir(commit), &gone) {
-            Ok(()) => {
-                if let Err(e) = fs::remove_dir_all(&gone) {
-                    tracing::warn!(commit = %commit, error = %e, "cannot remove an evicted tree");
-                }
-            }
+            Ok(()) => Some(gone),
             // Another worker evicted it first.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(commit = %commit, error = %e, "cannot evict a cached tree"),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => {
+                tracing::warn!(commit = %commit, error = %e, "cannot evict a cached tree");
+                None
+            }
+        }
+    }
+
+    fn remove_moved(gone: Option<PathBuf>) {
+        if let Some(gone) = gone
+            && let Err(e) = fs::remove_dir_all(&gone)
+        {
+            tracing::warn!(path = %gone.display(), error = %e, "cannot remove an evicted tree");
         }
     }
 
@@ -496,9 +504,11 @@ impl Cache {
             if !is_file_at(&f, &path) {
                 continue;
             }
-            self.remove_entry(&commit);
+            let gone = self.move_out(&commit);
             // Still holding it: a locker of this file sees it unlinked and takes the new one.
             let _ = fs::remove_file(&path);
+            drop(f);
+            Self::remove_moved(gone);
         }
     }
 }
