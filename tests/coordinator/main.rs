@@ -10,6 +10,7 @@ mod faults;
 mod harness;
 mod history;
 mod issue14;
+mod issue20;
 mod leases;
 mod limits;
 mod metrics;

@@ -59,9 +59,18 @@ struct Cli {
     /// Where fresh workspaces are made (default: a folder under the system's temp dir).
     #[arg(long, value_name = "DIR")]
     work_dir: Option<std::path::PathBuf>,
-    /// Where code trees are cached by commit (default: ~/.cache/automaton-worker).
+    /// Where code trees are cached by commit (default: ~/.cache/automaton-worker). Workers
+    /// on one machine may share it: a tree in use is never evicted.
     #[arg(long, value_name = "DIR")]
     cache_dir: Option<std::path::PathBuf>,
+    /// How many code trees the cache keeps (trees in use are kept beyond it).
+    #[arg(long, value_name = "N", default_value_t = automaton_worker::workspace::DEFAULT_KEEP, value_parser = parse_keep)]
+    cache_keep: usize,
+    /// How long a call to the coordinator under a run (fetch, upload, complete) is retried
+    /// while the coordinator is unreachable; keep it well above the coordinator's session
+    /// timeout (default 10 s), within which a restarted coordinator keeps the run's lease.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    work_retry: Duration,
     /// Between SIGTERM and SIGKILL of a stopped agent's process group.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     kill_grace: Duration,
@@ -118,6 +127,13 @@ enum Cmd {
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<std::ffi::OsString>,
     },
+}
+
+fn parse_keep(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("'{s}': give how many trees to keep, at least 1")),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -423,7 +439,8 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
             std::fs::create_dir_all(&work_dir)
                 .with_context(|| format!("cannot create the work dir {}", work_dir.display()))?;
             let cache = automaton_worker::workspace::Cache::open(&cache_dir)
-                .with_context(|| format!("cannot open the cache {}", cache_dir.display()))?;
+                .with_context(|| format!("cannot open the cache {}", cache_dir.display()))?
+                .with_keep(cli.cache_keep);
             let bearer = match &token {
                 Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| {
                     anyhow::anyhow!("the worker token holds characters a header cannot carry: check --token or --token-file")
@@ -441,6 +458,7 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
                 grace: cli.kill_grace,
                 bearer,
                 gpu: gpu_label(&probe.gpus),
+                retry_for: cli.work_retry,
             }))
         }
     };

@@ -5,10 +5,18 @@
 //! The lease is the only authority: when it is lost (the session's `LeaseLost`, an operator's
 //! stop, the worker shutting down), the agent's process group is killed and the workspace is
 //! discarded; anything sent after the lease ended is refused by its fencing token anyway.
+//!
+//! Every `Work` call is retried with backoff while the coordinator is unreachable (a restart,
+//! a network cut: `UNAVAILABLE`, `DEADLINE_EXCEEDED`, a broken connection), for up to
+//! `Runner::retry_for`, and never after the lease is lost; a definite refusal is final.
+//! The code tree the run works on is pinned in the shared cache from the manifest until the
+//! patch is made; a tree offered as cached but evicted by another worker before it was
+//! pinned (or removed by hand) is fetched again in full, never a failed run.
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use automaton_proto::v1 as pb;
 use automaton_workflow::State;
@@ -20,10 +28,13 @@ use tracing::Instrument as _;
 
 use crate::agent::{AgentSpec, Outcome, RunSpec, RunState, Running, StopReason};
 use crate::meter::Peak;
-use crate::workspace::{Cache, InputFile, TreeFile, Workspace};
+use crate::workspace::{Cache, InputFile, Pin, TreeFile, Workspace};
 
 /// Bytes per upload message.
 const CHUNK: usize = 1 << 20;
+/// The first wait before a `Work` call is retried; doubled each time up to `RETRY_MAX_WAIT`.
+const RETRY_FIRST_WAIT: Duration = Duration::from_millis(100);
+const RETRY_MAX_WAIT: Duration = Duration::from_secs(2);
 
 /// What every run of this worker shares.
 pub struct Runner {
@@ -41,16 +52,25 @@ pub struct Runner {
     pub bearer: Option<tonic::metadata::AsciiMetadataValue>,
     /// This machine's GPUs for people (`NVIDIA A100 80 GiB`, `no GPU`), on the run's span.
     pub gpu: String,
+    /// How long a `Work` call is retried while the coordinator is unreachable (at least the
+    /// coordinator's session timeout: a restart within it keeps the run's lease).
+    pub retry_for: Duration,
 }
 
-/// Why a step failed: the lease ended (nothing more to do) or something else went wrong.
+/// Why a step failed: the lease ended (nothing more to do), the run was told to stop while a
+/// call was being retried, the coordinator could not be reached (retried), or something else
+/// went wrong.
+#[derive(Debug)]
 enum Failed {
     LeaseLost(String),
+    Stopped(StopReason),
+    Unreachable(String),
     Error(String),
 }
 
 impl From<tonic::Status> for Failed {
     fn from(s: tonic::Status) -> Self {
+        let why = format!("{:?}: {}", s.code(), s.message());
         match s.code() {
             // Ended, or superseded: the fencing token says so.
             tonic::Code::NotFound | tonic::Code::FailedPrecondition
@@ -58,8 +78,82 @@ impl From<tonic::Status> for Failed {
             {
                 Failed::LeaseLost(s.message().to_string())
             }
-            _ => Failed::Error(format!("{:?}: {}", s.code(), s.message())),
+            _ if transient(&s) => Failed::Unreachable(why),
+            _ => Failed::Error(why),
         }
+    }
+}
+
+/// Whether a call's failure says nothing about the request, only that the coordinator was
+/// not there to answer it: no connection (`UNAVAILABLE`, which tonic gives connect errors
+/// too), no answer in time, or a connection that broke mid-call. Every other code is the
+/// coordinator's answer, and final.
+fn transient(s: &tonic::Status) -> bool {
+    match s.code() {
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => true,
+        tonic::Code::Unknown | tonic::Code::Cancelled | tonic::Code::Internal => {
+            let m = s.message();
+            m.contains("transport error")
+                || m.contains("h2 protocol error")
+                || m.contains("connection")
+                || m.contains("broken pipe")
+        }
+        _ => false,
+    }
+}
+
+/// A random fraction in [0, 1) for jitter (the std hasher's random keys).
+fn jitter() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Runs `call` until it succeeds, fails for good, or the run is told to stop; a failure
+/// that only says the coordinator was unreachable is tried again after a jittered wait
+/// (100 ms doubling to 2 s) for up to `retry_for`. Each try sends the whole request again:
+/// the coordinator takes the same upload twice as success.
+async fn retrying<T, F, Fut>(
+    what: &'static str,
+    retry_for: Duration,
+    stop: &watch::Receiver<Option<StopReason>>,
+    mut call: F,
+) -> Result<T, Failed>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Failed>>,
+{
+    let deadline = Instant::now() + retry_for;
+    let mut wait = RETRY_FIRST_WAIT;
+    let mut tries = 0u32;
+    loop {
+        let why = match call().await {
+            Ok(v) => return Ok(v),
+            Err(Failed::Unreachable(why)) => why,
+            Err(e) => return Err(e),
+        };
+        tries += 1;
+        if let Some(r) = *stop.borrow() {
+            return Err(Failed::Stopped(r));
+        }
+        let pause = wait.mul_f64(0.5 + jitter() / 2.0);
+        if Instant::now() + pause > deadline {
+            return Err(Failed::Error(format!(
+                "{what}: the coordinator was unreachable for {} ({tries} tries): {why}",
+                humantime::format_duration(retry_for)
+            )));
+        }
+        tracing::warn!(call = what, tries, error = %why, wait_ms = pause.as_millis() as u64, "the coordinator is unreachable: retrying");
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            r = stopped(stop.clone()) => return Err(Failed::Stopped(r)),
+        }
+        wait = (wait * 2).min(RETRY_MAX_WAIT);
     }
 }
 
@@ -181,7 +275,15 @@ pub async fn run(
             match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
                 Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
                 Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
-                Err(Failed::Error(why)) => (StopReason::AgentError, why, None, None),
+                Err(Failed::Stopped(r)) => (
+                    r,
+                    "stopped while the coordinator was unreachable: nothing more sent".into(),
+                    None,
+                    None,
+                ),
+                Err(Failed::Error(why) | Failed::Unreachable(why)) => {
+                    (StopReason::AgentError, why, None, None)
+                }
             };
         metrics.runs_active.add(-1);
         if let Ok(state) = a.phase.parse::<State>() {
@@ -232,24 +334,46 @@ async fn attempt(
         .phase
         .parse()
         .map_err(|_| Failed::Error(format!("unknown phase '{}'", a.phase)))?;
-    let mut work =
-        pb::work_client::WorkClient::new(channel.clone()).max_decoding_message_size(8 << 20);
-    let (manifest, inputs, code) = fetch(runner, &mut work, lease).await?;
+    let work = pb::work_client::WorkClient::new(channel.clone()).max_decoding_message_size(8 << 20);
+    // The trees offered are not pinned (a worker fetching would keep every tree from
+    // eviction): one evicted meanwhile by another worker sharing the cache is fetched again.
+    let offered = runner.cache.commits();
+    let (manifest, inputs, code) = retrying("FetchWorkspace", runner.retry_for, &stop, || {
+        fetch(runner, work.clone(), lease, offered.clone())
+    })
+    .await?;
     let commit = (!manifest.commit.is_empty()).then_some(manifest.commit.clone());
-    if let (Some(c), Some(files)) = (&commit, code) {
-        runner
-            .cache
-            .store(c, files)
-            .map_err(|e| Failed::Error(format!("cannot cache the code: {e}")))?;
-    }
+    // Pinned from here until the patch is made: no worker evicts it meanwhile.
+    let mut tree = match (&commit, code) {
+        (Some(c), Some(files)) => Some(store(runner, c, files)?),
+        (Some(c), None) => match runner.cache.pin(c) {
+            Ok(Some(pin)) => Some(pin),
+            _ => Some(fetch_tree(runner, &work, lease, c, &stop, EVICTED_MEANWHILE).await?),
+        },
+        (None, _) => None,
+    };
     let name = format!("{}-{}", a.task.replace('/', "--"), lease.token);
-    let ws = Workspace::create(
+    let made = Workspace::create(
         &runner.work_dir,
         &name,
         &runner.cache,
-        commit.as_deref().filter(|c| runner.cache.has(c)),
-        inputs,
-    )
+        tree.as_ref(),
+        &inputs,
+    );
+    let ws = match (made, &commit) {
+        // Gone all the same (removed by hand): a cache miss, fetched again, never a failure.
+        (Err(crate::workspace::Error::NotCached(_)), Some(c)) => {
+            tree = Some(fetch_tree(runner, &work, lease, c, &stop, PINNED_GONE).await?);
+            Workspace::create(
+                &runner.work_dir,
+                &name,
+                &runner.cache,
+                tree.as_ref(),
+                &inputs,
+            )
+        }
+        (made, _) => made,
+    }
     .map_err(|e| Failed::Error(format!("cannot make the workspace: {e}")))?;
     let mut spec = RunSpec::new(
         runner.agent.clone(),
@@ -311,33 +435,73 @@ async fn attempt(
             peak,
         ));
     }
-    let result = report_back(
-        runner,
-        &mut work,
-        a,
-        lease,
-        &ws,
-        commit.as_deref(),
-        finishing,
-    )
-    .await;
+    let result = report_back(runner, &work, a, lease, &ws, tree, &stop, finishing).await;
     let _ = ws.discard();
     result.map(|()| (outcome, peak))
 }
 
 type Fetched = (pb::WorkspaceManifest, Vec<InputFile>, Option<Vec<TreeFile>>);
 
-/// The assignment's inputs and (unless cached) code, checked against the manifest.
+type Client = pb::work_client::WorkClient<Channel>;
+
+/// Stores a tree the coordinator sent, pinned.
+fn store(runner: &Runner, commit: &str, files: Vec<TreeFile>) -> Result<Pin, Failed> {
+    runner
+        .cache
+        .store(commit, files)
+        .map_err(|e| Failed::Error(format!("cannot cache the code: {e}")))
+}
+
+/// Why a tree is fetched again: offered as cached, then evicted by another worker before this
+/// one pinned it (expected under churn) …
+const EVICTED_MEANWHILE: &str = "the tree offered as cached was evicted meanwhile";
+/// … or gone while pinned (removed by hand: a pinned tree is never evicted).
+const PINNED_GONE: &str = "a pinned tree is gone from the cache";
+
+/// `commit`'s whole tree, fetched again (nothing offered as cached) and stored pinned: for a
+/// tree this worker needs but no longer holds. The task's head must still be `commit`.
+async fn fetch_tree(
+    runner: &Runner,
+    work: &Client,
+    lease: &pb::Lease,
+    commit: &str,
+    stop: &watch::Receiver<Option<StopReason>>,
+    why: &'static str,
+) -> Result<Pin, Failed> {
+    if why == PINNED_GONE {
+        tracing::warn!(commit = %commit, "{why}: fetching it in full");
+    } else {
+        tracing::info!(commit = %commit, "{why}: fetching it in full");
+    }
+    let (manifest, _, code) = retrying("FetchWorkspace", runner.retry_for, stop, || {
+        fetch(runner, work.clone(), lease, vec![])
+    })
+    .await?;
+    match code {
+        Some(files) if manifest.commit == commit => store(runner, commit, files),
+        Some(_) => Err(Failed::Error(format!(
+            "the task's branch moved from {commit} to {} during the run",
+            manifest.commit
+        ))),
+        None => Err(Failed::Error(format!(
+            "the coordinator sent no code for {commit}, though none was cached"
+        ))),
+    }
+}
+
+/// The assignment's inputs and (unless `cached` holds its commit) code, checked against
+/// the manifest.
 async fn fetch(
     runner: &Runner,
-    work: &mut pb::work_client::WorkClient<Channel>,
+    mut work: Client,
     lease: &pb::Lease,
+    cached: Vec<String>,
 ) -> Result<Fetched, Failed> {
     let mut stream = work
         .fetch_workspace(runner.req(pb::FetchWorkspaceRequest {
             lease_id: lease.lease_id.clone(),
             token: lease.token,
-            cached_commits: runner.cache.commits(),
+            cached_commits: cached,
         }))
         .await?
         .into_inner();
@@ -406,13 +570,15 @@ async fn fetch(
 
 /// Uploads the artifact and (in phases that may edit code) the changed files, then completes
 /// the phase.
+#[allow(clippy::too_many_arguments)]
 async fn report_back(
     runner: &Runner,
-    work: &mut pb::work_client::WorkClient<Channel>,
+    work: &Client,
     a: &pb::Assignment,
     lease: &pb::Lease,
     ws: &Workspace,
-    commit: Option<&str>,
+    tree: Option<Pin>,
+    stop: &watch::Receiver<Option<StopReason>>,
     finishing: &std::sync::atomic::AtomicBool,
 ) -> Result<(), Failed> {
     let path = ws.artifact_path(&a.artifact);
@@ -435,17 +601,33 @@ async fn report_back(
     chunks[0].name = a.artifact.clone();
     chunks[0].sha256 = sha;
     chunks[0].size = size;
-    work.upload_artifact(runner.req(tokio_stream::iter(chunks)))
-        .await?;
+    retrying("UploadArtifact", runner.retry_for, stop, || {
+        let mut work = work.clone();
+        let chunks = chunks.clone();
+        async move {
+            work.upload_artifact(runner.req(tokio_stream::iter(chunks)))
+                .await?;
+            Ok(())
+        }
+    })
+    .await?;
     if a.can_edit
-        && let Some(base) = commit
+        && let Some(pin) = tree
     {
-        let tree = runner
-            .cache
-            .load(base)
-            .map_err(|e| Failed::Error(format!("cannot read the cached code: {e}")))?;
+        let base = pin.commit().to_string();
+        let files = match runner.cache.load(&pin) {
+            // Gone all the same (removed by hand): fetched again, never a failed run.
+            Err(crate::workspace::Error::NotCached(_)) => {
+                let again = fetch_tree(runner, work, lease, &base, stop, PINNED_GONE).await?;
+                runner.cache.load(&again)
+            }
+            loaded => loaded,
+        }
+        .map_err(|e| Failed::Error(format!("cannot read the cached code: {e}")))?;
+        // The tree is read: it may go.
+        drop(pin);
         let changes = ws
-            .changes(&tree)
+            .changes(&files)
             .map_err(|e| Failed::Error(format!("cannot diff the workspace: {e}")))?;
         if !changes.is_empty() {
             let mut msgs = Vec::new();
@@ -481,21 +663,153 @@ async fn report_back(
                 .collect();
             chunks[0].lease_id = lease.lease_id.clone();
             chunks[0].token = lease.token;
-            chunks[0].base_commit = base.to_string();
-            let out = work
-                .upload_patch(runner.req(tokio_stream::iter(chunks)))
-                .await?
-                .into_inner();
+            chunks[0].base_commit = base;
+            let out = retrying("UploadPatch", runner.retry_for, stop, || {
+                let mut work = work.clone();
+                let chunks = chunks.clone();
+                async move {
+                    Ok(work
+                        .upload_patch(runner.req(tokio_stream::iter(chunks)))
+                        .await?
+                        .into_inner())
+                }
+            })
+            .await?;
             tracing::info!(task = %a.task, commit = %out.commit, files = out.files_changed, "code committed");
         }
     }
     // Completing ends the lease, and the coordinator may offer new work at once.
     finishing.store(true, std::sync::atomic::Ordering::Release);
-    work.complete_phase(runner.req(pb::CompletePhaseRequest {
-        lease_id: lease.lease_id.clone(),
-        token: lease.token,
-        target: String::new(),
-    }))
+    retrying("CompletePhase", runner.retry_for, stop, || {
+        let mut work = work.clone();
+        async move {
+            work.complete_phase(runner.req(pb::CompletePhaseRequest {
+                lease_id: lease.lease_id.clone(),
+                token: lease.token,
+                target: String::new(),
+            }))
+            .await?;
+            Ok(())
+        }
+    })
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tonic::Status;
+
+    /// A call that fails with `fail` for its first `n` tries, then answers `tries`.
+    async fn flaky(
+        retry_for: Duration,
+        stop: &watch::Receiver<Option<StopReason>>,
+        fail: Status,
+        n: u32,
+    ) -> (Result<u32, Failed>, u32) {
+        let calls = AtomicU32::new(0);
+        let out = retrying("Test", retry_for, stop, || {
+            let k = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let fail = fail.clone();
+            async move { if k <= n { Err(fail.into()) } else { Ok(k) } }
+        })
+        .await;
+        (out, calls.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test]
+    async fn work_calls_are_retried_while_the_coordinator_is_unreachable() {
+        let (_tx, stop) = watch::channel(None);
+        for s in [
+            Status::unavailable("tcp connect error"),
+            Status::deadline_exceeded("timeout expired"),
+            Status::unknown("h2 protocol error: error reading a body from connection"),
+        ] {
+            let (out, calls) = flaky(Duration::from_secs(10), &stop, s.clone(), 2).await;
+            assert_eq!(out.unwrap(), 3, "{s:?}");
+            assert_eq!(calls, 3);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_definite_refusal_is_never_retried() {
+        let (_tx, stop) = watch::channel(None);
+        for s in [
+            Status::failed_precondition("the changes touch path 'a'"),
+            Status::invalid_argument("bad"),
+            Status::not_found("No live lease 'x'"),
+            Status::permission_denied("not yours"),
+            Status::resource_exhausted("too big"),
+            Status::unauthenticated("no token"),
+            Status::unknown("boom"),
+            Status::internal("oops"),
+        ] {
+            let (out, calls) = flaky(Duration::from_secs(10), &stop, s.clone(), 5).await;
+            assert!(
+                matches!(out, Err(Failed::Error(_) | Failed::LeaseLost(_))),
+                "{s:?}: {out:?}"
+            );
+            assert_eq!(calls, 1, "{s:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_retried_call_stops_at_once_when_the_lease_is_lost() {
+        let (tx, stop) = watch::channel(None);
+        // Sent while the loop waits between tries (the waits are 0.8 s and more by then).
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let _ = tx.send(Some(StopReason::LeaseLost));
+        });
+        let t = Instant::now() + Duration::from_millis(1500);
+        let (out, _) = flaky(
+            Duration::from_secs(60),
+            &stop,
+            Status::unavailable("down"),
+            u32::MAX,
+        )
+        .await;
+        assert!(
+            matches!(out, Err(Failed::Stopped(StopReason::LeaseLost))),
+            "{out:?}"
+        );
+        let late = Instant::now().saturating_duration_since(t);
+        assert!(
+            late < Duration::from_millis(200),
+            "stopped {late:?} after the loss"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_call_unreachable_for_longer_than_retry_for_fails_saying_so() {
+        let (_tx, stop) = watch::channel(None);
+        let t = Instant::now();
+        let (out, calls) = flaky(
+            Duration::from_millis(400),
+            &stop,
+            Status::unavailable("tcp connect error"),
+            u32::MAX,
+        )
+        .await;
+        let Err(Failed::Error(why)) = out else {
+            panic!("{out:?}")
+        };
+        assert!(
+            why.contains("unreachable") && why.contains("tcp connect error"),
+            "{why}"
+        );
+        assert!(calls >= 2, "{calls}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn jitter_is_a_fraction() {
+        for _ in 0..100 {
+            let j = jitter();
+            assert!((0.0..1.0).contains(&j), "{j}");
+        }
+    }
 }
