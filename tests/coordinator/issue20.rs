@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use crate::harness::*;
-use crate::work::{FLEET, git_init};
+use crate::work::{FLEET, git, git_init};
 use crate::workers::Worker;
 
 /// Drives every task to a terminal state, approving each gate as an operator; returns the
@@ -204,4 +204,144 @@ async fn issue20_b_coordinator_kill_9_and_restart_at_the_upload_the_worker_retri
         "the upload was not retried:\n{log}"
     );
     assert!(!log.contains("agent_error"), "{log}");
+}
+
+/// Issue 20, "runs that survive a coordinator restart": two real workers (0.7 s a phase) on
+/// four tasks, the coordinator `kill -9`ed every 0.7-2.2 s and restarted on the same port
+/// while an operator approves every gate, so the kills land before uploads, during them and
+/// between an upload and its completion. Every task reaches `complete`; no lease or run is
+/// left once the work is done; every artifact is there once and every task branch holds
+/// exactly its two commits (implement, doc_review), none lost and none made twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue20_c_two_workers_and_kill_9_at_many_moments_every_task_completes_and_nothing_is_lost_or_doubled()
+ {
+    let env = Env::new();
+    git_init(&env);
+    let mut args: Vec<&str> = FLEET.to_vec();
+    args.extend(["--grace-period", "10s"]);
+    let mut coord = Coord::start(&env, &args);
+    let listen = format!("127.0.0.1:{}", coord.addr.port());
+    let mut restarted = args.clone();
+    restarted.extend(["--listen", listen.as_str()]);
+    let slow = [("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=700")];
+    let workers = [
+        worker(&coord, "gpu-a", &[], &slow),
+        worker(&coord, "gpu-b", &[], &slow),
+    ];
+    let tasks: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
+    for t in &tasks {
+        env.cli(&["--create-task", t]).ok();
+    }
+    let deadline = Instant::now() + Duration::from_secs(240);
+    // A fixed rhythm of pauses (no clock-seeded randomness): kills fall at varied moments
+    // of the phases all the same, since the phases' own timing drifts.
+    let pauses_ms = [
+        700u64, 1_900, 1_100, 2_200, 900, 1_500, 800, 2_000, 1_300, 1_700,
+    ];
+    let mut kills = 0;
+    let mut next_kill = Instant::now() + Duration::from_millis(pauses_ms[0]);
+    let ends = loop {
+        let mut api = coord.api().await;
+        let mut ends = Vec::new();
+        for t in &tasks {
+            let state = api.state(t).await;
+            if state.ends_with(":awaiting_approval") {
+                let _ = api.approve(t, "ops").await;
+            } else if state == "complete" || state == "human_intervention" {
+                ends.push((t.clone(), state));
+            }
+        }
+        if ends.len() == tasks.len() {
+            break ends;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after {kills} kills, tasks not done in 240 s: {:?}\nworkers:\n{}",
+            {
+                let mut s = Vec::new();
+                for t in &tasks {
+                    s.push((
+                        t.clone(),
+                        api.state(t).await,
+                        api.get(t).await.map(|d| d.runs),
+                    ));
+                }
+                s
+            },
+            workers[0].stderr()
+        );
+        if kills < pauses_ms.len() && Instant::now() >= next_kill {
+            coord.kill9();
+            kills += 1;
+            coord = Coord::start(&env, &restarted);
+            next_kill = Instant::now() + Duration::from_millis(pauses_ms[kills % pauses_ms.len()]);
+        } else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    for (t, end) in &ends {
+        assert_eq!(end, "complete", "{t}");
+    }
+    assert!(kills >= 6, "only {kills} kills before the tasks were done");
+    // No run's work was lost to a restart: none failed (a Work call cut off by a kill is
+    // retried, never reported as the agent's error).
+    for w in &workers {
+        let log = w.stderr();
+        assert!(
+            !log.contains("reason=agent_error"),
+            "a run failed across a restart:
+{log}"
+        );
+    }
+    // No lease and no run outlives the work: nothing is held, every run has stopped.
+    let mut api = coord.api().await;
+    let settled = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut left = Vec::new();
+        for t in &tasks {
+            let d = api.get(t).await.expect("GetTask");
+            if let Some(l) = &d.lease {
+                left.push(format!("{t}: lease of {} (token {})", l.agent, l.token));
+            }
+            for r in d.runs.iter().filter(|r| r.state != "stopped") {
+                left.push(format!(
+                    "{t}: run of {} in {} is {}",
+                    r.worker, r.phase, r.state
+                ));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < settled,
+            "left behind after the work: {left:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for t in &tasks {
+        for name in [
+            "SPEC.md",
+            "DESIGN.md",
+            "IMPLEMENTATION.md",
+            "CODE_REVIEW.md",
+            "BUG_REPORT.md",
+            "ADVERSARIAL_BUG_REPORT.md",
+            "DOC_REVIEW.md",
+            "VERDICT.md",
+        ] {
+            let bytes = env.task_file(t, name).unwrap_or_default();
+            assert!(!bytes.is_empty(), "{t}: {name} missing or empty");
+        }
+        let log = git(
+            &env,
+            &["log", "--format=%s", &format!("automaton/{t}"), "^main"],
+        );
+        let commits: Vec<&str> = log.lines().collect();
+        assert_eq!(
+            commits.len(),
+            2,
+            "{t}: the task branch should hold the implement and doc_review commits once each: {commits:#?}"
+        );
+    }
 }

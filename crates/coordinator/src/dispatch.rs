@@ -1662,14 +1662,16 @@ mod tests {
     fn a_record_read_at_start_is_what_the_next_write_holds_and_runs_without_a_lease_are_lost() {
         let work = Work::new(&crate::Options::default());
         let t: TaskName = "t".parse().expect("name");
-        assert!(work.take_in(&t, Ok(Some(record())), None).is_none());
+        // One record for both sides: `record()` reads the clock.
+        let read = record();
+        assert!(work.take_in(&t, Ok(Some(read.clone())), None).is_none());
         assert_eq!(
             work.held(&t).as_deref(),
             Some("stopped by an operator (ops)")
         );
         assert!(work.learned_ratio().is_some_and(|r| (r - 0.9).abs() < 1e-9));
         let again = work.record_of(&t);
-        let mut want = record();
+        let mut want = read;
         // The run that was going has no lease after the restart: it ended with the old
         // coordinator.
         want.runs[1].state = "stopped".into();
