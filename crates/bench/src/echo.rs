@@ -19,17 +19,26 @@ struct Echo {
     token: AtomicU64,
 }
 
-// The answers, shared with the `--inline` server (`inline.rs`).
+// The answers, shared with the `--inline` server (`inline.rs`). Each carries the fields the
+// coordinator's answer to the same call carries, so both put the same bytes on the wire.
 
-/// A claim granted from nothing, with the next token.
 /// The TTL an echo lease reports.
 const MINUTE: automaton_proto::prost_types::Duration = automaton_proto::prost_types::Duration {
     seconds: 60,
     nanos: 0,
 };
 
+/// Now, as the coordinator's `expires_at` and `claimed_at` carry it.
+fn now() -> automaton_proto::prost_types::Timestamp {
+    std::time::SystemTime::now().into()
+}
+
+/// A claim granted from nothing, with the next token. The lease id is the token in 16 hex
+/// digits (the coordinator's are 16 hex digits too), so a renewal naming it can answer with
+/// its token.
 pub(crate) fn claimed(r: pb::ClaimRequest, tokens: &AtomicU64) -> pb::Lease {
     let token = tokens.fetch_add(1, Ordering::Relaxed) + 1;
+    let now = now();
     pb::Lease {
         lease_id: format!("{token:016x}"),
         task: r.task,
@@ -37,7 +46,9 @@ pub(crate) fn claimed(r: pb::ClaimRequest, tokens: &AtomicU64) -> pb::Lease {
         token,
         state: "research".into(),
         ttl: Some(MINUTE),
+        expires_at: Some(now),
         remaining: Some(MINUTE),
+        claimed_at: Some(now),
         ..Default::default()
     }
 }
@@ -51,22 +62,34 @@ pub(crate) fn renewed(r: pb::RenewRequest) -> pb::Lease {
     }
 }
 
+/// The released lease as the coordinator describes it, less the task and agent (a release
+/// names neither, and the echo keeps nothing).
 pub(crate) fn released(r: pb::ReleaseRequest) -> pb::ReleaseResponse {
+    let now = now();
     pb::ReleaseResponse {
         released: Some(pb::Lease {
             lease_id: r.lease_id,
             token: r.token,
+            state: "research".into(),
+            ttl: Some(MINUTE),
+            expires_at: Some(now),
+            remaining: Some(MINUTE),
+            claimed_at: Some(now),
             ..Default::default()
         }),
     }
 }
 
-/// The answer the coordinator gives on `KeepAlive`: one response for the lease named.
+/// The answer the coordinator gives on `KeepAlive`: one response for the lease named, with
+/// the fields the coordinator's has (lease id, token, ttl, remaining, renewed). The token is
+/// read back from an echo lease id; 0 for any other.
 pub(crate) fn kept_alive(m: pb::KeepAliveRequest) -> pb::KeepAliveResponse {
     let id = m.lease_ids.into_iter().next().unwrap_or_default();
+    let token = u64::from_str_radix(&id, 16).unwrap_or(0);
     pb::KeepAliveResponse {
         lease: Some(pb::Lease {
             lease_id: id.clone(),
+            token,
             ttl: Some(MINUTE),
             remaining: Some(MINUTE),
             renewed: true,

@@ -18,6 +18,14 @@
 //! then the other, and so on, and each system's slices are added up. The disk under both
 //! changes its sync speed from minute to minute; taking turns lets that drift reach both
 //! alike instead of deciding the ratio. See `backend.rs` for how the phases are timed.
+//!
+//! `--spawn-echo` (or `--echo URL`) adds a third system to the same slices: this binary's
+//! `echo-server`, the coordinator's API with no work behind it, measured through the same
+//! client as the others. Its renewals are the zero-work ceiling of a bidi `KeepAlive` round
+//! trip on this machine, and the coordinator's renewals are reported as a share of it
+//! (target ≥ 0.8). Its claims and releases, answered from nothing, are the ceiling of a
+//! unary call: shown as a share too, with no target (the coordinator's are durable). The echo
+//! needs no preparation: it grants any task.
 
 mod backend;
 mod coord;
@@ -49,6 +57,10 @@ use crate::stats::{OpStats, Sample, fmt_ms};
 
 const AUTOMATON: &str = "automaton";
 const ETCD: &str = "etcd";
+/// The zero-work echo server (`--spawn-echo`, `--echo URL`).
+const ECHO: &str = "echo";
+/// Renewals reach at least this share of the echo server's in the same run.
+const ECHO_TARGET: f64 = 0.8;
 /// The coordinator exporting traces (`leases --compare-export`).
 const TRACED: &str = "automaton+otlp";
 /// The second coordinator of an A/A control run (`--export-control`): exporting nothing.
@@ -118,6 +130,18 @@ struct LeasesArgs {
     /// The etcd binary for --spawn-etcd.
     #[arg(long, default_value = "etcd", value_name = "PATH")]
     etcd_bin: String,
+    /// A running `automaton-bench echo-server`, e.g. http://127.0.0.1:7071: adds echo rows
+    /// and the coordinator's share of this zero-work ceiling.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["spawn_echo", "compare_export"])]
+    echo: Option<String>,
+    /// Start this binary's `echo-server` on 127.0.0.1 (a free port) and stop it at the end:
+    /// measured in the same slices as the others, the zero-work ceiling.
+    #[arg(long, conflicts_with = "compare_export")]
+    spawn_echo: bool,
+    /// With --spawn-echo: the `--inline` echo server (h2 directly, no task per stream)
+    /// instead of the one on tonic and hyper the coordinator is built on.
+    #[arg(long, requires = "spawn_echo")]
+    echo_inline: bool,
     /// Client counts, each measured in turn.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     clients: Vec<usize>,
@@ -214,6 +238,26 @@ struct Comparison {
     p99_met: bool,
 }
 
+/// The coordinator against the zero-work echo server in the same slices, one operation at
+/// one client count.
+#[derive(Serialize)]
+struct CeilingComparison {
+    op: String,
+    clients: usize,
+    automaton_ops_per_s: f64,
+    echo_ops_per_s: f64,
+    /// automaton / echo: the share of the zero-work ceiling reached.
+    ceiling_ratio: f64,
+    /// Renewals: 0.8 (80 % of the zero-work ceiling). None for claims and releases: the
+    /// echo answers them from nothing, the coordinator durably.
+    target_ratio: Option<f64>,
+    /// The target applies at 16 clients and more, as the ones against etcd.
+    target_applies: bool,
+    throughput_met: Option<bool>,
+    automaton_p99_ms: f64,
+    echo_p99_ms: f64,
+}
+
 /// Export on against export off, one operation at one client count.
 #[derive(Serialize)]
 struct ExportComparison {
@@ -237,6 +281,10 @@ struct Report {
     unix_time: u64,
     coordinator: Option<String>,
     etcd: Option<String>,
+    /// The echo server's URL, and which one was spawned (`echo-server`, `echo-server
+    /// --inline`; `given` for --echo URL).
+    echo: Option<String>,
+    echo_server: Option<&'static str>,
     clients: Vec<usize>,
     duration_s: f64,
     tasks_per_client: usize,
@@ -247,6 +295,8 @@ struct Report {
     results: Vec<OpStats>,
     prepare: Vec<Prepared>,
     comparisons: Vec<Comparison>,
+    /// automaton / echo per operation and client count.
+    ceiling_comparisons: Vec<CeilingComparison>,
     export_comparisons: Vec<ExportComparison>,
     /// Spans the sink received from the exporting coordinator (`--compare-export`).
     otlp_spans_received: Option<u64>,
@@ -368,6 +418,54 @@ fn throughput_ratio(a: &OpStats, reference: &OpStats) -> f64 {
     }
 }
 
+fn compare_ceiling(results: &[OpStats], clients: &[usize]) -> Vec<CeilingComparison> {
+    let mut out = Vec::new();
+    for &c in clients {
+        for op in OPS {
+            let (Some(a), Some(e)) = (find(results, AUTOMATON, op, c), find(results, ECHO, op, c))
+            else {
+                continue;
+            };
+            let ratio = throughput_ratio(a, e);
+            let target = (op == "renew").then_some(ECHO_TARGET);
+            out.push(CeilingComparison {
+                op: op.to_string(),
+                clients: c,
+                automaton_ops_per_s: a.ops_per_s,
+                echo_ops_per_s: e.ops_per_s,
+                ceiling_ratio: ratio,
+                target_ratio: target,
+                target_applies: target.is_some() && c >= 16,
+                throughput_met: target.map(|t| ratio >= t),
+                automaton_p99_ms: a.p99_ms,
+                echo_p99_ms: e.p99_ms,
+            });
+        }
+    }
+    out
+}
+
+/// The table's line for a ceiling comparison.
+fn ceiling_line(k: &CeilingComparison) -> String {
+    let verdict = match (k.target_ratio, k.throughput_met) {
+        (Some(t), Some(met)) if k.target_applies => format!(
+            "target >= {t} (80 % of the zero-work ceiling): {}",
+            if met { "met" } else { "NOT met" }
+        ),
+        (Some(_), _) => "target applies at 16 and 64 clients".to_string(),
+        _ => "the zero-work ceiling; no target".to_string(),
+    };
+    format!(
+        "{:<12} {:<8} {:>7} {:>8.2}x   (automaton / echo; p99 automaton {} vs echo {}; {verdict})\n",
+        "ceiling",
+        k.op,
+        k.clients,
+        k.ceiling_ratio,
+        fmt_ms(k.automaton_p99_ms),
+        fmt_ms(k.echo_p99_ms),
+    )
+}
+
 fn compare_export(results: &[OpStats], clients: &[usize], second: &str) -> Vec<ExportComparison> {
     let mut out = Vec::new();
     for &c in clients {
@@ -417,6 +515,7 @@ fn row(s: &OpStats) -> String {
 fn table(
     results: &[OpStats],
     comparisons: &[Comparison],
+    ceilings: &[CeilingComparison],
     exports: &[ExportComparison],
     clients: &[usize],
 ) -> String {
@@ -426,7 +525,7 @@ fn table(
     );
     for &c in clients {
         for op in OPS {
-            for system in [AUTOMATON, TRACED, CONTROL, ETCD] {
+            for system in [AUTOMATON, TRACED, CONTROL, ECHO, ETCD] {
                 if let Some(s) = find(results, system, op, c) {
                     out.push_str(&row(s));
                     out.push('\n');
@@ -467,6 +566,9 @@ fn table(
                     fmt_ms(k.etcd_p99_ms),
                 ));
             }
+            if let Some(k) = ceilings.iter().find(|k| k.op == op && k.clients == c) {
+                out.push_str(&ceiling_line(k));
+            }
         }
     }
     out
@@ -488,18 +590,22 @@ async fn leases(args: LeasesArgs) -> Result<()> {
                 "--connections shares connections between clients, which --client raw cannot (one call at a time per connection): add --client tonic"
             );
         }
-        for url in [&args.coordinator, &args.etcd].into_iter().flatten() {
+        for url in [&args.coordinator, &args.etcd, &args.echo]
+            .into_iter()
+            .flatten()
+        {
             rpc::host_port(url)?;
         }
     }
     let want_coord = args.coordinator.is_some() || args.spawn_coordinator.is_some();
     let want_etcd = args.etcd.is_some() || args.spawn_etcd;
-    if !want_coord && !want_etcd {
+    let want_echo = args.echo.is_some() || args.spawn_echo;
+    if !want_coord && !want_etcd && !want_echo {
         bail!(
-            "nothing to measure: give --coordinator URL or --spawn-coordinator PATH, and/or --etcd URL or --spawn-etcd"
+            "nothing to measure: give --coordinator URL or --spawn-coordinator PATH, and/or --etcd URL or --spawn-etcd, and/or --echo URL or --spawn-echo"
         );
     }
-    let scratch = if args.spawn_coordinator.is_some() || args.spawn_etcd {
+    let scratch = if args.spawn_coordinator.is_some() || args.spawn_etcd || args.spawn_echo {
         Some(spawn::scratch_dir()?)
     } else {
         None
@@ -553,6 +659,22 @@ async fn run(
         etcd_url = Some(s.url.clone());
         spawned.push(s);
     }
+    let mut echo_url = args.echo.clone();
+    let mut echo_server = args.echo.as_ref().map(|_| "given");
+    if args.spawn_echo {
+        let dir = scratch.context("no temp dir")?;
+        let me = std::env::current_exe().context("find this benchmark's own binary")?;
+        let s = spawn::echo(&me, args.echo_inline, dir)?;
+        let kind = if args.echo_inline {
+            "echo-server --inline"
+        } else {
+            "echo-server"
+        };
+        eprintln!("spawned {kind} at {} (log {})", s.url, s.log.display());
+        echo_url = Some(s.url.clone());
+        echo_server = Some(kind);
+        spawned.push(s);
+    }
     let mut coord_url = args.coordinator.clone();
     let mut traced_url = None;
     let mut sink = None;
@@ -594,7 +716,8 @@ async fn run(
         let ch = connect_retry(url).await?;
         etcd::wait_ready(&rpc::Client::Tonic(ch), Duration::from_secs(30)).await?;
     }
-    for url in coord_url.iter().chain(traced_url.iter()) {
+    // The echo server answers ListTasks as the coordinator does.
+    for url in coord_url.iter().chain(&traced_url).chain(&echo_url) {
         let ch = connect_retry(url).await?;
         coord::wait_ready(&ch, Duration::from_secs(30)).await?;
     }
@@ -615,6 +738,7 @@ async fn run(
         let mut coord_backend = None;
         let mut traced_backend = None;
         let mut etcd_backend = None;
+        let mut echo_backend = None;
         if let Some(url) = &traced_url {
             let channels = rpc::tonic_channels(url, args.prepare_workers.clamp(1, n)).await?;
             coord::prepare(&channels, c, args.tasks_per_client, args.prepare_workers).await?;
@@ -652,6 +776,15 @@ async fn run(
                 args.ttl_ms,
             )));
         }
+        // The echo grants any task: nothing to prepare.
+        if let Some(url) = &echo_url {
+            echo_backend = Some(Arc::new(coord::Coordinator::new(
+                rpc::connect(args.client, url, n).await?,
+                c,
+                args.tasks_per_client,
+                args.ttl_ms,
+            )));
+        }
         if let Some(url) = &etcd_url {
             etcd_backend = Some(Arc::new(etcd::Etcd::new(
                 rpc::connect(args.client, url, n).await?,
@@ -663,7 +796,8 @@ async fn run(
         // The systems take turns, slice by slice, so a drift of the shared machine (the
         // disk's sync speed changes from minute to minute) reaches both alike.
         let slice = args.duration / args.slices as u32;
-        let (mut a, mut t, mut e) = (
+        let (mut a, mut t, mut z, mut e) = (
+            Measured::default(),
             Measured::default(),
             Measured::default(),
             Measured::default(),
@@ -675,6 +809,9 @@ async fn run(
             if let Some(b) = &traced_backend {
                 measure_slice(b, c, slice, args, &mut t).await?;
             }
+            if let Some(b) = &echo_backend {
+                measure_slice(b, c, slice, args, &mut z).await?;
+            }
             if let Some(b) = &etcd_backend {
                 measure_slice(b, c, slice, args, &mut e).await?;
             }
@@ -685,13 +822,17 @@ async fn run(
         if traced_backend.is_some() {
             results.extend(t.stats(second_name(args), c, args));
         }
+        if echo_backend.is_some() {
+            results.extend(z.stats(ECHO, c, args));
+        }
         if etcd_backend.is_some() {
             results.extend(e.stats(ETCD, c, args));
         }
     }
     let comparisons = compare(&results, &args.clients);
+    let ceilings = compare_ceiling(&results, &args.clients);
     let exports = compare_export(&results, &args.clients, second_name(args));
-    let text = table(&results, &comparisons, &exports, &args.clients);
+    let text = table(&results, &comparisons, &ceilings, &exports, &args.clients);
     let report = Report {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         unix_time: std::time::SystemTime::now()
@@ -700,6 +841,8 @@ async fn run(
             .unwrap_or_default(),
         coordinator: coord_url,
         etcd: etcd_url,
+        echo: echo_url,
+        echo_server,
         clients: args.clients.clone(),
         duration_s: args.duration.as_secs_f64(),
         tasks_per_client: args.tasks_per_client,
@@ -714,6 +857,7 @@ async fn run(
         results,
         prepare,
         comparisons,
+        ceiling_comparisons: ceilings,
         export_comparisons: exports,
         otlp_spans_received: None,
         shutdown: Vec::new(),

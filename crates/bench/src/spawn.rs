@@ -123,35 +123,66 @@ pub fn coordinator_env(
     envs: &[(&str, String)],
 ) -> Result<Spawned> {
     let log = scratch.join("coordinator.log");
-    let stderr = fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log)?;
-    let mut child = Command::new(bin)
-        .arg("--project")
+    let mut cmd = Command::new(bin);
+    cmd.arg("--project")
         .arg(project)
         .args(["--listen", "127.0.0.1:0"])
         .args(extra)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())))
+        .envs(envs.iter().map(|(k, v)| (*k, v.as_str())));
+    announced(
+        "coordinator",
+        cmd,
+        &log,
+        &scratch.join("coordinator.stdout"),
+    )
+    .with_context(|| format!("start {}", bin.display()))
+}
+
+/// Starts `bin echo-server --listen 127.0.0.1:0` (this benchmark's own binary; with
+/// `inline`, `--inline`), logging to `scratch/echo.log`, and waits for `listening on`.
+pub fn echo(bin: &Path, inline: bool, scratch: &Path) -> Result<Spawned> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["echo-server", "--listen", "127.0.0.1:0"]);
+    if inline {
+        cmd.arg("--inline");
+    }
+    announced(
+        "echo-server",
+        cmd,
+        &scratch.join("echo.log"),
+        &scratch.join("echo.stdout"),
+    )
+    .with_context(|| format!("start {} echo-server", bin.display()))
+}
+
+/// Starts `cmd` (stdin closed, stderr appended to `log`, stdout copied to `out_log`) and
+/// waits up to 60 s for the first `listening on ADDR` line on its stdout; the process's URL
+/// is that address.
+fn announced(name: &'static str, mut cmd: Command, log: &Path, out_log: &Path) -> Result<Spawned> {
+    let stderr = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("open {}", log.display()))?;
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(stderr)
-        .spawn()
-        .with_context(|| format!("start {}", bin.display()))?;
-    let stdout = child.stdout.take().context("coordinator stdout")?;
+        .spawn()?;
+    let stdout = child.stdout.take().context("no stdout pipe")?;
     let mut spawned = Spawned {
-        name: "coordinator",
+        name,
         child,
         url: String::new(),
-        log: log.clone(),
+        log: log.to_path_buf(),
         stopped: false,
     };
     // Read stdout on a thread for the whole run (so the pipe never fills), copying it to
     // the log, and hand over the first address announced.
     let (tx, rx) = mpsc::channel();
-    let out_log = scratch.join("coordinator.stdout");
+    let out_log = out_log.to_path_buf();
     std::thread::spawn(move || {
         let mut copy = File::create(out_log).ok();
         let mut tx = Some(tx);
@@ -181,24 +212,24 @@ pub fn coordinator_env(
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 bail!(
-                    "the coordinator closed stdout without printing `listening on`; stderr ({}):\n{}",
+                    "the {name} closed stdout without printing `listening on`; stderr ({}):\n{}",
                     log.display(),
-                    tail(&log)
+                    tail(log)
                 );
             }
         }
         if let Some(st) = spawned.exited() {
             bail!(
-                "the coordinator exited ({st}) before listening; stderr ({}):\n{}",
+                "the {name} exited ({st}) before listening; stderr ({}):\n{}",
                 log.display(),
-                tail(&log)
+                tail(log)
             );
         }
         if Instant::now() >= deadline {
             bail!(
-                "the coordinator printed no `listening on` line within 60 s; stderr ({}):\n{}",
+                "the {name} printed no `listening on` line within 60 s; stderr ({}):\n{}",
                 log.display(),
-                tail(&log)
+                tail(log)
             );
         }
     }
