@@ -14,15 +14,7 @@ use crate::workers::Worker;
 async fn drive_all(api: &mut Api, tasks: &[String], timeout: Duration) -> Vec<(String, String)> {
     let deadline = Instant::now() + timeout;
     loop {
-        let mut ends = Vec::new();
-        for t in tasks {
-            let state = api.state(t).await;
-            if state.ends_with(":awaiting_approval") {
-                let _ = api.approve(t, "ops").await;
-            } else if state == "complete" || state == "human_intervention" {
-                ends.push((t.clone(), state));
-            }
-        }
+        let ends = approve_gates(api, tasks).await;
         if ends.len() == tasks.len() {
             return ends;
         }
@@ -40,6 +32,21 @@ async fn drive_all(api: &mut Api, tasks: &[String], timeout: Duration) -> Vec<(S
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Approves every gate waiting among `tasks`, as an operator; returns the tasks that have
+/// ended, with their terminal states.
+async fn approve_gates(api: &mut Api, tasks: &[String]) -> Vec<(String, String)> {
+    let mut ends = Vec::new();
+    for t in tasks {
+        let state = api.state(t).await;
+        if state.ends_with(":awaiting_approval") {
+            let _ = api.approve(t, "ops").await;
+        } else if state == "complete" || state == "human_intervention" {
+            ends.push((t.clone(), state));
+        }
+    }
+    ends
 }
 
 /// A scripted worker on a simulated GPU with extra flags.
@@ -242,15 +249,7 @@ async fn issue20_c_two_workers_and_kill_9_at_many_moments_every_task_completes_a
     let mut next_kill = Instant::now() + Duration::from_millis(pauses_ms[0]);
     let ends = loop {
         let mut api = coord.api().await;
-        let mut ends = Vec::new();
-        for t in &tasks {
-            let state = api.state(t).await;
-            if state.ends_with(":awaiting_approval") {
-                let _ = api.approve(t, "ops").await;
-            } else if state == "complete" || state == "human_intervention" {
-                ends.push((t.clone(), state));
-            }
-        }
+        let ends = approve_gates(&mut api, &tasks).await;
         if ends.len() == tasks.len() {
             break ends;
         }
