@@ -344,3 +344,33 @@ async fn issue20_c_two_workers_and_kill_9_at_many_moments_every_task_completes_a
         );
     }
 }
+
+/// Found by `issue20_c` (1 run in 30): a kill -9 while the coordinator moved a task branch
+/// leaves libgit2's `refs/heads/automaton/T.lock`, and every later run of that task failed
+/// "Cannot create the task branch … Locked" until it was held. A start sweeps them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue20_d_a_task_branch_lock_left_by_a_kill_9_is_swept_at_start_and_the_task_completes() {
+    let env = Env::new();
+    git_init(&env);
+    let heads = env.root().join(".git/refs/heads/automaton");
+    std::fs::create_dir_all(&heads).expect("mkdir refs");
+    std::fs::write(heads.join("t.lock"), "").expect("a killed writer's ref lock");
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    // Two: the implementer may not review its own work.
+    let _w = [
+        worker(&coord, "gpu-a", &[], &[]),
+        worker(&coord, "gpu-b", &[], &[]),
+    ];
+    env.cli(&["--create-task", "t"]).ok();
+    let ends = drive_all(&mut api, &["t".to_string()], Duration::from_secs(60)).await;
+    assert_eq!(ends, [("t".to_string(), "complete".to_string())]);
+    assert!(!heads.join("t.lock").exists(), "the stale lock is gone");
+    assert!(
+        coord
+            .stderr()
+            .contains("removed refs/heads/automaton/t.lock"),
+        "the start says what it removed:\n{}",
+        coord.stderr()
+    );
+}

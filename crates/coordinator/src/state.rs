@@ -143,6 +143,14 @@ impl Coordinator {
             fencing_mark,
             holders,
         } = crate::recovery::recover(&project, &log, grace)?;
+        // A task branch's ref lock left by a kill -9 mid-commit would refuse every later
+        // move of that branch: nobody else writes them, and this process owns the project.
+        match project.sweep_task_branch_locks() {
+            Ok(swept) => notes.extend(swept.into_iter().map(|r| {
+                format!("removed {r}, a task branch's lock left by a writer that was killed")
+            })),
+            Err(e) => notes.push(format!("cannot sweep the task branches' lock files: {e}")),
+        }
         let holders = crate::holders::Holders::new(holders);
         notes.extend(recovered);
         let fencing = Fencing::new(project.clone(), fencing_mark);

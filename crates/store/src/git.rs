@@ -379,6 +379,46 @@ impl Project {
         }))
     }
 
+    /// Removes the ref lock files (`refs/heads/automaton/**.lock`) a killed writer of the
+    /// task branches left behind: libgit2 takes `NAME.lock` beside a ref while it moves it,
+    /// and a `kill -9` in that instant leaves it there, refusing every later move of that
+    /// branch ("failed to lock file … Locked"). Only the project's owner writes the task
+    /// branches, so its start is the one moment no such writer is alive: call it then.
+    /// Returns the refs unlocked.
+    pub fn sweep_task_branch_locks(&self) -> Result<Vec<String>, Error> {
+        let Some(repo) = self.repository()? else {
+            return Ok(Vec::new());
+        };
+        let heads = repo.path().join("refs/heads/automaton");
+        let mut removed = Vec::new();
+        let mut dirs = vec![heads.clone()];
+        while let Some(dir) = dirs.pop() {
+            let entries = match fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io_err("list", &dir)(e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(io_err("list", &dir))?;
+                let path = entry.path();
+                // `file_type` does not follow links: a link is neither followed nor removed.
+                let ft = entry.file_type().map_err(io_err("stat", &path))?;
+                if ft.is_dir() {
+                    dirs.push(path);
+                } else if ft.is_file() && path.extension().is_some_and(|x| x == "lock") {
+                    fs::remove_file(&path).map_err(io_err("remove", &path))?;
+                    removed.push(
+                        path.strip_prefix(repo.path())
+                            .unwrap_or(&path)
+                            .display()
+                            .to_string(),
+                    );
+                }
+            }
+        }
+        Ok(removed)
+    }
+
     /// The project's repository; `None` when the root is not one.
     fn repository(&self) -> Result<Option<Repository>, Error> {
         match Repository::open(&self.root) {
@@ -934,6 +974,31 @@ mod tests {
             .expect_err("no repo");
         assert!(matches!(err, Error::NoRepository { .. }), "{err}");
         assert_eq!(err.kind(), ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn a_task_branch_lock_left_by_a_killed_writer_is_swept_and_the_branch_moves_again() {
+        let (_d, p, _repo, _) = checkout();
+        let heads = p.root().join(".git/refs/heads/automaton");
+        fs::create_dir_all(heads.join("sub")).expect("mkdir");
+        fs::write(heads.join("t.lock"), "").expect("stale lock");
+        fs::write(heads.join("sub/u.lock"), "").expect("stale lock");
+        fs::write(heads.join("keep"), "").expect("not a lock");
+        let mut swept = p.sweep_task_branch_locks().expect("sweep");
+        swept.sort();
+        assert_eq!(
+            swept,
+            [
+                "refs/heads/automaton/sub/u.lock",
+                "refs/heads/automaton/t.lock"
+            ]
+        );
+        assert!(heads.join("keep").exists());
+        assert!(!heads.join("t.lock").exists());
+        assert_eq!(
+            p.sweep_task_branch_locks().expect("again"),
+            Vec::<String>::new()
+        );
     }
 
     #[test]
