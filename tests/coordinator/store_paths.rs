@@ -15,7 +15,7 @@ use pb::work_client::WorkClient;
 use tonic::Code;
 
 use crate::harness::*;
-use crate::work::git_init;
+use crate::work::{git_init, manifest};
 
 /// The start of `/etc/passwd` on every Linux: its bytes must appear nowhere.
 const PASSWD_MARK: &str = "root:";
@@ -271,18 +271,7 @@ async fn upload_patch_with_a_git_alias_is_invalid_argument_and_the_branch_is_unc
     api.approved_research(&env, "t", Some("implement")).await;
     let lease = api.claim("t", "agent-x", 60_000).await.expect("claim");
     let mut work = WorkClient::new(coord.channel().await);
-    let mut fetch = work
-        .fetch_workspace(fetch_req(&lease))
-        .await
-        .expect("fetch")
-        .into_inner();
-    let Some(pb::WorkspaceChunk {
-        part: Some(pb::workspace_chunk::Part::Manifest(m)),
-    }) = fetch.message().await.expect("manifest")
-    else {
-        panic!("the workspace starts with its manifest");
-    };
-    let base = m.commit.clone();
+    let base = manifest(&mut work, &lease).await.commit;
     let patch = |path: &str| {
         vec![pb::PatchChunk {
             lease_id: lease.lease_id.clone(),

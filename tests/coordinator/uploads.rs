@@ -8,10 +8,9 @@ use std::time::{Duration, Instant};
 use automaton_proto::v1 as pb;
 use pb::work_client::WorkClient;
 use tonic::Code;
-use tonic::transport::Channel;
 
 use crate::harness::*;
-use crate::work::{artifact, git, git_init};
+use crate::work::{artifact, git, git_init, manifest};
 
 const MIB: u64 = 1 << 20;
 /// What docs/coordinator.md promises: the coordinator's peak RSS stays under
@@ -72,26 +71,6 @@ fn small_patch(lease: &pb::Lease, base: &str, path: &str, body: &[u8]) -> Vec<pb
     }]
 }
 
-/// The workspace's commit for `lease` (fetching it creates the task's branch).
-async fn base_commit(work: &mut WorkClient<Channel>, lease: &pb::Lease) -> String {
-    let mut fetch = work
-        .fetch_workspace(pb::FetchWorkspaceRequest {
-            lease_id: lease.lease_id.clone(),
-            token: lease.token,
-            cached_commits: vec![],
-        })
-        .await
-        .expect("fetch")
-        .into_inner();
-    let Some(pb::WorkspaceChunk {
-        part: Some(pb::workspace_chunk::Part::Manifest(m)),
-    }) = fetch.message().await.expect("manifest")
-    else {
-        panic!("the workspace starts with its manifest");
-    };
-    m.commit
-}
-
 /// `t` in implement, leased to `agent-x`.
 async fn implement_lease(api: &mut Api, env: &Env) -> pb::Lease {
     api.approved_research(env, "t", Some("implement")).await;
@@ -117,7 +96,7 @@ async fn four_concurrent_260_mib_patches_are_refused_and_the_rss_stays_under_the
     let mut api = coord.api().await;
     let lease = implement_lease(&mut api, &env).await;
     let mut work = WorkClient::new(coord.channel().await);
-    let base = base_commit(&mut work, &lease).await;
+    let base = manifest(&mut work, &lease).await.commit;
     let tip = git(&env, &["rev-parse", "automaton/t"]);
     let pid = coord.pid();
     let before = proc_status_bytes(pid, "VmHWM");
@@ -305,7 +284,7 @@ async fn the_same_patch_twice_and_again_after_a_kill_9_is_one_commit_with_the_sa
     let mut api = coord.api().await;
     let lease = implement_lease(&mut api, &env).await;
     let mut work = WorkClient::new(coord.channel().await);
-    let base = base_commit(&mut work, &lease).await;
+    let base = manifest(&mut work, &lease).await.commit;
     let patch = small_patch(&lease, &base, "README.md", b"# patched once\n");
     let mut answers = Vec::new();
     for round in 0..3 {

@@ -318,6 +318,30 @@ async fn sigstop_a_worker_mid_phase_past_the_timeout_then_sigcont_its_agent_grou
     assert_eq!(lost.stop_reason, "lease_lost", "{runs:#?}");
 }
 
+/// The workspace manifest for `lease`, from a FetchWorkspace that offers no cached tree
+/// (fetching it creates the task's branch).
+pub async fn manifest(
+    work: &mut WorkClient<tonic::transport::Channel>,
+    lease: &pb::Lease,
+) -> pb::WorkspaceManifest {
+    let mut fetch = work
+        .fetch_workspace(pb::FetchWorkspaceRequest {
+            lease_id: lease.lease_id.clone(),
+            token: lease.token,
+            cached_commits: vec![],
+        })
+        .await
+        .expect("fetch")
+        .into_inner();
+    let Some(pb::WorkspaceChunk {
+        part: Some(pb::workspace_chunk::Part::Manifest(m)),
+    }) = fetch.message().await.expect("manifest")
+    else {
+        panic!("the workspace starts with its manifest");
+    };
+    m
+}
+
 pub fn sha(b: &[u8]) -> String {
     Sha256::digest(b)
         .iter()
@@ -478,21 +502,7 @@ async fn bad_uploads_are_refused_with_the_right_code_and_leave_the_folder_and_br
         .claim("t", "agent-x", 60_000)
         .await
         .expect("claim implement");
-    let mut fetch = work
-        .fetch_workspace(pb::FetchWorkspaceRequest {
-            lease_id: lease.lease_id.clone(),
-            token: lease.token,
-            cached_commits: vec![],
-        })
-        .await
-        .expect("fetch")
-        .into_inner();
-    let Some(pb::WorkspaceChunk {
-        part: Some(pb::workspace_chunk::Part::Manifest(m)),
-    }) = fetch.message().await.expect("manifest")
-    else {
-        panic!("the workspace starts with its manifest");
-    };
+    let m = manifest(&mut work, &lease).await;
     assert_eq!(m.branch, "automaton/t");
     assert!(m.code_included);
     assert!(
