@@ -205,16 +205,16 @@ async fn stop_survives_kill_9_and_resume_after_restart_resumes() {
 async fn a_max_attempts_hold_and_its_failure_count_survive_kill_9() {
     let env = Env::new();
     git_init(&env);
-    let mut args = args();
-    args.extend(["--max-phase-time", "1s"]);
+    let args = args();
     let envs = [("AUTOMATON_MAX_ATTEMPTS", "2")];
     let mut coord = Coord::start_with_env(&env, &args, &envs);
     let api = coord.api().await;
+    // Each run fails after a while: the kill comes between the first failure and the second.
     let _w = scripted_worker(
         &coord,
         "gpu-a",
         "sim:24GiB",
-        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "hang")],
+        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "fail-after=2000")],
     );
     api.clone().create("t").await.expect("create");
     poll("the first failed run", Duration::from_secs(20), || {
@@ -223,12 +223,12 @@ async fn a_max_attempts_hold_and_its_failure_count_survive_kill_9() {
             runs(&mut api, "t")
                 .await
                 .iter()
-                .any(|r| r.stop_reason == "timed_out")
+                .any(|r| r.stop_reason == "agent_error")
                 .then_some(())
         }
     })
     .await;
-    on_disk(&env, "t", "timed_out").await;
+    on_disk(&env, "t", "agent_error").await;
 
     kill_9_and_restart(&mut coord, &args, &envs);
     let api = coord.api().await;
@@ -257,7 +257,7 @@ async fn a_max_attempts_hold_and_its_failure_count_survive_kill_9() {
         })
         .collect();
     assert_eq!(failed.len(), 2, "{all:#?}");
-    assert_eq!(failed[0].stop_reason, "timed_out", "{all:#?}");
+    assert_eq!(failed[0].stop_reason, "agent_error", "{all:#?}");
 
     // Held across another kill, with a worker idle.
     kill_9_and_restart(&mut coord, &args, &envs);

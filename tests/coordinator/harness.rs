@@ -644,6 +644,12 @@ impl Api {
             .await
     }
 
+    /// `automaton run TASK` (manual mode).
+    pub async fn run_task(&mut self, task: &str) -> R<pb::RunTaskResponse> {
+        let req = self.req(pb::RunTaskRequest { task: task.into() });
+        self.workers.run_task(req).await.map(|r| r.into_inner())
+    }
+
     pub async fn approve(&mut self, task: &str, approver: &str) -> R<pb::ApproveResponse> {
         let r = self.req(pb::ApproveRequest {
             task: task.into(),

@@ -12,7 +12,7 @@ use crate::work::{FLEET, git_init, scripted_worker as worker};
 
 /// A SPEC.md planning `rows` (sub-task, depends on, k tokens): the scripted research keeps
 /// it and says decomposition comes next; the scripted decomposition copies the table.
-fn spec(rows: &[(&str, &str, u64)]) -> String {
+pub(crate) fn spec(rows: &[(&str, &str, u64)]) -> String {
     let mut s = String::from(
         "# SPEC\n\nPlanned as sub-tasks.\n\n\
          | sub-task | depends on | estimated peak context (k tokens) | scope / acceptance |\n\
@@ -27,7 +27,7 @@ fn spec(rows: &[(&str, &str, u64)]) -> String {
 }
 
 /// Creates `parent` in research with the planned SPEC.md.
-async fn plan(api: &mut Api, env: &Env, parent: &str, rows: &[(&str, &str, u64)]) {
+pub(crate) async fn plan(api: &mut Api, env: &Env, parent: &str, rows: &[(&str, &str, u64)]) {
     api.create(parent).await.expect("create");
     api.transition(parent, "research")
         .await
@@ -36,7 +36,7 @@ async fn plan(api: &mut Api, env: &Env, parent: &str, rows: &[(&str, &str, u64)]
 }
 
 /// Approves every gate, of every task and sub-task, as it comes (every 50 ms) until aborted.
-fn approve_all(api: &Api) -> tokio::task::JoinHandle<()> {
+pub(crate) fn approve_all(api: &Api) -> tokio::task::JoinHandle<()> {
     let mut api = api.clone();
     tokio::spawn(async move {
         loop {
@@ -58,7 +58,7 @@ fn approve_all(api: &Api) -> tokio::task::JoinHandle<()> {
 }
 
 /// Waits (bounded) for `task` to reach `complete` or `human_intervention`; its state.
-async fn ended(api: &mut Api, task: &str, timeout: Duration) -> String {
+pub(crate) async fn ended(api: &mut Api, task: &str, timeout: Duration) -> String {
     let deadline = Instant::now() + timeout;
     loop {
         let state = api.state(task).await;
@@ -397,7 +397,7 @@ async fn a_subtask_too_large_for_every_worker_is_reported_and_waits_with_its_rea
 }
 
 /// Drives `parent` to `decomposition:approved` as an operator, with `decomposition` written.
-async fn approved_decomposition(api: &mut Api, env: &Env, parent: &str, decomposition: &str) {
+pub(crate) async fn approved_decomposition(api: &mut Api, env: &Env, parent: &str, decomposition: &str) {
     api.approved_research(env, parent, Some("decomposition"))
         .await;
     env.artifact(parent, "DECOMPOSITION.md", decomposition);

@@ -577,10 +577,17 @@ async fn bad_uploads_are_refused_with_the_right_code_and_leave_the_folder_and_br
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_held() {
-    for (behaviour, reason, detail) in [
-        ("exit-1", "agent_error", "exit status 1"),
-        ("no-artifact", "agent_error", "no SPEC.md written"),
-        ("hang", "timed_out", ""),
+    // A phase past MAX_PHASE_TIME is held at once (seed 002), not retried.
+    for (behaviour, reason, detail, held_as, runs) in [
+        ("exit-1", "agent_error", "exit status 1", "2 failed runs of research", 2),
+        (
+            "no-artifact",
+            "agent_error",
+            "no SPEC.md written",
+            "2 failed runs of research",
+            2,
+        ),
+        ("hang", "timed_out", "", "MAX_PHASE_TIME exceeded: research", 1),
     ] {
         let env = Env::new();
         git_init(&env);
@@ -595,7 +602,7 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
         );
         api.create("t").await.expect("create");
         let detail_of = poll(
-            &format!("{behaviour}: the task held after 2 failed runs"),
+            &format!("{behaviour}: the task held after {runs} failed runs"),
             Duration::from_secs(30),
             || {
                 let mut api = api.clone();
@@ -611,13 +618,13 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
             .iter()
             .filter(|r| r.state == "stopped")
             .collect();
-        assert!(failed.len() >= 2, "{behaviour}: {:#?}", detail_of.runs);
+        assert_eq!(failed.len(), runs, "{behaviour}: {:#?}", detail_of.runs);
         for r in &failed {
             assert_eq!(r.stop_reason, reason, "{behaviour}: {r:?}");
             assert!(r.detail.contains(detail), "{behaviour}: {r:?}");
         }
         assert!(
-            held(&detail_of).contains("2 failed runs of research"),
+            held(&detail_of).contains(held_as),
             "{behaviour}: {}",
             held(&detail_of)
         );
@@ -626,7 +633,7 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
         assert!(api.lease_of("t").await.is_none(), "{behaviour}");
         let out = env.cli(&["--task", "t"]);
         assert!(
-            out.stdout.contains("Held from dispatch: 2 failed runs"),
+            out.stdout.contains(&format!("Held from dispatch: {held_as}")),
             "{}",
             out.stdout
         );
@@ -709,7 +716,8 @@ fn held(d: &pb::TaskDetail) -> &str {
     d.summary.as_ref().map_or("", |s| s.held.as_str())
 }
 
-/// Drives `task` until it is terminal, approving every gate as an operator.
+/// Drives `task` until it is terminal, approving every gate as an operator (and in manual
+/// mode running each phase, as the coordinator's next command says).
 async fn to_the_end(api: &mut Api, task: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -718,6 +726,11 @@ async fn to_the_end(api: &mut Api, task: &str) -> String {
             let _ = api.approve(task, "ops").await;
         } else if state == "complete" || state == "human_intervention" {
             return state;
+        } else if let Ok(d) = api.get(task).await
+            && d.summary
+                .is_some_and(|s| s.next_command.starts_with("automaton run "))
+        {
+            let _ = api.run_task(task).await;
         }
         if Instant::now() >= deadline {
             let d = api.get(task).await.expect("GetTask");

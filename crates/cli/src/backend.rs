@@ -67,6 +67,15 @@ impl From<tonic::Status> for Failure {
     }
 }
 
+/// What a coordinator adds to `status --task`: the task's last runs, why it is held, and in
+/// manual mode the command that moves it on (all empty on the files).
+#[derive(Debug, Default)]
+pub struct Dispatch {
+    pub runs: Vec<pb::Run>,
+    pub held: String,
+    pub next_command: String,
+}
+
 pub enum Backend {
     Local(Project),
     Remote(Box<Remote>),
@@ -280,23 +289,28 @@ impl Backend {
 
     /// The task's view, with its last agent runs and why it is held from dispatch (only a
     /// coordinator knows those: none on the files).
-    pub fn view_with_runs(
-        &self,
-        task: &TaskName,
-    ) -> Result<(TaskView, Vec<pb::Run>, String), Failure> {
+    pub fn view_with_runs(&self, task: &TaskName) -> Result<(TaskView, Dispatch), Failure> {
         match self {
-            Backend::Local(p) => Ok((p.view(task, SystemTime::now())?, vec![], String::new())),
+            Backend::Local(p) => Ok((p.view(task, SystemTime::now())?, Dispatch::default())),
             Backend::Remote(r) => {
                 let req = pb::GetTaskRequest {
                     task: task.to_string(),
                 };
                 let d = r.run(r.tasks().get_task(req))?;
-                let held = d
+                let (held, next_command) = d
                     .summary
                     .as_ref()
-                    .map(|s| s.held.clone())
+                    .map(|s| (s.held.clone(), s.next_command.clone()))
                     .unwrap_or_default();
-                Ok((from_wire::view(&d)?, d.runs, held))
+                let view = from_wire::view(&d)?;
+                Ok((
+                    view,
+                    Dispatch {
+                        runs: d.runs,
+                        held,
+                        next_command,
+                    },
+                ))
             }
         }
     }
@@ -318,6 +332,15 @@ impl Backend {
                             .map(|a| a.to_string())
                             .unwrap_or_default(),
                         subtasks: e.subtasks.iter().map(row).collect(),
+                        verdicts: e.verdicts.as_ref().map(|v| pb::SubtaskVerdicts {
+                            pass: v.pass,
+                            fail: v.fail,
+                            needs_review: v.needs_review,
+                            no_verdict: v.no_verdict,
+                            not_terminal: v.not_terminal.clone(),
+                            summary: v.summary.clone(),
+                        }),
+                        attention: e.attention.clone().unwrap_or_default(),
                         ..Default::default()
                     }
                 }
@@ -331,6 +354,13 @@ impl Backend {
         r.run(r.workers().stop_run(pb::StopRunRequest {
             task: task.to_string(),
             resume,
+        }))
+    }
+
+    pub fn run_task(&self, task: &TaskName) -> Result<pb::RunTaskResponse, Failure> {
+        let r = self.remote_only("automaton run")?;
+        r.run(r.workers().run_task(pb::RunTaskRequest {
+            task: task.to_string(),
         }))
     }
 

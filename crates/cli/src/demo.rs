@@ -1106,12 +1106,11 @@ async fn summary(
         .await
         .map(|r| r.into_inner())
         .unwrap_or_default();
-    let subs: Vec<pb::TaskSummary> = list
-        .tasks
-        .iter()
-        .find(|t| t.task == PARENT)
-        .map(|t| t.subtasks.clone())
-        .unwrap_or_default();
+    let parent = list.tasks.iter().find(|t| t.task == PARENT);
+    let subs: Vec<pb::TaskSummary> = parent.map(|t| t.subtasks.clone()).unwrap_or_default();
+    // Seed 002's aggregation, as the coordinator reports the parent.
+    let verdicts = parent.and_then(|t| t.verdicts.clone());
+    let attention = parent.map(|t| t.attention.clone()).unwrap_or_default();
     let budget = |w: &str| workers.iter().find(|v| v.name == w).map_or(0, |v| v.budget);
     let store = automaton_store::Project::open(project, None);
     let mut rows = Vec::new();
@@ -1186,7 +1185,20 @@ async fn summary(
         }));
     }
     serde_json::json!({
-        "parent": {"task": PARENT, "state": state, "why": why},
+        "parent": {
+            "task": PARENT,
+            "state": state,
+            "why": why,
+            "verdicts": verdicts.as_ref().map(|v| serde_json::json!({
+                "pass": v.pass,
+                "fail": v.fail,
+                "needs_review": v.needs_review,
+                "no_verdict": v.no_verdict,
+                "not_terminal": v.not_terminal,
+                "summary": v.summary,
+            })),
+            "attention": attention,
+        },
         "elapsed_ms": out.start.get().elapsed().as_millis() as u64,
         "sizing_ratio": list.sizing_ratio,
         "workers": workers.iter().map(|w| serde_json::json!({"name": w.name, "gpu": w.gpu, "budget_tokens": w.budget})).collect::<Vec<_>>(),
@@ -1333,5 +1345,12 @@ fn table(v: &serde_json::Value, out: &Out) -> String {
         },
         n(v, "elapsed_ms") as f64 / 1000.0
     ));
+    if let Some(summary) = p["verdicts"]["summary"].as_str() {
+        text.push_str(&format!("Sub-task verdicts: {summary}\n"));
+    }
+    match p["attention"].as_str() {
+        Some(line) if !line.is_empty() => text.push_str(&format!("{line}\n")),
+        _ => {}
+    }
     text
 }

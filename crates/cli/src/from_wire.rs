@@ -9,7 +9,7 @@ use automaton_proto::prost_types;
 use automaton_proto::v1 as pb;
 use automaton_store::{
     Approval, ApprovalView, ArtifactInfo, AuditReport, AuditTask, Category3, FolderReport, Lease,
-    ListEntry, Modification, ProjectFolders, TaskError, TaskView, Unaddressable, format_time,
+    ListEntry, SubtaskVerdicts, Modification, ProjectFolders, TaskError, TaskView, Unaddressable, format_time,
 };
 use automaton_workflow::{AgentId, Artifact, Finding, Guidance, Severity, State, TaskName};
 
@@ -161,7 +161,20 @@ pub fn view(d: &pb::TaskDetail) -> Result<TaskView, Failure> {
                 })
             })
             .transpose()?,
+        verdicts: s.verdicts.as_ref().map(verdicts),
+        attention: opt(&s.attention),
     })
+}
+
+fn verdicts(v: &pb::SubtaskVerdicts) -> SubtaskVerdicts {
+    SubtaskVerdicts {
+        pass: v.pass,
+        fail: v.fail,
+        needs_review: v.needs_review,
+        no_verdict: v.no_verdict,
+        not_terminal: v.not_terminal.clone(),
+        summary: v.summary.clone(),
+    }
 }
 
 /// A `--list` row (and its sub-tasks') from a `ListTasks` answer.
@@ -182,6 +195,8 @@ pub fn list_entry(s: &pb::TaskSummary) -> Result<ListEntry, Failure> {
             .map(list_entry)
             .collect::<Result<_, _>>()?,
         error: opt(&s.error),
+        verdicts: s.verdicts.as_ref().map(verdicts),
+        attention: opt(&s.attention),
     })
 }
 

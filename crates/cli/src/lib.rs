@@ -2,7 +2,8 @@
 //! script spec (seed 004) plus seed 001's leases, with the flags, output lines, messages
 //! and exit codes that prompts written for `status.py` expect; `--json` gives the same facts
 //! to machines. The operators' commands talk to the coordinator: `workers`, `tasks`, `stop`,
-//! `approve`, and the live views `watch` (the event stream) and `top` (a dashboard).
+//! `run` (manual mode), `approve`, and the live views `watch` (the event stream) and `top`
+//! (a dashboard).
 //!
 //! This crate parses arguments and renders results. It must not decide policy: every check
 //! lives in `automaton-workflow` and every file operation in `automaton-store`.
@@ -47,6 +48,9 @@ pub enum Command {
     /// Stop the agent run on a task (`operator_stopped`) and hold the task from dispatch;
     /// `--resume` lets it be dispatched again.
     Stop(workers::StopArgs),
+    /// Manual mode (`Autopilot: Disabled`): run a task's next phase, once, on the first idle
+    /// worker that fits.
+    Run(workers::RunArgs),
     /// Approve the artifact a task awaits sign-off on (as `status --task T --approve`).
     Approve(workers::ApproveArgs),
     /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
@@ -224,6 +228,7 @@ pub fn run(cli: Cli) -> i32 {
     match cli.command {
         Command::Workers(args) => workers::run(&args),
         Command::Stop(args) => workers::stop(&args),
+        Command::Run(args) => workers::run_task(&args),
         Command::Approve(args) => {
             let mut argv: Vec<std::ffi::OsString> = vec![
                 "automaton".into(),
@@ -591,9 +596,17 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     }
     let task = task_arg(args, "automaton status")?;
     let policy = project.policy()?;
-    let (view, runs, held) = backend.view_with_runs(&task)?;
+    let (view, d) = backend.view_with_runs(&task)?;
+    let (runs, held) = (d.runs, d.held);
     let mut text = render::task(&view, policy.multi_agent);
     text.push_str(&render::runs(&runs, &held));
+    if !d.next_command.is_empty() {
+        text.push_str(&format!("Next command (manual mode): {}\n", d.next_command));
+    }
+    if let Some(line) = &view.attention {
+        text.push_str(line);
+        text.push('\n');
+    }
     // The spec's fields unchanged; a coordinator's runs and hold added when there are any.
     let mut value =
         serde_json::to_value(&view).map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
@@ -603,6 +616,12 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         }
         if !held.is_empty() {
             obj.insert("held".into(), serde_json::Value::String(held));
+        }
+        if !d.next_command.is_empty() {
+            obj.insert(
+                "next_command".into(),
+                serde_json::Value::String(d.next_command),
+            );
         }
     }
     Ok(Output::ok(emit(&value, text)))

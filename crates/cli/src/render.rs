@@ -177,6 +177,9 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
         let subs: Vec<_> = v.subtasks.iter().map(TaskName::to_string).collect();
         let _ = writeln!(s, "Sub-tasks: {}", subs.join(", "));
     }
+    if let Some(verdicts) = &v.verdicts {
+        let _ = writeln!(s, "Sub-task verdicts: {}", verdicts_text(verdicts));
+    }
     if let Some(g) = &v.guidance {
         let _ = writeln!(s, "Allowed actions:");
         for a in &g.allowed {
@@ -202,6 +205,15 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
         );
     }
     s
+}
+
+/// Seed 002's counts, and the sub-tasks not terminal yet.
+pub fn verdicts_text(v: &automaton_store::SubtaskVerdicts) -> String {
+    if v.not_terminal.is_empty() {
+        v.summary.clone()
+    } else {
+        format!("{} (not terminal yet: {})", v.summary, v.not_terminal.join(", "))
+    }
 }
 
 fn phase_cell(e: &ListEntry) -> String {

@@ -49,6 +49,16 @@ pub struct StopArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The task whose next phase to run (`name` or `parent/sub`).
+    pub task: String,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct ApproveArgs {
     /// The task (`name` or `parent/sub`).
     pub task: String,
@@ -78,6 +88,16 @@ fn task_json(t: &pb::TaskSummary) -> serde_json::Value {
         "estimated_tokens": t.estimated_tokens,
         "waiting": t.waiting,
         "held": t.held,
+        "verdicts": t.verdicts.as_ref().map(|v| serde_json::json!({
+            "pass": v.pass,
+            "fail": v.fail,
+            "needs_review": v.needs_review,
+            "no_verdict": v.no_verdict,
+            "not_terminal": v.not_terminal,
+            "summary": v.summary,
+        })),
+        "attention": t.attention,
+        "next_command": t.next_command,
         "subtasks": t.subtasks.iter().map(task_json).collect::<Vec<_>>(),
     })
 }
@@ -107,8 +127,24 @@ fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
         } else if !t.waiting.is_empty() {
             l.push_str(&format!("  ({})", t.waiting));
         }
+        if let Some(v) = &t.verdicts {
+            let not_terminal = if v.not_terminal.is_empty() {
+                String::new()
+            } else {
+                format!(" (not terminal yet: {})", v.not_terminal.join(", "))
+            };
+            l.push_str(&format!("  sub-task verdicts: {}{not_terminal}", v.summary));
+        }
+        if !t.next_command.is_empty() {
+            l.push_str(&format!("  next: {}", t.next_command));
+        }
         out.push_str(&l);
         out.push('\n');
+        // Seed 002's line on a line of its own, under the task it is about.
+        if !t.attention.is_empty() {
+            let pad = " ".repeat(indent.chars().count());
+            out.push_str(&format!("{pad}    {}\n", t.attention));
+        }
     };
     for t in tasks {
         line(t, "");
@@ -368,6 +404,34 @@ fn stop_act(args: &StopArgs) -> Result<String, Failure> {
 /// Runs `automaton stop …`; prints and returns the exit code.
 pub fn stop(args: &StopArgs) -> i32 {
     finish(stop_act(args), args.json)
+}
+
+fn run_act(args: &RunArgs) -> Result<String, Failure> {
+    let task: automaton_workflow::TaskName = args
+        .task
+        .parse()
+        .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
+    let backend = backend_of(
+        args.target.project.as_deref(),
+        args.target.coordinator.as_deref(),
+    )?;
+    let out = backend.run_task(&task)?;
+    Ok(if args.json {
+        format!(
+            "{}\n",
+            serde_json::json!({"task": out.task, "phase": out.phase})
+        )
+    } else {
+        format!(
+            "Task '{}' runs its {} next: the first idle worker that fits takes it (automaton watch follows it).\n",
+            out.task, out.phase
+        )
+    })
+}
+
+/// Runs `automaton run TASK` (manual mode); prints and returns the exit code.
+pub fn run_task(args: &RunArgs) -> i32 {
+    finish(run_act(args), args.json)
 }
 
 fn act(args: &WorkersArgs) -> Result<String, Failure> {

@@ -66,6 +66,31 @@ pub(crate) const OFFER_TIMEOUT: Duration = Duration::from_secs(10);
 const REFUSAL_PAUSE: Duration = Duration::from_secs(1);
 /// Runs kept per task.
 const RUNS_KEPT: usize = 10;
+/// How an operator's hold begins (`automaton stop`).
+const STOPPED_BY: &str = "stopped by an operator";
+
+/// Why a task with work waits in manual mode.
+fn manual_waiting(task: &TaskName, work: State) -> String {
+    format!("manual mode (Autopilot: Disabled): `automaton run {task}` runs its {work}")
+}
+
+/// Manual mode: the command that moves a task in `state` on next, if any (`held`: it is held
+/// from dispatch; `running`: it has a live lease or a run asked for).
+pub(crate) fn next_command(task: &TaskName, state: State, held: bool, running: bool) -> String {
+    use automaton_workflow::{Gate, Phase};
+    if held {
+        return format!("automaton stop {task} --resume");
+    }
+    if running || state.phase.is_terminal() {
+        return String::new();
+    }
+    match (state.phase, state.gate) {
+        (_, Gate::AwaitingApproval) => format!("automaton approve {task}"),
+        // Its sub-tasks run, each on its own.
+        (Phase::Decomposition, Gate::Approved) => String::new(),
+        _ => format!("automaton run {task}"),
+    }
+}
 
 /// `s` cut to at most `max` bytes (on a character boundary), marked when cut.
 fn clip(s: &str, max: usize) -> String {
@@ -143,6 +168,9 @@ struct Inner {
     first_offered: HashMap<TaskName, (Instant, SystemTime)>,
     /// Terminal tasks already looked at (follow-ups made in manual mode).
     settled: std::collections::HashSet<TaskName>,
+    /// Manual mode: tasks an operator asked to run (`automaton run`), with who asked; each
+    /// runs one phase, then waits for the next request.
+    requested: HashMap<TaskName, String>,
 }
 
 pub(crate) struct Work {
@@ -273,6 +301,20 @@ impl Work {
         self.inner().held.get(task).map(|h| h.why.clone())
     }
 
+    /// Seed 002's line when a hold means a person must decide (a loop limit, MAX_PHASE_TIME,
+    /// failed runs; not an operator's own stop).
+    pub(crate) fn attention(&self, task: &TaskName) -> Option<String> {
+        let inner = self.inner();
+        let h = inner.held.get(task)?;
+        (h.durable && !h.why.starts_with(STOPPED_BY))
+            .then(|| automaton_store::human_intervention_line(&h.why))
+    }
+
+    /// Manual mode: whether an operator asked to run `task`'s next phase.
+    pub(crate) fn requested(&self, task: &TaskName) -> bool {
+        self.inner().requested.contains_key(task)
+    }
+
     pub(crate) fn runs(&self, task: &TaskName) -> Vec<pb::Run> {
         self.inner()
             .runs
@@ -296,6 +338,15 @@ impl Work {
             .values()
             .filter(|o| &*o.session == session)
             .count()
+    }
+
+    /// A phase's work moved `task` on under its lease (seed 002's `iteration_count++`,
+    /// counted when the artifact moves the task, whatever order the run's messages come in);
+    /// in manual mode, the operator's `automaton run` is used up.
+    pub(crate) fn phase_done(&self, task: &TaskName) {
+        let mut inner = self.inner();
+        *inner.iterations.entry(task.clone()).or_insert(0) += 1;
+        inner.requested.remove(task);
     }
 
     fn is_loaded(&self, task: &TaskName) -> bool {
@@ -328,6 +379,7 @@ impl Work {
                 .get(task)
                 .map(|r| r.iter().map(run_record).collect())
                 .unwrap_or_default(),
+            run_requested: inner.requested.get(task).cloned(),
         }
     }
 
@@ -386,6 +438,9 @@ impl Work {
         }
         if let Some(n) = r.need {
             inner.fixed.entry(task.clone()).or_insert(n);
+        }
+        if let Some(by) = r.run_requested {
+            inner.requested.entry(task.clone()).or_insert(by);
         }
         if let Some((e, a)) = r.sized
             && !inner.sized.contains_key(task)
@@ -717,6 +772,11 @@ impl Coordinator {
                     continue;
                 }
             };
+            // Manual mode (seed 002): nothing runs on its own; an operator runs each phase.
+            if !self.policy.autopilot && !self.work.requested(&task) {
+                waiting.insert(task.clone(), manual_waiting(&task, work));
+                continue;
+            }
             // A sub-task waits for its wave, and needs a worker whose budget holds it.
             let sizing = self.sizing(&task, work).await;
             if let Some(w) = sizing.wave {
@@ -1268,12 +1328,8 @@ impl Coordinator {
                     ),
                 );
                 if reason == "completed" {
-                    *self
-                        .work
-                        .inner()
-                        .iterations
-                        .entry(task.clone())
-                        .or_insert(0) += 1;
+                    // Its iteration was counted when its artifact moved the task on
+                    // (`Coordinator::phase_done`); the runs and the sizing are kept.
                     self.save_or_warn(&task).await;
                 } else {
                     self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
@@ -1295,8 +1351,20 @@ impl Coordinator {
         reason: &str,
         detail: &str,
     ) {
-        // Losing the lease is not the run's fault.
-        if reason != "lease_lost" && reason != "operator_stopped" && reason != "shutdown" {
+        // Seed 002: a phase past MAX_PHASE_TIME stops and reports human intervention; it is
+        // not retried (max_attempts is for crashes and agent errors).
+        if reason == "timed_out" {
+            self.hold_as(
+                task,
+                format!(
+                    "MAX_PHASE_TIME exceeded: {state} ran past max_phase_time {} on {worker}{}: a person decides how to go on, then `automaton stop {task} --resume`",
+                    humantime::format_duration(self.work.max_phase_time),
+                    if detail.is_empty() { String::new() } else { format!(" ({detail})") }
+                ),
+                true,
+            );
+        } else if reason != "lease_lost" && reason != "operator_stopped" && reason != "shutdown" {
+            // Losing the lease is not the run's fault.
             let n = {
                 let mut inner = self.work.inner();
                 let n = inner.failures.entry((task.clone(), state)).or_insert(0);
@@ -1485,17 +1553,37 @@ impl Coordinator {
         let verdict = read(Artifact::Verdict)
             .and_then(|v| String::from_utf8(v).ok())
             .unwrap_or_default();
+        // Seed 002's line, with the reason the files give.
+        let line = {
+            let t = task.clone();
+            self.read(move |p| {
+                let standing = p.parent_standing(&t, Some(state))?;
+                Ok(p.attention(&t, Some(state), standing.as_ref()))
+            })
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| {
+                automaton_store::human_intervention_line("a person decides how to go on")
+            })
+        };
         if self.policy.autopilot {
             self.emit(
                 "human_intervention",
                 &task.to_string(),
                 "",
                 0,
-                "autopilot creates no fix, review or tie-break tasks: a person decides how to go on"
-                    .into(),
+                format!("{line} (autopilot creates no fix, review or tie-break tasks: a person decides how to go on)"),
             );
             return;
         }
+        self.emit(
+            "human_intervention",
+            &task.to_string(),
+            "",
+            0,
+            format!("{line} (manual mode: the fix, review and tie-break tasks its verdict names are made)"),
+        );
         let parent = task.parent();
         for f in automaton_workflow::follow_up_tasks(task, &verdict, parent.as_ref()) {
             if self.project.task_dir(&f.name).exists() {
@@ -1558,9 +1646,77 @@ impl Coordinator {
         };
         if new {
             tracing::warn!(task = %task, why = %why, "task held from dispatch");
-            self.emit("task_held", &task.to_string(), "", 0, why);
+            // A hold that waits for a person's decision says so as seed 002 does.
+            let detail = if durable && !why.starts_with(STOPPED_BY) {
+                automaton_store::human_intervention_line(&why)
+            } else {
+                why
+            };
+            self.emit("task_held", &task.to_string(), "", 0, detail);
         }
         new
+    }
+
+    /// `automaton run TASK` (manual mode): asks for `task`'s next phase to run, once; durable
+    /// before it is acknowledged. Returns the state whose work runs.
+    pub(crate) async fn run_task(&self, task: &TaskName, by: &str) -> Result<State, Error> {
+        if self.policy.autopilot {
+            return Err(Error::Refused(format!(
+                "autopilot is on: dispatch runs {task} on its own; `automaton run` is for manual mode (write 'Autopilot: Disabled' in .agent.md and restart the coordinator)"
+            )));
+        }
+        if !self.project.task_dir(task).is_dir() {
+            return Err(Error::Store(automaton_store::Error::TaskNotFound {
+                task: task.clone(),
+                tasks: String::new(),
+            }));
+        }
+        self.load_dispatch(task).await;
+        if let Some(why) = self.work.held(task) {
+            return Err(Error::Refused(format!(
+                "{task} is held ({why}): `automaton stop {task} --resume` first"
+            )));
+        }
+        if let Some(l) = self.live_of(task) {
+            return Err(Error::Refused(format!(
+                "{task} is running {} on {} already: wait for it, or `automaton stop {task}`",
+                l.state, l.agent
+            )));
+        }
+        let state = self.state_now(task).await?;
+        let refuse = |why: String| Err(Error::Refused(format!("{task} is {state}: {why}")));
+        if state.phase.is_terminal() {
+            return refuse("it has ended; nothing runs".into());
+        }
+        if state.is_awaiting_approval() {
+            return refuse(format!("a person approves it first: `automaton approve {task}`"));
+        }
+        if state == State::approved(automaton_workflow::Phase::Decomposition) {
+            return refuse(format!(
+                "its sub-tasks run, each with `automaton run {task}/SUB` (`automaton tasks` lists them)"
+            ));
+        }
+        let Some(work) = self.next_work(task, state).await? else {
+            return refuse("it has nothing to run".into());
+        };
+        let before = self.work.inner().requested.insert(task.clone(), by.to_string());
+        if let Err(e) = self.save_dispatch(task).await {
+            let mut inner = self.work.inner();
+            match before {
+                Some(b) => inner.requested.insert(task.clone(), b),
+                None => inner.requested.remove(task),
+            };
+            return Err(e);
+        }
+        self.emit(
+            "run_requested",
+            &task.to_string(),
+            "",
+            0,
+            format!("{work}, by {by} (manual mode)"),
+        );
+        self.work.poke();
+        Ok(work)
     }
 
     /// `automaton stop TASK`: ends the run on `task` (`operator_stopped`) and holds the task;
@@ -1595,7 +1751,8 @@ impl Coordinator {
             return Ok((None, false));
         }
         let before = self.work.inner().held.get(task).cloned();
-        self.hold_as(task, format!("stopped by an operator ({by})"), true);
+        self.work.inner().requested.remove(task);
+        self.hold_as(task, format!("{STOPPED_BY} ({by})"), true);
         // Acknowledged only once durable; if it cannot be, the task is as it was.
         if let Err(e) = self.save_dispatch(task).await {
             let mut inner = self.work.inner();

@@ -13,7 +13,7 @@ use automaton_workflow::{AgentId, Decomposition, parse_decomposition};
 
 use crate::dispatch::{Slot, choose, waiting_reason};
 use crate::fuzz::{Rng, iterations};
-use crate::waves::ready;
+use crate::waves::{Dep, ready};
 
 const CASES: u64 = 2_000;
 /// Budgets workers often have (and needs often equal them: the `>=` edge).
@@ -198,19 +198,24 @@ fn dispatch_prefers_the_best_fit() {
     });
 }
 
-/// (c) A sub-task is ready exactly when every sub-task it depends on is terminal: one whose
-/// dependency is not terminal never is, and the open ones are named, in the order written.
-/// Ready sub-tasks are all in later waves than their (terminal) dependencies.
+/// (c) A sub-task is ready exactly when every sub-task it depends on passed: one whose
+/// dependency is open or ended without passing never is, and those are named, in the order
+/// written (open ones and failed ones apart). Ready sub-tasks are all in later waves than
+/// their (passed) dependencies.
 #[test]
 fn dispatch_never_starts_a_wave_early() {
     cases("waves", |rng| {
         let d = decomposition(rng);
-        let terminal: HashMap<String, bool> = d
+        let status: HashMap<String, u64> = d
             .subtasks
             .iter()
-            .map(|s| (s.name.clone(), rng.below(2) == 0))
+            .map(|s| (s.name.clone(), rng.below(3)))
             .collect();
-        let is_terminal = |n: &str| terminal.get(n).copied().unwrap_or(false);
+        let dep = |n: &str| match status.get(n).copied().unwrap_or(0) {
+            0 => Dep::Open,
+            1 => Dep::Passed,
+            _ => Dep::Ended("human_intervention".into()),
+        };
         let wave: HashMap<String, usize> = d
             .waves()
             .into_iter()
@@ -218,15 +223,21 @@ fn dispatch_never_starts_a_wave_early() {
             .flat_map(|(i, w)| w.into_iter().map(move |n| (n, i + 1)))
             .collect();
         for spec in &d.subtasks {
-            let open: Vec<String> = spec
-                .depends_on
-                .iter()
-                .filter(|d| !is_terminal(d))
-                .cloned()
-                .collect();
-            match ready(spec, is_terminal) {
+            let of = |k: u64| -> Vec<String> {
+                spec.depends_on
+                    .iter()
+                    .filter(|d| status.get(*d).copied().unwrap_or(0) == k)
+                    .cloned()
+                    .collect()
+            };
+            let (open, failed) = (of(0), of(2));
+            match ready(spec, dep) {
                 Ok(()) => {
-                    assert!(open.is_empty(), "{} ready with {open:?} open", spec.name);
+                    assert!(
+                        open.is_empty() && failed.is_empty(),
+                        "{} ready with {open:?} open and {failed:?} failed",
+                        spec.name
+                    );
                     for dep in &spec.depends_on {
                         assert!(
                             wave.get(dep) < wave.get(&spec.name),
@@ -235,14 +246,18 @@ fn dispatch_never_starts_a_wave_early() {
                         );
                     }
                 }
-                Err(named) => assert_eq!(named, open, "{}", spec.name),
+                Err(why) => {
+                    assert_eq!(why.open, open, "{}", spec.name);
+                    let named: Vec<String> = why.failed.iter().map(|(n, _)| n.clone()).collect();
+                    assert_eq!(named, failed, "{}", spec.name);
+                }
             }
         }
         // Wave 1 needs nothing: always ready.
         if let Some(first) = d.waves().first() {
             for name in first {
                 let spec = d.get(name).expect("in the table");
-                assert_eq!(ready(spec, |_| false), Ok(()), "{name}");
+                assert_eq!(ready(spec, |_| Dep::Open), Ok(()), "{name}");
             }
         }
     });

@@ -117,7 +117,9 @@ impl Refusal {
 /// The class of a task's waiting reason (as dispatch words it, see `dispatch::waiting_reason`
 /// and `waves.rs`).
 fn waiting_class(why: &str) -> &'static str {
-    if why.contains("no worker that takes work is connected") {
+    if why.starts_with("manual mode") {
+        "manual_mode"
+    } else if why.contains("no worker that takes work is connected") {
         "no_worker"
     } else if why.contains("no worker fits") {
         "no_worker_fits"
@@ -126,6 +128,8 @@ fn waiting_class(why: &str) -> &'static str {
     } else if why.contains("busy") || why.contains("largest idle worker holds") {
         // Workers that fit exist, all of them busy.
         "workers_busy"
+    } else if why.contains("did not pass") {
+        "dependency_failed"
     } else if why.contains("wave ") {
         "wave_not_ready"
     } else if why.starts_with("orphaned") {
@@ -138,12 +142,14 @@ fn waiting_class(why: &str) -> &'static str {
 }
 
 /// Every waiting class, so each is exposed (at 0) before it first happens.
-const WAITING_CLASSES: [&str; 9] = [
+const WAITING_CLASSES: [&str; 11] = [
+    "manual_mode",
     "no_worker",
     "no_worker_fits",
     "workers_busy",
     "implementer_only",
     "wave_not_ready",
+    "dependency_failed",
     "orphaned",
     "decomposition_unreadable",
     "held",
@@ -634,6 +640,15 @@ mod tests {
             (
                 "waiting: wave 2 starts when a, b are terminal".to_string(),
                 "wave_not_ready",
+            ),
+            (
+                "manual mode (Autopilot: Disabled): `automaton run t` runs its research"
+                    .to_string(),
+                "manual_mode",
+            ),
+            (
+                "waiting for a person: a did not pass (human_intervention), and wave 2 starts only when what it depends on passes".to_string(),
+                "dependency_failed",
             ),
             (
                 "orphaned: no longer in the parent's DECOMPOSITION.md (not dispatched)"

@@ -301,6 +301,47 @@ fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
             .map(|a| a.to_string())
             .unwrap_or_default(),
         subtasks: e.subtasks.iter().map(summary).collect(),
+        verdicts: e.verdicts.as_ref().map(verdicts_pb),
+        attention: e.attention.clone().unwrap_or_default(),
+        next_command: String::new(),
+    }
+}
+
+fn verdicts_pb(v: &automaton_store::SubtaskVerdicts) -> pb::SubtaskVerdicts {
+    pb::SubtaskVerdicts {
+        pass: v.pass,
+        fail: v.fail,
+        needs_review: v.needs_review,
+        no_verdict: v.no_verdict,
+        not_terminal: v.not_terminal.clone(),
+        summary: v.summary.clone(),
+    }
+}
+
+impl Service {
+    /// What dispatch knows of a task's row: why it waits or is held, its wave, whether a
+    /// person is needed, and in manual mode the command that moves it on.
+    fn annotate(&self, s: &mut pb::TaskSummary) {
+        let Ok(t) = s.task.parse::<TaskName>() else {
+            return;
+        };
+        let work = &self.coord.work;
+        s.waiting = work.waiting(&t).unwrap_or_default();
+        s.held = work.held(&t).unwrap_or_default();
+        if let Some((w, e)) = work.wave_of(&t) {
+            s.wave = w as u32;
+            s.estimated_tokens = e;
+        }
+        if s.attention.is_empty() {
+            s.attention = work.attention(&t).unwrap_or_default();
+        }
+        if !self.coord.policy.autopilot
+            && let Ok(state) = s.state.parse::<State>()
+        {
+            let running = !s.lease_holder.is_empty() || work.requested(&t);
+            s.next_command =
+                crate::dispatch::next_command(&t, state, !s.held.is_empty(), running);
+        }
     }
 }
 
@@ -343,8 +384,7 @@ impl pb::tasks_server::Tasks for Service {
             }
             shown
         });
-        Ok(Response::new(pb::TaskDetail {
-            summary: Some(pb::TaskSummary {
+        let mut row = pb::TaskSummary {
                 task: task.to_string(),
                 state: state_str(view.state),
                 tracked: view.tracked,
@@ -366,11 +406,17 @@ impl pb::tasks_server::Tasks for Service {
                     .map(|l| l.agent.to_string())
                     .unwrap_or_default(),
                 subtasks: vec![],
-                waiting: self.coord.work.waiting(&task).unwrap_or_default(),
-                held: self.coord.work.held(&task).unwrap_or_default(),
-                wave: self.coord.work.wave_of(&task).map_or(0, |w| w.0 as u32),
-                estimated_tokens: self.coord.work.wave_of(&task).map_or(0, |w| w.1),
-            }),
+                waiting: String::new(),
+                held: String::new(),
+                wave: 0,
+                estimated_tokens: 0,
+                verdicts: view.verdicts.as_ref().map(verdicts_pb),
+                attention: view.attention.clone().unwrap_or_default(),
+                next_command: String::new(),
+        };
+        self.annotate(&mut row);
+        Ok(Response::new(pb::TaskDetail {
+            summary: Some(row),
             lease,
             implementers: view.implementers.iter().map(|a| a.to_string()).collect(),
             runs: self.coord.work.runs(&task),
@@ -408,21 +454,11 @@ impl pb::tasks_server::Tasks for Service {
                 s.lease_holder = self.coord.lease_of(&s.task).map(|l| l.agent);
             }
         }
-        let annotate = |s: &mut pb::TaskSummary| {
-            if let Ok(t) = s.task.parse::<TaskName>() {
-                s.waiting = self.coord.work.waiting(&t).unwrap_or_default();
-                s.held = self.coord.work.held(&t).unwrap_or_default();
-                if let Some((w, e)) = self.coord.work.wave_of(&t) {
-                    s.wave = w as u32;
-                    s.estimated_tokens = e;
-                }
-            }
-        };
         let mut tasks: Vec<pb::TaskSummary> = entries.iter().map(summary).collect();
         for t in &mut tasks {
-            annotate(t);
+            self.annotate(t);
             for s in &mut t.subtasks {
-                annotate(s);
+                self.annotate(s);
             }
         }
         Ok(Response::new(pb::ListTasksResponse {

@@ -77,6 +77,10 @@ impl Coordinator {
     ) -> Result<(State, Option<Live>), Error> {
         self.touch_for_change(task).await?;
         let live = self.check_presented(task, p)?;
+        if live.is_some() {
+            // Its counts are known before the move changes them.
+            self.load_dispatch(task).await;
+        }
         let project = self.project.clone();
         let holders = self.holders.clone();
         let t = task.clone();
@@ -111,11 +115,18 @@ impl Coordinator {
         self.states().insert(task.clone(), target);
         let ended = match live {
             Some(l) => {
+                // Counted before the lease ends: no round can offer the next phase first.
+                self.work.phase_done(task);
                 let removed = self.take_and_end(&mut self.table(), task);
-                match removed {
+                let ended = match removed {
                     Some(r) => Some(self.end(r?, "transitioned").await?),
                     None => Some(l),
+                };
+                if let Err(e) = self.save_dispatch(task).await {
+                    // The move is durable; the count is written again with the next change.
+                    tracing::warn!(task = %task, error = %e, "cannot write the task's dispatch record");
                 }
+                ended
             }
             None => None,
         };
@@ -128,6 +139,31 @@ impl Coordinator {
         );
         self.work.poke();
         Ok((from, ended))
+    }
+
+    /// Moves `task` to `human_intervention` for a person, as the orchestrator: artifacts out
+    /// of order do not refuse it (see `Project::escalate_owned`). A task under a live lease
+    /// is left to its holder. Returns the state it left.
+    pub(crate) async fn escalate(self: &Arc<Self>, task: &TaskName) -> Result<State, Error> {
+        let t = task.clone();
+        self.to_completion(task, move |c| async move {
+            c.touch_for_change(&t).await?;
+            if c.live_of(&t).is_some() {
+                return Err(Error::Refused(format!(
+                    "{t} is held under a lease: its holder moves it"
+                )));
+            }
+            let (project, t2) = (c.project.clone(), t.clone());
+            let from = tokio::task::spawn_blocking(move || project.escalate_owned(&t2))
+                .await
+                .map_err(|e| Error::Internal(format!("escalate task failed: {e}")))??;
+            let target = State::open(automaton_workflow::Phase::HumanIntervention);
+            c.states().insert(t.clone(), target);
+            c.emit("transitioned", &t.to_string(), "", 0, format!("{from} → {target}"));
+            c.work.poke();
+            Ok(from)
+        })
+        .await
     }
 
     /// Approves for `approver`; the live lease holder is never its own approver.

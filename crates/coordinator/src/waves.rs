@@ -5,7 +5,8 @@
 //!   created (`parent/sub`, with `PARENT_SPEC.md` and `VRAM_CONFIG.md`, "Fits within VRAM"
 //!   judged against the fleet registered at that moment). Running it again changes nothing;
 //!   an edited decomposition creates the new sub-tasks and reports the orphans.
-//! - A sub-task is ready when everything it depends on is terminal; it needs a worker whose
+//! - A sub-task is ready when everything it depends on passed (`complete`); one that depends
+//!   on a sub-task that ended otherwise waits for a person. It needs a worker whose
 //!   budget holds its estimated peak context (its separated phases — by default code review,
 //!   which its implementer may not take — need half, so a sub-task only one worker can hold
 //!   can still be reviewed).
@@ -23,6 +24,8 @@ use crate::Error;
 use crate::lease_ops::Presented;
 use crate::state::Coordinator;
 
+/// A sub-task's VRAM configuration file (seed 002).
+const VRAM_CONFIG: &str = "VRAM_CONFIG.md";
 /// What a separated phase (its implementer may not take it) needs of the sub-task's estimate.
 const SEPARATED_SHARE: f64 = 0.5;
 /// Bounds of the learned correction.
@@ -120,35 +123,49 @@ impl Coordinator {
             };
         };
         let wave = d.wave_of(&leaf);
-        let is_terminal = |dep: &str| {
+        let dep = |dep: &str| {
             // A dependency that cannot name a sub-task is not waited for.
             let Ok(sub) = sub_of(&parent, dep) else {
-                return true;
+                return Dep::Passed;
             };
-            let terminal = self
-                .states()
-                .get(&sub)
-                .is_some_and(|s| s.phase.is_terminal());
-            terminal
-                || (!self.states().contains_key(&sub)
-                    && self
-                        .project
-                        .read_state(&sub)
-                        .ok()
-                        .flatten()
-                        .is_some_and(|s| s.phase.is_terminal()))
+            let state = self.states().get(&sub).copied().or_else(|| {
+                // Not known yet: its file.
+                self.project.read_state(&sub).ok().flatten()
+            });
+            match state.map(|s| s.phase) {
+                Some(Phase::Complete) => Dep::Passed,
+                Some(p) if p.is_terminal() => Dep::Ended(p.to_string()),
+                _ => Dep::Open,
+            }
         };
-        if let Err(open) = ready(spec, is_terminal) {
-            return Sizing {
-                blocked: Some(format!(
-                    "waiting: wave {} starts when {} {} terminal",
-                    wave.unwrap_or(0),
-                    open.join(", "),
-                    if open.len() == 1 { "is" } else { "are" }
-                )),
-                wave,
-                ..Sizing::default()
-            };
+        match ready(spec, dep) {
+            Ok(()) => {}
+            Err(Unready { failed, .. }) if !failed.is_empty() => {
+                // Seed 002: on FAIL the orchestrator pauses for a person; the next wave starts
+                // only when what it depends on passed.
+                return Sizing {
+                    blocked: Some(format!(
+                        "waiting for a person: {} did not pass ({}), and wave {} starts only when what it depends on passes: fix it, or drop the dependency from the parent's DECOMPOSITION.md",
+                        failed.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", "),
+                        failed.iter().map(|(_, s)| s.as_str()).collect::<Vec<_>>().join(", "),
+                        wave.unwrap_or(0),
+                    )),
+                    wave,
+                    ..Sizing::default()
+                };
+            }
+            Err(Unready { open, .. }) => {
+                return Sizing {
+                    blocked: Some(format!(
+                        "waiting: wave {} starts when {} {} terminal",
+                        wave.unwrap_or(0),
+                        open.join(", "),
+                        if open.len() == 1 { "is" } else { "are" }
+                    )),
+                    wave,
+                    ..Sizing::default()
+                };
+            }
         }
         let base = self.work.need_of(task, spec.peak_context_tokens);
         let need = if self.policy.separated.contains(&state.phase) {
@@ -172,33 +189,58 @@ impl Coordinator {
         let mut planned = Vec::new();
         let mut missing = Vec::new();
         let mut notes = Vec::new();
+        let mut restore = Vec::new();
         for spec in &d.subtasks {
             let sub = sub_of(parent, &spec.name)?;
             planned.push(sub.clone());
-            if self.project.task_dir(&sub).is_dir() {
-                continue;
-            }
-            let wave = d.wave_of(&spec.name).unwrap_or(1);
             let fits = largest
                 .as_ref()
                 .is_some_and(|(b, _, _)| *b >= spec.peak_context_tokens);
-            let config = self.sessions.vram_config_for(spec.peak_context_tokens);
-            let vram = automaton_workflow::vram_config_md(
-                &config,
-                spec.peak_context_tokens,
-                fits,
-                largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
-            );
+            let vram = || {
+                let config = self.sessions.vram_config_for(spec.peak_context_tokens);
+                automaton_workflow::vram_config_md(
+                    &config,
+                    spec.peak_context_tokens,
+                    fits,
+                    largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
+                )
+            };
+            let dir = self.project.task_dir(&sub);
+            if dir.is_dir() {
+                // Seed 002: a missing VRAM_CONFIG.md is made again from what is detected now.
+                if std::fs::symlink_metadata(dir.join(VRAM_CONFIG)).is_err() {
+                    restore.push((sub.clone(), vram()));
+                }
+                continue;
+            }
+            let wave = d.wave_of(&spec.name).unwrap_or(1);
+            let vram = vram();
             let parent_spec =
                 automaton_workflow::parent_spec_md(parent, spec, wave, &spec.depends_on);
             missing.push((
                 sub.clone(),
                 vec![
                     ("PARENT_SPEC.md", parent_spec.into_bytes()),
-                    ("VRAM_CONFIG.md", vram.into_bytes()),
+                    (VRAM_CONFIG, vram.into_bytes()),
                 ],
             ));
             notes.push((sub, wave, spec.peak_context_tokens, fits));
+        }
+        for (sub, vram) in restore {
+            let s = sub.clone();
+            if self
+                .read(move |p| p.restore_subtask_file(&s, VRAM_CONFIG, vram.as_bytes()))
+                .await?
+            {
+                self.emit(
+                    "vram_config_recreated",
+                    &sub.to_string(),
+                    "",
+                    0,
+                    "VRAM_CONFIG.md was missing: made again from the fleet registered now (seed 002)"
+                        .into(),
+                );
+            }
         }
         // All of them in one go: their folders' syncs run in parallel.
         let created = if missing.is_empty() {
@@ -262,7 +304,7 @@ impl Coordinator {
                 },
             );
         }
-        self.end_parent(parent, &planned).await
+        self.end_parent(parent).await
     }
 
     /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).
@@ -294,52 +336,30 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Ends `parent` once its planned sub-tasks have (seed 002's aggregation).
-    async fn end_parent(
-        self: &Arc<Self>,
-        parent: &TaskName,
-        planned: &[TaskName],
-    ) -> Result<(), Error> {
-        // The parent ends when its sub-tasks have.
-        let mut verdicts = Vec::new();
-        for sub in planned {
-            let state = self.state_of(sub).await;
-            let verdict = if state.is_some_and(|s| s.phase.is_terminal()) {
-                let verdict = automaton_workflow::Artifact::Verdict;
-                (self.project.read_artifact_text(sub, verdict).ok().flatten())
-                    .and_then(|t| automaton_workflow::parse_verdict(&t))
-            } else {
-                None
-            };
-            verdicts.push((sub.leaf().to_string(), verdict));
-        }
-        let agg = automaton_workflow::aggregate(&verdicts);
-        let own = (self.project)
-            .read_artifact_text(parent, automaton_workflow::Artifact::Verdict)
-            .ok()
-            .flatten()
-            .and_then(|t| automaton_workflow::parse_verdict(&t));
-        let (target, why) = match automaton_workflow::parent_outcome(&agg, own) {
-            ParentOutcome::Waiting => return Ok(()),
-            ParentOutcome::Complete => (
-                Phase::Complete,
-                format!("every sub-task passed ({})", agg.summary()),
-            ),
-            ParentOutcome::HumanIntervention { reason } => (Phase::HumanIntervention, reason),
+    /// Ends `parent` once its planned sub-tasks have (seed 002's aggregation, read from the
+    /// files as every view reads it). A parent that needs a person goes to
+    /// `human_intervention` whatever artifacts it holds (its own `VERDICT.md` saying PASS,
+    /// say): the move hands them to that person.
+    async fn end_parent(self: &Arc<Self>, parent: &TaskName) -> Result<(), Error> {
+        let p = parent.clone();
+        let state = Some(State::approved(Phase::Decomposition));
+        let Some(standing) = self.read(move |pr| pr.parent_standing(&p, state)).await? else {
+            return Ok(());
         };
-        self.transition(parent, State::open(target), &Presented::default())
-            .await?;
+        let why = match standing.outcome {
+            ParentOutcome::Waiting => return Ok(()),
+            ParentOutcome::Complete => {
+                self.transition(parent, State::open(Phase::Complete), &Presented::default())
+                    .await?;
+                format!("every sub-task passed ({})", standing.verdicts.summary)
+            }
+            o @ ParentOutcome::HumanIntervention { .. } => {
+                self.escalate(parent).await?;
+                o.to_string()
+            }
+        };
         self.emit("parent_ended", &parent.to_string(), "", 0, why);
         Ok(())
-    }
-
-    /// A task's state, read once if not yet known.
-    async fn state_of(&self, task: &TaskName) -> Option<State> {
-        if let Some(s) = self.states().get(task) {
-            return Some(*s);
-        }
-        let _guard = self.guard(task).await;
-        self.touch(task).await.ok()
     }
 
     /// A completed run reported the peak context it used: learn from it.
@@ -363,19 +383,44 @@ impl Coordinator {
     }
 }
 
-/// A sub-task's readiness: every sub-task it depends on is terminal. `Err`: the ones that
-/// are not, in the order written.
+/// Where a sub-task a sub-task depends on stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Dep {
+    /// `complete`: its referee said PASS.
+    Passed,
+    /// Terminal without passing (`human_intervention`), with its state.
+    Ended(String),
+    /// Not terminal yet.
+    Open,
+}
+
+/// Why a sub-task is not ready: the dependencies not terminal yet and those that ended
+/// without passing, each in the order written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Unready {
+    pub open: Vec<String>,
+    pub failed: Vec<(String, String)>,
+}
+
+/// A sub-task's readiness: every sub-task it depends on passed (seed 002: the next wave
+/// starts when the sub-tasks it depends on PASS).
 pub(crate) fn ready(
     spec: &automaton_workflow::SubtaskSpec,
-    is_terminal: impl Fn(&str) -> bool,
-) -> Result<(), Vec<String>> {
-    let open: Vec<String> = spec
-        .depends_on
-        .iter()
-        .filter(|d| !is_terminal(d))
-        .cloned()
-        .collect();
-    if open.is_empty() { Ok(()) } else { Err(open) }
+    dep: impl Fn(&str) -> Dep,
+) -> Result<(), Unready> {
+    let mut why = Unready::default();
+    for d in &spec.depends_on {
+        match dep(d) {
+            Dep::Passed => {}
+            Dep::Ended(state) => why.failed.push((d.clone(), state)),
+            Dep::Open => why.open.push(d.clone()),
+        }
+    }
+    if why == Unready::default() {
+        Ok(())
+    } else {
+        Err(why)
+    }
 }
 
 /// The learned correction from (estimate, actual) pairs: Σ actual / Σ estimate, bounded.

@@ -228,4 +228,22 @@ impl pb::workers_server::Workers for Service {
             held,
         }))
     }
+
+    async fn run_task(
+        &self,
+        req: Request<pb::RunTaskRequest>,
+    ) -> Result<Response<pb::RunTaskResponse>, Status> {
+        let who = caller(&req);
+        require_operator(&who, "RunTask")?;
+        let r = req.into_inner();
+        let task: automaton_workflow::TaskName = r
+            .task
+            .parse()
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))?;
+        let phase = self.coord.run_task(&task, &who.name).await?;
+        Ok(Response::new(pb::RunTaskResponse {
+            task: task.to_string(),
+            phase: phase.to_string(),
+        }))
+    }
 }

@@ -300,6 +300,17 @@ impl Project {
         Ok(from)
     }
 
+    /// The coordinator's move of `task` to `human_intervention` for a person
+    /// ([`automaton_workflow::check_escalation`]: artifacts out of order do not refuse it).
+    /// Returns the state it left.
+    pub fn escalate_owned(&self, task: &TaskName) -> Result<State, Error> {
+        let _lock = self.lock(task)?;
+        let (folder, from) = self.tracked(task)?;
+        let target = automaton_workflow::check_escalation(from)?;
+        self.write(&folder.dir.join(STATE), format!("{target}\n").as_bytes())?;
+        Ok(from)
+    }
+
     /// Records that `c.lease_id`'s transition moved its task, durably. Called after the
     /// move is on disk and before the lease's end is: see the module doc.
     pub fn record_completion(&self, c: &Completion) -> Result<(), Error> {

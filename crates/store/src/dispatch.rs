@@ -37,6 +37,9 @@ pub struct DispatchRecord {
     pub sized: Option<(u64, u64)>,
     /// Its last runs, oldest first.
     pub runs: Vec<RunRecord>,
+    /// Manual mode: an operator asked to run its next phase (`automaton run`), with who
+    /// asked; used up when the phase's artifact moves the task on.
+    pub run_requested: Option<String>,
 }
 
 /// A run as the coordinator shows it (`GetTask.runs`, `ListWorkers`).

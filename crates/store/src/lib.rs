@@ -18,6 +18,7 @@ mod fuzz;
 #[cfg(test)]
 mod fuzz_tests;
 mod lease_store;
+mod parents;
 mod project;
 mod records;
 
@@ -48,6 +49,7 @@ pub use git::{
 };
 pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
+pub use parents::{ParentStanding, SubtaskVerdicts, human_intervention_line};
 pub use project::Project;
 pub use read::{ArtifactInfo, Unaddressable};
 pub use records::{

@@ -11,6 +11,7 @@ use automaton_workflow::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::parents::SubtaskVerdicts;
 use crate::project::STATE;
 use crate::records::{Approval, Lease};
 use crate::{ArtifactInfo, Error, Project, Unaddressable};
@@ -50,6 +51,12 @@ pub struct TaskView {
     pub implementers: Vec<AgentId>,
     pub subtasks: Vec<TaskName>,
     pub guidance: Option<Guidance>,
+    /// A decomposed parent's sub-tasks' verdicts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdicts: Option<SubtaskVerdicts>,
+    /// Seed 002's `⚠️ **HUMAN INTERVENTION REQUIRED**: {reason}`, when the task needs a person.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -68,6 +75,12 @@ pub struct ListEntry {
     /// and `--list` exits 2.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// A decomposed parent's sub-tasks' verdicts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verdicts: Option<SubtaskVerdicts>,
+    /// Seed 002's `⚠️ **HUMAN INTERVENTION REQUIRED**: {reason}`, when the task needs a person.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<String>,
 }
 
 impl ListEntry {
@@ -190,7 +203,11 @@ impl Project {
         } else {
             self.subtask_names(task)?
         };
+        let standing = self.parent_standing(task, state)?;
+        let attention = self.attention(task, state, standing.as_ref());
         Ok(TaskView {
+            verdicts: standing.map(|s| s.verdicts),
+            attention,
             task: task.clone(),
             state_file: folder.dir.join(STATE),
             tracked,
@@ -217,7 +234,11 @@ impl Project {
             }
             _ => None,
         };
+        let standing = self.parent_standing(t, state)?;
+        let attention = self.attention(t, state, standing.as_ref());
         Ok(ListEntry {
+            verdicts: standing.map(|s| s.verdicts),
+            attention,
             task: t.clone(),
             tracked: folder.state.is_some(),
             next: state.map(State::legal_targets).unwrap_or_default(),
@@ -247,6 +268,8 @@ impl Project {
                 lease_holder: None,
                 subtasks: Vec::new(),
                 error: Some(e.to_string()),
+                verdicts: None,
+                attention: None,
             })
         };
         let mut out = Vec::new();

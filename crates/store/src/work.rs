@@ -164,6 +164,39 @@ impl Project {
     /// in parallel and every one is synced before any is renamed, so a decomposition of 200
     /// sub-tasks costs one round of syncs, not 200. Returns the ones created (an existing
     /// sub-task is left alone).
+    /// Writes `name` (one of [`SUBTASK_FILES`]) into the existing sub-task `sub` when it is
+    /// missing (seed 002: a sub-task whose `VRAM_CONFIG.md` is missing gets one made from
+    /// the values detected now). Anything already there — a file, a link — is left as it is.
+    /// Whether it was written.
+    pub fn restore_subtask_file(
+        &self,
+        sub: &TaskName,
+        name: &str,
+        content: &[u8],
+    ) -> Result<bool, Error> {
+        let Some(parent) = sub.parent() else {
+            return Ok(false);
+        };
+        if !SUBTASK_FILES.contains(&name) {
+            return Err(Error::NotAnArtifact {
+                name: name.to_string(),
+            });
+        }
+        let _lock = self.lock(&parent)?;
+        let dir = self.task_dir(sub);
+        if !dir.is_dir() {
+            return Ok(false);
+        }
+        let path = dir.join(name);
+        match fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Ok(_) => return Ok(false),
+            Err(e) => return Err(io_err("inspect", &path)(e)),
+        }
+        self.write(&path, content)?;
+        Ok(true)
+    }
+
     pub fn create_subtasks(
         &self,
         parent: &TaskName,

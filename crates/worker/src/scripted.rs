@@ -6,7 +6,7 @@
 //!
 //! `AUTOMATON_SCRIPTED_BEHAVIOUR` picks a failure for tests: `exit-1`, `hang` (sleeps for
 //! ever, ignoring SIGTERM), `no-artifact` (exit 0, nothing written), `slow=<ms>` (sleeps,
-//! then behaves normally). The referee's verdict is FAIL when any task input under
+//! then behaves normally), `fail-after=<ms>` (sleeps, then exits 1). The referee's verdict is FAIL when any task input under
 //! `.automaton-task/` contains `SCRIPTED: FAIL`, else PASS.
 
 use std::fs;
@@ -36,7 +36,7 @@ pub enum Error {
         why: &'static str,
     },
     #[error(
-        "unknown AUTOMATON_SCRIPTED_BEHAVIOUR '{0}': use exit-1, hang, no-artifact or slow=<ms>"
+        "unknown AUTOMATON_SCRIPTED_BEHAVIOUR '{0}': use exit-1, hang, no-artifact, slow=<ms> or fail-after=<ms>"
     )]
     BadBehaviour(String),
     #[error("phase {0} produces no artifact")]
@@ -58,6 +58,7 @@ pub enum Behaviour {
     Hang,
     NoArtifact,
     Slow(Duration),
+    FailAfter(Duration),
 }
 
 impl Behaviour {
@@ -67,10 +68,21 @@ impl Behaviour {
             "exit-1" => Behaviour::Exit1,
             "hang" => Behaviour::Hang,
             "no-artifact" => Behaviour::NoArtifact,
-            other => match other.strip_prefix("slow=").map(str::parse::<u64>) {
-                Some(Ok(ms)) => Behaviour::Slow(Duration::from_millis(ms)),
-                _ => return Err(Error::BadBehaviour(other.to_string())),
-            },
+            other => {
+                let ms = |prefix: &str| {
+                    other
+                        .strip_prefix(prefix)
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .map(Duration::from_millis)
+                };
+                if let Some(d) = ms("slow=") {
+                    Behaviour::Slow(d)
+                } else if let Some(d) = ms("fail-after=") {
+                    Behaviour::FailAfter(d)
+                } else {
+                    return Err(Error::BadBehaviour(other.to_string()));
+                }
+            }
         })
     }
 }
@@ -103,6 +115,10 @@ pub fn run_from_env() -> Result<u8, Error> {
         Behaviour::NoArtifact => return Ok(0),
         Behaviour::Hang => hang()?,
         Behaviour::Slow(d) => std::thread::sleep(d),
+        Behaviour::FailAfter(d) => {
+            std::thread::sleep(d);
+            return Ok(1);
+        }
         Behaviour::Normal => {}
     }
     let inputs = inputs_text(&workspace, &artifact);
@@ -447,6 +463,10 @@ mod tests {
         assert_eq!(
             Behaviour::parse("slow=250").unwrap(),
             Behaviour::Slow(Duration::from_millis(250))
+        );
+        assert_eq!(
+            Behaviour::parse("fail-after=40").unwrap(),
+            Behaviour::FailAfter(Duration::from_millis(40))
         );
         for bad in ["slow=", "slow=x", "crash"] {
             assert!(Behaviour::parse(bad).is_err(), "{bad}");

@@ -37,7 +37,7 @@ pub use policy::{
 };
 pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
-    check_consistency, check_transition, gates_passed, infer_state, required_by,
+    check_consistency, check_escalation, check_transition, gates_passed, infer_state, required_by,
 };
 pub use subtasks::{
     Aggregate, FOLLOW_UP_COPY, FollowUp, FollowUpKind, ParentOutcome, VramConfig, aggregate,

@@ -201,6 +201,26 @@ pub fn check_transition(
     Ok(())
 }
 
+/// The orchestrator's move of a task to `human_intervention` (seed 002: a decomposed parent
+/// one of whose sub-tasks did not pass, whatever the parent's own `VERDICT.md` says). Only
+/// the gate and the move itself are checked: out-of-order artifacts do not refuse it — the
+/// move hands them to the person who must look at them.
+pub fn check_escalation(current: State) -> Result<State, TransitionError> {
+    let target = State::open(Phase::HumanIntervention);
+    if current.is_awaiting_approval() {
+        return Err(TransitionError::AwaitingApproval { current, target });
+    }
+    let legal = current.legal_targets();
+    if !legal.contains(&target) {
+        return Err(TransitionError::Illegal {
+            current,
+            target,
+            legal,
+        });
+    }
+    Ok(target)
+}
+
 /// Why an `--approve` is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApproveError {
