@@ -548,3 +548,452 @@ fn probe_cache_is_reused_invalidated_by_a_new_task_and_bypassed_by_refresh() {
     let sixth = probe_json(home.path(), &args);
     assert!(cache_of(&sixth).contains("corrupt"), "{}", cache_of(&sixth));
 }
+
+/// Writes `body` as `dir/.automaton/scripts/vram_detect.sh` (a `#!/bin/sh` script), executable
+/// or not; returns its path.
+fn vram_detect_sh(dir: &Path, body: &str, executable: bool) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let scripts = dir.join(".automaton/scripts");
+    std::fs::create_dir_all(&scripts).unwrap();
+    let path = scripts.join("vram_detect.sh");
+    let _ = std::fs::remove_file(&path);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    let mode = if executable { 0o755 } else { 0o644 };
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    path
+}
+
+fn source_of(j: &Value, key: &str) -> String {
+    j["sources"][key].as_str().unwrap_or("").to_string()
+}
+
+#[test]
+fn issue24_9_vram_detect_sh_in_the_project_is_detection_priority_one() {
+    let home = tempfile::tempdir().unwrap();
+    let project = tempfile::tempdir().unwrap();
+    let p = project.path().display().to_string();
+    // It runs in the project's root: ran.log counts the runs.
+    let script = vram_detect_sh(
+        project.path(),
+        r#"echo "run ${AUTOMATON_TOKEN:-without the worker's token}" >> ran.log
+cat <<'JSON'
+{"gpu_vram_gb": 12, "ram_gb": 32, "model_context_kb": 96000, "framework_overhead_tokens": 3000,
+ "recommended_kb": 23000, "recommended_k": 23, "headroom": 0.2, "max_peak_context_kb": 17000}
+JSON"#,
+        true,
+    );
+    // A simulated 80 GiB GPU: the built-in probe would say 124k (128k − 4k), not 23k.
+    let args = ["--project", p.as_str(), "--simulate-gpu", "a:80GiB"];
+    let r: Run = Command::new(env!("CARGO_BIN_EXE_automaton-worker"))
+        .arg("probe")
+        .args(args)
+        .arg("--json")
+        .env("HOME", home.path())
+        .env("AUTOMATON_TOKEN", "the-worker-s-token")
+        .output()
+        .unwrap()
+        .into();
+    r.ok();
+    let j: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(
+        (
+            j["recommended_kb"].as_u64(),
+            j["recommended_k"].as_u64(),
+            j["max_peak_context_kb"].as_u64(),
+            j["model_context_kb"].as_u64(),
+            j["framework_overhead_tokens"].as_u64(),
+        ),
+        (
+            Some(23_000),
+            Some(23),
+            Some(17_000),
+            Some(96_000),
+            Some(3000)
+        ),
+        "{j}"
+    );
+    assert_eq!(j["headroom"], 0.2);
+    assert_eq!(j["auto_detect"], true);
+    let used = format!("vram_detect.sh ({}): used", script.display());
+    assert_eq!(source_of(&j, "vram_detect"), used, "{j}");
+    assert!(source_of(&j, "budget").starts_with(&used), "{j}");
+    assert_eq!(
+        context_source(&j),
+        format!(
+            "vram_detect.sh ({}): model_context_kb 96000",
+            script.display()
+        )
+    );
+    assert_eq!(j["vram_detect"]["gpu_vram_gb"], 12.0);
+    assert_eq!(
+        std::fs::read_to_string(project.path().join("ran.log")).unwrap(),
+        "run without the worker's token\n"
+    );
+
+    // Cached: not run again.
+    let again = probe_json(home.path(), &args);
+    assert!(source_of(&again, "cache").starts_with("reused"), "{again}");
+    assert_eq!(again["recommended_kb"], 23_000);
+    assert_eq!(
+        std::fs::read_to_string(project.path().join("ran.log"))
+            .unwrap()
+            .lines()
+            .count(),
+        1
+    );
+
+    // Edited (and no longer executable: it runs through sh): the cache is not served.
+    vram_detect_sh(
+        project.path(),
+        r#"echo run >> ran.log
+echo '{"recommended_kb": 24000}'"#,
+        false,
+    );
+    let edited = probe_json(home.path(), &args);
+    assert!(
+        source_of(&edited, "cache").contains("inputs changed"),
+        "{edited}"
+    );
+    assert_eq!(edited["recommended_kb"], 24_000, "{edited}");
+    // No headroom or max peak given: 25% and 18k; the window is detected as before (128k).
+    assert_eq!(edited["max_peak_context_kb"], 18_000);
+    assert_eq!(edited["headroom"], 0.25);
+    assert_eq!(edited["model_context_kb"], 128_000);
+    let r = probe(home.path(), &["--project", &p, "--simulate-gpu", "a:80GiB"]);
+    r.ok();
+    assert!(
+        r.stdout
+            .contains("- **Recommended: 24k tokens** (vram_detect.sh, 25% headroom)"),
+        "{}",
+        r.stdout
+    );
+
+    // config.md's Auto-detect: No still wins, and the script is not run at all.
+    std::fs::write(
+        project.path().join(".automaton/config.md"),
+        "## VRAM Configuration\n- **Auto-detect**: No\n- **Target context**: 20k tokens\n",
+    )
+    .unwrap();
+    let runs = std::fs::read_to_string(project.path().join("ran.log")).unwrap();
+    let manual = probe_json(home.path(), &args);
+    assert_eq!(manual["recommended_kb"], 20_000, "{manual}");
+    assert_eq!(manual["auto_detect"], false);
+    assert!(
+        source_of(&manual, "vram_detect").ends_with("not run (config.md Auto-detect: No)"),
+        "{manual}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(project.path().join("ran.log")).unwrap(),
+        runs
+    );
+}
+
+#[test]
+fn issue24_9_vram_detect_sh_that_fails_hangs_or_prints_garbage_falls_back_and_says_which() {
+    let home = tempfile::tempdir().unwrap();
+    let project = tempfile::tempdir().unwrap();
+    let p = project.path().display().to_string();
+    // The built-in probe on a simulated 24 GiB GPU: 48k by seed 002's heuristic.
+    let args = ["--project", p.as_str(), "--simulate-gpu", "a:24GiB"];
+    let cases = [
+        (
+            "echo 'nvidia-smi: command not found' >&2\nexit 3",
+            "exit status 3 (\"nvidia-smi: command not found\")",
+        ),
+        ("echo 'GPU busy, try later'", "printed no JSON"),
+        (
+            r#"echo '{"recommended_kb": 0, "headroom": 0.25}'"#,
+            "recommended_kb is 0",
+        ),
+        (
+            r#"echo '{"recommended_kb": 16000, "headroom": 25}'"#,
+            "headroom 25 is not a fraction below 1",
+        ),
+        ("yes '{\"recommended_kb\": 1}'", "printed more than 64 KiB"),
+    ];
+    for (body, why) in cases {
+        let script = vram_detect_sh(project.path(), body, true);
+        let start = Instant::now();
+        let j = probe_json(home.path(), &args);
+        assert!(start.elapsed() < Duration::from_secs(4), "{body}: slow");
+        let line = source_of(&j, "vram_detect");
+        assert!(
+            line.starts_with(&format!("vram_detect.sh ({}): {why}", script.display()))
+                && line.ends_with(", fell back to the built-in probe"),
+            "{body}: {j}"
+        );
+        assert_eq!(j["recommended_kb"], 48_000, "{body}: {j}");
+        assert!(source_of(&j, "budget").starts_with("heuristic"), "{j}");
+        assert_eq!(j["vram_detect"], Value::Null);
+    }
+
+    // One that hangs, with a child of its own: the whole group is killed at the time box.
+    let pid_file = project.path().join("child.pid");
+    let script = vram_detect_sh(
+        project.path(),
+        &format!("sleep 60 &\necho $! > '{}'\nsleep 60", pid_file.display()),
+        true,
+    );
+    let start = Instant::now();
+    let j = probe_json(home.path(), &args);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(9),
+        "took {took:?}"
+    );
+    assert_eq!(
+        source_of(&j, "vram_detect"),
+        format!(
+            "vram_detect.sh ({}): timed out after 5s (its process group was killed), fell back to the built-in probe",
+            script.display()
+        ),
+        "{j}"
+    );
+    assert_eq!(j["recommended_kb"], 48_000);
+    let child = std::fs::read_to_string(&pid_file).unwrap();
+    let stat = format!("/proc/{}/stat", child.trim());
+    let gone = (0..50).any(|_| {
+        let alive = std::fs::read_to_string(&stat)
+            .map(|s| {
+                !s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+            .unwrap_or(false);
+        if alive {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        !alive
+    });
+    assert!(gone, "the script's background child {child} survived");
+}
+
+#[test]
+fn issue24_9_vram_detect_sh_in_home_is_used_when_the_project_has_none() {
+    use std::os::unix::fs::symlink;
+    let home = tempfile::tempdir().unwrap();
+    let project = tempfile::tempdir().unwrap();
+    let dotfiles = tempfile::tempdir().unwrap();
+    let p = project.path().display().to_string();
+    let args = ["--project", p.as_str(), "--simulate-gpu", "a:24GiB"];
+    // ~/.automaton/scripts/vram_detect.sh as a dotfiles manager's link: followed there.
+    let real = vram_detect_sh(
+        dotfiles.path(),
+        r#"echo '{"recommended_kb": 11000, "max_peak_context_kb": 9000}'"#,
+        true,
+    );
+    std::fs::create_dir_all(home.path().join(".automaton/scripts")).unwrap();
+    let users = home.path().join(".automaton/scripts/vram_detect.sh");
+    symlink(&real, &users).unwrap();
+    let j = probe_json(home.path(), &args);
+    assert_eq!(
+        source_of(&j, "vram_detect"),
+        format!("vram_detect.sh ({}): used", users.display()),
+        "{j}"
+    );
+    assert_eq!(
+        (
+            j["recommended_kb"].as_u64(),
+            j["max_peak_context_kb"].as_u64()
+        ),
+        (Some(11_000), Some(9000))
+    );
+    // Without --project, the user's too.
+    let j = probe_json(home.path(), &["--simulate-gpu", "a:24GiB"]);
+    assert_eq!(j["recommended_kb"], 11_000, "{j}");
+
+    // A link in the project's layer is refused, and not passed over for the user's script.
+    std::fs::create_dir_all(project.path().join(".automaton/scripts")).unwrap();
+    let own = project.path().join(".automaton/scripts/vram_detect.sh");
+    symlink(&real, &own).unwrap();
+    let j = probe_json(home.path(), &args);
+    let line = source_of(&j, "vram_detect");
+    assert!(
+        line.starts_with(&format!("vram_detect.sh ({}): ", own.display()))
+            && line.contains("is a symbolic link in the project")
+            && line.ends_with("fell back to the built-in probe"),
+        "{line}"
+    );
+    assert_eq!(j["recommended_kb"], 48_000);
+
+    // The project's own script wins over the user's.
+    std::fs::remove_file(&own).unwrap();
+    let own = vram_detect_sh(project.path(), r#"echo '{"recommended_kb": 13000}'"#, true);
+    let j = probe_json(home.path(), &args);
+    assert_eq!(
+        source_of(&j, "vram_detect"),
+        format!("vram_detect.sh ({}): used", own.display())
+    );
+    assert_eq!(j["recommended_kb"], 13_000);
+}
+
+#[test]
+fn issue24_10_the_model_in_agent_md_gives_the_context_window() {
+    let home = tempfile::tempdir().unwrap();
+    let project = tempfile::tempdir().unwrap();
+    let p = project.path().display().to_string();
+    let args = ["--project", p.as_str()];
+    // The user's .agent.md, the project having none.
+    std::fs::create_dir_all(home.path().join(".automaton")).unwrap();
+    let users = home.path().join(".automaton/.agent.md");
+    std::fs::write(
+        &users,
+        "# Agent\nMode: single-agent\nModel: claude-3-haiku\n",
+    )
+    .unwrap();
+    let j = probe_json(home.path(), &args);
+    assert_eq!(j["model"], "claude-3-haiku", "{j}");
+    assert_eq!(j["model_context_kb"], 200_000);
+    assert_eq!(
+        source_of(&j, "model"),
+        format!("claude-3-haiku ({} Model: line)", users.display())
+    );
+
+    // The project's wins (the bold form); the cache is not served for the old model.
+    std::fs::create_dir_all(project.path().join(".automaton")).unwrap();
+    let own = project.path().join(".automaton/.agent.md");
+    std::fs::write(
+        &own,
+        "# Agent\n- **Mode**: multi-agent\n- **Model**: claude-3-5-sonnet\n",
+    )
+    .unwrap();
+    let j = probe_json(home.path(), &args);
+    assert_eq!(j["model"], "claude-3-5-sonnet", "{j}");
+    assert_eq!(j["model_context_kb"], 200_000);
+    assert!(
+        context_source(&j).contains(&format!(
+            "model-name table: claude-3-5-sonnet ({} Model: line) is claude-3-5-sonnet, 200k",
+            own.display()
+        )),
+        "{j}"
+    );
+    let r = probe(home.path(), &args);
+    assert!(
+        r.stdout.contains("- Model context window: 200k"),
+        "{}",
+        r.stdout
+    );
+
+    // config.md's Model and --model come first.
+    std::fs::write(
+        project.path().join(".automaton/config.md"),
+        "## Model Configuration\n- **Model**: gpt-4o\n",
+    )
+    .unwrap();
+    let j = probe_json(home.path(), &args);
+    assert_eq!(
+        (j["model"].as_str(), j["model_context_kb"].as_u64()),
+        (Some("gpt-4o"), Some(128_000))
+    );
+    assert_eq!(source_of(&j, "model"), "gpt-4o (config.md Model)");
+    std::fs::remove_file(project.path().join(".automaton/config.md")).unwrap();
+    let j = probe_json(home.path(), &["--project", &p, "--model", "gpt-4-turbo"]);
+    assert_eq!(j["model"], "gpt-4-turbo");
+    assert_eq!(j["model_context_kb"], 128_000);
+}
+
+#[test]
+fn issue24_10_env_and_config_yaml_are_read_for_the_model_line_only_capped_and_keys_warned() {
+    let home = tempfile::tempdir().unwrap();
+    let project = tempfile::tempdir().unwrap();
+    let p = project.path().display().to_string();
+    let args = ["--project", p.as_str()];
+    const SECRET: &str = "sk-live-9f8e7d6c5b4a";
+    // An .agent.md without a model line does not stop the search.
+    std::fs::create_dir_all(project.path().join(".automaton")).unwrap();
+    std::fs::write(
+        project.path().join(".automaton/.agent.md"),
+        "Mode: single-agent\n",
+    )
+    .unwrap();
+    let env = project.path().join(".env");
+    std::fs::write(
+        &env,
+        format!("# keys\nOPENAI_API_KEY={SECRET}\nexport OPENAI_MODEL=\"claude-3-opus\"\n"),
+    )
+    .unwrap();
+    let never_shown = |what: &str, text: &str| {
+        assert!(
+            !text.contains(SECRET),
+            "{what} shows the key's value:\n{text}"
+        );
+    };
+    let r = probe(home.path(), &["--project", &p, "--json"]);
+    r.ok();
+    never_shown("--json", &r.stdout);
+    never_shown("stderr", &r.stderr);
+    let j: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(j["model"], "claude-3-opus", "{j}");
+    assert_eq!(j["model_context_kb"], 200_000);
+    assert_eq!(
+        source_of(&j, "model"),
+        format!("claude-3-opus ({} MODEL= line)", env.display())
+    );
+    let warning = source_of(&j, "model_files");
+    assert!(
+        warning.contains(&format!(
+            "warning: {} holds what look like API keys (OPENAI_API_KEY)",
+            env.display()
+        )),
+        "{warning}"
+    );
+    let cache =
+        std::fs::read_to_string(project.path().join(".automaton/.vram_cache.json")).unwrap();
+    never_shown("the cache", &cache);
+    let r = probe(home.path(), &["--project", &p, "--refresh"]);
+    never_shown("the text block", &r.stdout);
+
+    // No model line in .env: config.yaml at the project root, of which 10 KB are read — a
+    // model line past them (in a 1 MiB file) is not seen.
+    std::fs::write(&env, format!("OPENAI_API_KEY={SECRET}\n")).unwrap();
+    let yaml = project.path().join("config.yaml");
+    let mut big = "# padding padding padding padding padding padding padding\n".repeat(18_100);
+    big.push_str("model: claude-3-opus\n");
+    assert!(big.len() > 1 << 20);
+    std::fs::write(&yaml, &big).unwrap();
+    let r = probe(home.path(), &["--project", &p, "--json"]);
+    r.ok();
+    never_shown("--json", &r.stdout);
+    let j: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(j["model"], Value::Null, "{j}");
+    assert_eq!(j["model_context_kb"], 128_000);
+    let notes = source_of(&j, "model_files");
+    assert!(
+        notes.contains(&format!(
+            "{}: {} bytes, only the first 10240 read",
+            yaml.display(),
+            big.len()
+        )),
+        "{notes}"
+    );
+    assert!(notes.contains("(OPENAI_API_KEY)"), "{notes}");
+
+    // Its model line within the first 10 KB is found.
+    std::fs::write(
+        &yaml,
+        format!("provider: anthropic\nmodel: 'claude-3-haiku'\n{big}"),
+    )
+    .unwrap();
+    let j = probe_json(home.path(), &args);
+    assert_eq!(j["model"], "claude-3-haiku", "{j}");
+    assert_eq!(j["model_context_kb"], 200_000);
+    assert_eq!(
+        source_of(&j, "model"),
+        format!("claude-3-haiku ({} model: line)", yaml.display())
+    );
+
+    // The project's root-level .env as a link is not read.
+    let outside = tempfile::tempdir().unwrap();
+    let target = outside.path().join("env");
+    std::fs::write(&target, "MODEL=claude-2\n").unwrap();
+    std::fs::remove_file(&env).unwrap();
+    std::os::unix::fs::symlink(&target, &env).unwrap();
+    let j = probe_json(home.path(), &args);
+    assert_eq!(j["model"], "claude-3-haiku", "{j}");
+    assert!(
+        source_of(&j, "model_files").contains(&format!(
+            "{} is a symbolic link in the project",
+            env.display()
+        )),
+        "{j}"
+    );
+}

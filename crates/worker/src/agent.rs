@@ -59,11 +59,11 @@ pub fn reported_peak(workspace: &Path) -> Option<u64> {
 /// seed 002's MAX_PHASE_TIME default.
 pub const DEFAULT_MAX_PHASE_TIME: Duration = Duration::from_secs(60 * 60);
 /// The worker's own credential; never handed to the agent.
-const WORKER_TOKEN_VAR: &str = "AUTOMATON_TOKEN";
+pub(crate) const WORKER_TOKEN_VAR: &str = "AUTOMATON_TOKEN";
 /// Where the worker's pool secret is (it mints its token from it); never handed to the agent.
-const POOL_SECRET_VAR: &str = "AUTOMATON_POOL_SECRET_FILE";
+pub(crate) const POOL_SECRET_VAR: &str = "AUTOMATON_POOL_SECRET_FILE";
 /// Where the worker's token is; never handed to the agent.
-const TOKEN_FILE_VAR: &str = "AUTOMATON_TOKEN_FILE";
+pub(crate) const TOKEN_FILE_VAR: &str = "AUTOMATON_TOKEN_FILE";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

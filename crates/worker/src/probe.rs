@@ -1,7 +1,9 @@
 //! What this machine can hold: GPUs (NVML, or `--simulate-gpu` fakes), RAM and CPUs
-//! (sysinfo), the model's context window (flags, the model server, seed 002's name table,
-//! 128k) and the token budget derived from them (VRAM physics when the model's shape is
-//! known, seed 002's heuristics otherwise, `config.md` overrides on top).
+//! (sysinfo), the model's context window (flags, `vram_detect.sh`, the model server, seed
+//! 002's name table for a model named by a flag, config.md, `.agent.md`, `.env` or
+//! `config.yaml`, 128k) and the token budget derived from them (the operator's
+//! `vram_detect.sh` first, else VRAM physics when the model's shape is known, else seed 002's
+//! heuristics; `config.md` overrides on top).
 //!
 //! The types here are what the session registers with the coordinator; how each value is
 //! found lives in the submodules.
@@ -10,8 +12,11 @@ pub mod budget;
 pub mod cache;
 pub mod config;
 pub mod context;
+pub mod files;
 pub mod gpu;
 pub mod http;
+pub mod model_name;
+pub mod script;
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -88,9 +93,13 @@ pub struct Probe {
     pub ram_bytes: u64,
     pub cpus: u32,
     pub budget: Budget,
-    /// The model name, from `--model`, config.md's `Model:` or the Ollama server.
+    /// The model name, from `--model`, config.md's `Model:`, `.agent.md`, `.env`,
+    /// `config.yaml` or the Ollama server.
     #[serde(default)]
     pub model: Option<String>,
+    /// What `vram_detect.sh` reported, when its output was used.
+    #[serde(default)]
+    pub vram_detect: Option<script::Report>,
     /// Where each value came from (`gpu`, `ram`, `context`, `budget`, `config`, `cache`, …).
     #[serde(default)]
     pub sources: BTreeMap<String, String>,
@@ -194,40 +203,79 @@ fn ram_and_cpus() -> (u64, u32, String) {
     }
 }
 
-/// Where config.md and the cache live: `--project` → the project's layered lookup;
-/// otherwise `~/.automaton`.
+/// Where config.md, `vram_detect.sh`, the model-name files and the cache live: `--project` →
+/// the project's layered lookup; otherwise `~/.automaton`.
 struct Places {
     config: Option<PathBuf>,
     cache: Option<PathBuf>,
     tasks: Vec<PathBuf>,
+    script: Option<files::Found>,
+    /// Where `vram_detect.sh` runs: the project's root, else `~/.automaton`.
+    cwd: Option<PathBuf>,
+    /// Where a model name is looked for after `--model` and config.md, in order.
+    model_files: Vec<model_name::Place>,
+    /// `--project` was given.
+    project: bool,
 }
 
 fn places(args: &DetectArgs, home: Option<&Path>) -> Places {
     match &args.project {
         Some(dir) => {
             let p = automaton_store::Project::open(dir, home);
+            // The project's own layer comes with its repository: run through no link (the
+            // store's rule), unless the project is ~/.automaton itself.
+            let script = p.layered(script::RELATIVE).map(|s| {
+                if p.meta() != p.root() && s.starts_with(p.meta()) {
+                    files::Found::projects(s, p.meta())
+                } else {
+                    files::Found::users(s)
+                }
+            });
             Places {
                 config: p.layered("config.md"),
                 cache: Some(p.meta().join(cache::FILE)),
                 // The store keeps tasks in `.automaton/tasks`; seed 002 speaks of `{project}/tasks`.
                 tasks: vec![p.tasks_dir().to_path_buf(), p.root().join("tasks")],
+                script,
+                cwd: Some(p.root().to_path_buf()),
+                model_files: model_name::project_places(&p),
+                project: true,
             }
         }
         None => {
             let meta = home.map(|h| h.join(".automaton"));
+            let mine = |rel: &str| {
+                meta.as_ref()
+                    .map(|m| m.join(rel))
+                    .filter(|p| p.exists())
+                    .map(files::Found::users)
+            };
             Places {
                 config: meta
                     .as_ref()
                     .map(|m| m.join("config.md"))
                     .filter(|p| p.exists()),
-                cache: meta.map(|m| m.join(cache::FILE)),
+                cache: meta.as_ref().map(|m| m.join(cache::FILE)),
                 tasks: Vec::new(),
+                script: mine(script::RELATIVE),
+                cwd: meta.clone().filter(|m| m.is_dir()),
+                model_files: mine(".agent.md")
+                    .map(|file| model_name::Place {
+                        file,
+                        kind: model_name::Kind::AgentMd,
+                    })
+                    .into_iter()
+                    .collect(),
+                project: false,
             }
         }
     }
 }
 
-fn cache_key(args: &DetectArgs, gpus: &[Gpu], config_text: &str) -> String {
+/// `found`: what else decides the probe without being a flag — which `vram_detect.sh` (its
+/// path, size, mtime and bytes: an edited script runs again) and the model name found in the
+/// project's files.
+fn cache_key(args: &DetectArgs, gpus: &[Gpu], config_text: &str, found: &str) -> String {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     let mut a = args.clone();
     a.refresh = false;
@@ -236,7 +284,29 @@ fn cache_key(args: &DetectArgs, gpus: &[Gpu], config_text: &str) -> String {
         (&g.uuid, g.total_bytes).hash(&mut h);
     }
     config_text.hash(&mut h);
+    found.hash(&mut h);
     format!("{:016x}", h.finish())
+}
+
+/// The model's name and where it came from: `--model`, config.md's `Model:`, then the files
+/// (seed 002: "after config.md"); the files are not read when a flag or config.md names it.
+fn model_of(args: &DetectArgs, cfg: &config::ConfigMd, places: &Places) -> model_name::Lookup {
+    let named = args
+        .model
+        .as_ref()
+        .map(|m| (m.clone(), "--model".to_string()))
+        .or_else(|| {
+            cfg.model
+                .as_ref()
+                .map(|m| (m.clone(), "config.md Model".to_string()))
+        });
+    match named {
+        Some(m) => model_name::Lookup {
+            model: Some(m),
+            notes: Vec::new(),
+        },
+        None => model_name::find(&places.model_files),
+    }
 }
 
 /// Probes the machine. Never fails: whatever cannot be found is reported with the reason.
@@ -278,7 +348,19 @@ pub fn detect(args: &DetectArgs) -> Probe {
         .as_deref()
         .and_then(config::read_capped)
         .unwrap_or_default();
-    let key = cache_key(args, &gpus, &config_text);
+    let cfg = config::parse(&config_text);
+    let model = model_of(args, &cfg, &places);
+    let found = format!(
+        "script {} | model {:?} {:?}",
+        places
+            .script
+            .as_ref()
+            .map(script::identity)
+            .unwrap_or_default(),
+        model.model,
+        model.notes
+    );
+    let key = cache_key(args, &gpus, &config_text, &found);
     if let Some(path) = &places.cache {
         if args.refresh {
             sources.insert("cache".into(), "bypassed (--refresh)".into());
@@ -300,7 +382,18 @@ pub fn detect(args: &DetectArgs) -> Probe {
         sources.insert("cache".into(), "none (no HOME and no --project)".into());
     }
 
-    let mut probe = fresh(args, gpus, gpu_note, sims, &places, &config_text, sources);
+    let mut probe = fresh(
+        args,
+        GpuSet {
+            gpus,
+            gpu_note,
+            simulated: sims,
+        },
+        &places,
+        &cfg,
+        &model,
+        sources,
+    );
     if let Some(path) = &places.cache {
         let note = match cache::store(path, &key, &probe) {
             Ok(()) => "; written".to_string(),
@@ -313,15 +406,51 @@ pub fn detect(args: &DetectArgs) -> Probe {
     probe
 }
 
-fn fresh(
-    args: &DetectArgs,
+/// The GPUs found before the cache was asked.
+struct GpuSet {
     gpus: Vec<Gpu>,
     gpu_note: Option<String>,
     simulated: bool,
+}
+
+/// seed 002's priority 1: the operator's `vram_detect.sh`, unless config.md's
+/// `Auto-detect: No` (with a valid target) says to use its values instead. The line says
+/// which script and whether it was used or why not.
+fn run_script(places: &Places, cfg: &config::ConfigMd) -> (Option<script::Report>, String) {
+    let Some(f) = &places.script else {
+        let line = if places.project {
+            "none: no .automaton/scripts/vram_detect.sh in the project or ~/.automaton; built-in probe"
+        } else {
+            "none: no ~/.automaton/scripts/vram_detect.sh; built-in probe"
+        };
+        return (None, line.into());
+    };
+    let name = format!("vram_detect.sh ({})", f.path.display());
+    if cfg.auto_detect == Some(false) && cfg.target_context.is_some() {
+        return (None, format!("{name}: not run (config.md Auto-detect: No)"));
+    }
+    match script::run(f, places.cwd.as_deref()) {
+        Ok(r) => (Some(r), format!("{name}: used")),
+        Err(why) => (
+            None,
+            format!("{name}: {why}, fell back to the built-in probe"),
+        ),
+    }
+}
+
+fn fresh(
+    args: &DetectArgs,
+    found: GpuSet,
     places: &Places,
-    config_text: &str,
+    cfg: &config::ConfigMd,
+    model: &model_name::Lookup,
     mut sources: BTreeMap<String, String>,
 ) -> Probe {
+    let GpuSet {
+        gpus,
+        gpu_note,
+        simulated,
+    } = found;
     let (ram_bytes, cpus, ram_src) = ram_and_cpus();
     sources.insert("ram".into(), ram_src.clone());
     sources.insert("cpus".into(), ram_src);
@@ -330,7 +459,6 @@ fn fresh(
         "/proc/sys/kernel/hostname, else $HOSTNAME".into(),
     );
 
-    let cfg = config::parse(config_text);
     let mut config_notes = match &places.config {
         Some(p) => vec![format!("{}", p.display())],
         None => vec!["no config.md".to_string()],
@@ -384,14 +512,31 @@ fn fresh(
         sources.insert("model_shape".into(), s.note.clone());
     }
 
-    let model: Option<(&str, &'static str)> = args
+    let (report, script_line) = run_script(places, cfg);
+    sources.insert("vram_detect".into(), script_line.clone());
+    if let Some(r) = &report
+        && !r.ignored.is_empty()
+    {
+        sources.insert("vram_detect_warning".into(), r.ignored.join("; "));
+    }
+    if let Some((m, from)) = &model.model {
+        sources.insert("model".into(), format!("{m} ({from})"));
+    }
+    if !model.notes.is_empty() {
+        sources.insert("model_files".into(), model.notes.join("; "));
+    }
+    let model: Option<(&str, &str)> = model
         .model
-        .as_deref()
-        .map(|m| (m, "--model"))
-        .or_else(|| cfg.model.as_deref().map(|m| (m, "config.md Model")));
+        .as_ref()
+        .map(|(m, from)| (m.as_str(), from.as_str()));
+    let script_name = script_line.trim_end_matches(": used");
     let ctx = context::detect(&context::Inputs {
         flag: args.context_window,
         config_override: cfg.context_window,
+        script: report
+            .as_ref()
+            .and_then(|r| r.model_context_kb)
+            .map(|n| (n, script_name.to_string())),
         server: args.model_server.as_deref(),
         max_position: shape
             .as_ref()
@@ -401,10 +546,18 @@ fn fresh(
     });
     sources.insert("context".into(), ctx.source.clone());
 
-    let overhead = args
-        .framework_overhead_tokens
+    // The script's own values, where it gives them, over the flags' defaults: its
+    // recommended and max peak were computed with them.
+    let overhead = report
+        .as_ref()
+        .and_then(|r| r.framework_overhead_tokens)
+        .or(args.framework_overhead_tokens)
         .unwrap_or(budget::DEFAULT_OVERHEAD_TOKENS);
-    let headroom = args.headroom.unwrap_or(budget::DEFAULT_HEADROOM);
+    let headroom = report
+        .as_ref()
+        .and_then(|r| r.headroom)
+        .or(args.headroom)
+        .unwrap_or(budget::DEFAULT_HEADROOM);
     let weights = match (args.weights_gib, shape.as_ref().and_then(|s| s.estimated_weights)) {
         (Some(g), _) if g.is_finite() && g >= 0.0 => {
             Some(((g * GIB as f64) as u64, "--weights-gib".to_string()))
@@ -420,15 +573,18 @@ fn fresh(
         .filter(|r| r.is_finite() && *r >= 0.0)
         .unwrap_or(budget::DEFAULT_RESERVE_GIB);
     let free: u64 = gpus.iter().map(|g| g.free_bytes).sum();
-    let computed = budget::compute(&budget::Inputs {
-        context_window: ctx.window,
-        overhead,
-        headroom,
-        free_bytes: (!gpus.is_empty()).then_some(free),
-        shape: shape.clone(),
-        weights,
-        reserve_bytes: (reserve * GIB as f64) as u64,
-    });
+    let computed = match &report {
+        Some(r) => from_script(r, script_name, ctx.window, headroom),
+        None => budget::compute(&budget::Inputs {
+            context_window: ctx.window,
+            overhead,
+            headroom,
+            free_bytes: (!gpus.is_empty()).then_some(free),
+            shape: shape.clone(),
+            weights,
+            reserve_bytes: (reserve * GIB as f64) as u64,
+        }),
+    };
     let mut b = Budget {
         model_context_kb: ctx.window,
         framework_overhead_tokens: overhead,
@@ -444,7 +600,7 @@ fn fresh(
     };
 
     // seed 002's manual override.
-    if let Some(warning) = apply_manual(&mut b, &cfg) {
+    if let Some(warning) = apply_manual(&mut b, cfg) {
         config_notes.push(warning);
     }
 
@@ -472,7 +628,32 @@ fn fresh(
         cpus,
         budget: b,
         model: model_name,
+        vram_detect: report,
         sources,
+    }
+}
+
+/// The budget as `vram_detect.sh` gave it; a recommendation above the model's window (from
+/// a flag or config.md, the script's own was checked) is capped at it, saying so.
+fn from_script(r: &script::Report, name: &str, window: u64, headroom: f64) -> budget::Computed {
+    let mut recommended = r.recommended_kb;
+    let mut note = String::new();
+    if recommended > window {
+        note = format!(", capped at the window {window}");
+        recommended = window;
+    }
+    let max_peak = r
+        .max_peak_context_kb
+        .filter(|m| *m <= recommended)
+        .unwrap_or_else(|| budget::max_peak(recommended, headroom));
+    budget::Computed {
+        recommended,
+        max_peak,
+        source: format!(
+            "{name}: used: recommended_kb {}, headroom {headroom}, max_peak_context_kb {max_peak}{note}",
+            r.recommended_kb
+        ),
+        label: "vram_detect.sh".into(),
     }
 }
 
@@ -512,6 +693,8 @@ fn ollama_num_ctx(recommended: u64, trained_max: u64) -> Option<u64> {
 fn basis(source: &str) -> &'static str {
     if source.starts_with("vram-physics") {
         "VRAM physics"
+    } else if source.starts_with("vram_detect.sh") {
+        "vram_detect.sh"
     } else if source.starts_with("heuristic") {
         "GPU VRAM-based"
     } else if source.starts_with("manual override") {
@@ -562,6 +745,7 @@ pub fn to_json(p: &Probe) -> serde_json::Value {
         "auto_detect": b.auto_detect,
         "kv_bytes_per_token": b.kv_bytes_per_token,
         "model": p.model,
+        "vram_detect": p.vram_detect,
         "gpus": p.gpus,
         "gpu_note": p.gpu_note,
         "simulated": p.simulated,
@@ -594,6 +778,18 @@ pub fn to_text(p: &Probe) -> String {
         ));
     }
     out.push_str(&format!("- RAM: {}\n", gb_text(p.ram_bytes)));
+    if let Some(r) = p
+        .vram_detect
+        .as_ref()
+        .filter(|r| r.gpu_vram_gb.is_some() || r.ram_gb.is_some())
+    {
+        let gib = |g: Option<f64>| g.map_or("?".to_string(), |g| gb_text((g * GIB as f64) as u64));
+        out.push_str(&format!(
+            "- vram_detect.sh: GPU VRAM {}, RAM {}\n",
+            gib(r.gpu_vram_gb),
+            gib(r.ram_gb)
+        ));
+    }
     out.push_str(&format!(
         "- Model context window: {} ({})\n",
         k_text(b.model_context_kb),
@@ -680,6 +876,7 @@ pub(crate) mod tests {
                 kv_bytes_per_token: None,
             },
             model: None,
+            vram_detect: None,
             sources: BTreeMap::new(),
         }
     }
@@ -758,7 +955,7 @@ pub(crate) mod tests {
     fn cache_key_changes_with_flags_gpus_and_config_but_not_refresh() {
         let a = DetectArgs::default();
         let g = sample().gpus;
-        let k = cache_key(&a, &g, "");
+        let k = cache_key(&a, &g, "", "");
         assert_eq!(
             k,
             cache_key(
@@ -767,6 +964,7 @@ pub(crate) mod tests {
                     ..a.clone()
                 },
                 &g,
+                "",
                 ""
             )
         );
@@ -778,10 +976,16 @@ pub(crate) mod tests {
                     ..a.clone()
                 },
                 &g,
+                "",
                 ""
             )
         );
-        assert_ne!(k, cache_key(&a, &[], ""));
-        assert_ne!(k, cache_key(&a, &g, "## VRAM Configuration"));
+        assert_ne!(k, cache_key(&a, &[], "", ""));
+        assert_ne!(k, cache_key(&a, &g, "## VRAM Configuration", ""));
+        // Another vram_detect.sh (or the same edited), another model line: not the same.
+        assert_ne!(
+            k,
+            cache_key(&a, &g, "", "script /p/vram_detect.sh 10 1 755 ab")
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! The model's context window, first answer wins: `--context-window`, config.md's
-//! `Override context window`, the model server (vLLM `/v1/models`, llama.cpp `/props`,
+//! `Override context window`, `vram_detect.sh`'s `model_context_kb`, the model server (vLLM `/v1/models`, llama.cpp `/props`,
 //! Ollama `/api/ps` + `/api/show`), the config.json's `max_position_embeddings`, seed 002's
 //! model-name table, then 128k. Every step that falls through says why.
 
@@ -68,10 +68,13 @@ pub struct Answer {
 pub struct Inputs<'a> {
     pub flag: Option<u64>,
     pub config_override: Option<u64>,
+    /// `vram_detect.sh`'s `model_context_kb`, with where it came from.
+    pub script: Option<(u64, String)>,
     pub server: Option<&'a str>,
     pub max_position: Option<(u64, String)>,
-    /// `--model`, else config.md's `Model:`, with where it came from.
-    pub model: Option<(&'a str, &'static str)>,
+    /// `--model`, else config.md's `Model:`, else `.agent.md`, `.env` or `config.yaml`, with
+    /// where it came from.
+    pub model: Option<(&'a str, &'a str)>,
 }
 
 pub fn detect(i: &Inputs) -> Answer {
@@ -95,6 +98,9 @@ pub fn detect(i: &Inputs) -> Answer {
             fell,
             None,
         );
+    }
+    if let Some((n, from)) = &i.script {
+        return done(*n, format!("{from}: model_context_kb {n}"), fell, None);
     }
     if let Some(server) = i.server {
         match ask_server(server, i.model.map(|m| m.0)) {
@@ -410,10 +416,11 @@ mod tests {
     }
 
     #[test]
-    fn detection_order_flag_then_config_then_max_position_then_table_then_128k() {
+    fn detection_order_flag_then_config_then_script_then_max_position_then_table_then_128k() {
         let base = Inputs {
             flag: None,
             config_override: None,
+            script: None,
             server: None,
             max_position: None,
             model: None,
@@ -430,6 +437,17 @@ mod tests {
             ..i
         };
         assert_eq!(detect(&i).window, 131_072);
+        let i = Inputs {
+            script: Some((64_000, "vram_detect.sh (/p)".into())),
+            server: Some("http://127.0.0.1:9"),
+            ..i
+        };
+        let a = detect(&i);
+        assert_eq!(
+            (a.window, a.source.as_str()),
+            (64_000, "vram_detect.sh (/p): model_context_kb 64000"),
+            "the script's window comes before the model server is asked"
+        );
         let i = Inputs {
             config_override: Some(100_000),
             ..i
@@ -451,6 +469,7 @@ mod tests {
         let a = detect(&Inputs {
             flag: None,
             config_override: None,
+            script: None,
             server: None,
             max_position: None,
             model: Some(("mystery-7b", "--model")),
@@ -468,6 +487,7 @@ mod tests {
         let a = detect(&Inputs {
             flag: None,
             config_override: None,
+            script: None,
             server: Some("https://gpu:8000"),
             max_position: None,
             model: None,
