@@ -156,7 +156,8 @@ async fn issue24_1_a_wave_after_a_failed_subtask_waits_for_a_person_and_never_ru
     assert_eq!(api.state("p/after-bad").await, "new");
     let row = summary(&api.get("p/after-bad").await.expect("GetTask"));
     assert!(
-        row.waiting.starts_with("waiting for a person: bad-part did not pass (human_intervention)"),
+        row.waiting
+            .starts_with("waiting for a person: bad-part did not pass (human_intervention)"),
         "{row:?}"
     );
     // The CLI says the same.
@@ -194,8 +195,9 @@ async fn issue24_5_the_parents_status_carries_its_subtasks_verdicts_everywhere()
     let text = status(&env, &coord, "p", false);
     text.ok();
     assert!(
-        text.stdout
-            .contains(&format!("Sub-task verdicts: {want} (not terminal yet: after-bad)")),
+        text.stdout.contains(&format!(
+            "Sub-task verdicts: {want} (not terminal yet: after-bad)"
+        )),
         "{}",
         text.stdout
     );
@@ -244,12 +246,16 @@ async fn issue24_6_human_intervention_required_is_shown_in_status_tasks_and_even
         .await;
     assert!(ended.detail.starts_with(&line), "{ended:?}");
     let paused = events
-        .find("the sub-task's human_intervention", Duration::from_secs(5), |e| {
-            e.kind == "human_intervention" && e.task == "p/bad-part"
-        })
+        .find(
+            "the sub-task's human_intervention",
+            Duration::from_secs(5),
+            |e| e.kind == "human_intervention" && e.task == "p/bad-part",
+        )
         .await;
     assert!(
-        paused.detail.starts_with(&format!("{HUMAN}VERDICT.md says FAIL")),
+        paused
+            .detail
+            .starts_with(&format!("{HUMAN}VERDICT.md says FAIL")),
         "{paused:?}"
     );
     // GetTask, status --task and automaton tasks.
@@ -324,7 +330,10 @@ async fn issue24_8_a_missing_vram_config_md_is_recreated_after_a_restart() {
         &mut api,
         &env,
         "shop",
-        &table(&[("cart", "-", 8, "cart works"), ("pay", "cart", 20, "pay works")]),
+        &table(&[
+            ("cart", "-", 8, "cart works"),
+            ("pay", "cart", 20, "pay works"),
+        ]),
     )
     .await;
     events.expect("subtask_created", "shop/pay").await;
@@ -361,16 +370,21 @@ async fn issue24_3_max_phase_time_holds_the_task_for_a_person_and_is_not_retried
         &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "hang")],
     );
     api.create("t").await.expect("create");
-    let held = poll("held after the timed-out run", Duration::from_secs(30), || {
-        let mut api = api.clone();
-        async move {
-            let s = summary(&api.get("t").await.ok()?);
-            (!s.held.is_empty()).then_some(s)
-        }
-    })
+    let held = poll(
+        "held after the timed-out run",
+        Duration::from_secs(30),
+        || {
+            let mut api = api.clone();
+            async move {
+                let s = summary(&api.get("t").await.ok()?);
+                (!s.held.is_empty()).then_some(s)
+            }
+        },
+    )
     .await;
     assert!(
-        held.held.starts_with("MAX_PHASE_TIME exceeded: research ran past max_phase_time 1s"),
+        held.held
+            .starts_with("MAX_PHASE_TIME exceeded: research ran past max_phase_time 1s"),
         "{held:?}"
     );
     assert!(
@@ -407,7 +421,10 @@ async fn issue24_4_max_iterations_is_exact_whatever_the_order_of_messages() {
     // Runs still stopping report in; nothing more is granted.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     approver.abort();
-    assert!(held.held.starts_with("MAX_ITERATIONS reached: 3"), "{held:?}");
+    assert!(
+        held.held.starts_with("MAX_ITERATIONS reached: 3"),
+        "{held:?}"
+    );
     let runs = api.get("t").await.expect("GetTask").runs;
     let completed = runs.iter().filter(|r| r.stop_reason == "completed").count();
     assert_eq!(completed, 3, "{runs:#?}");
@@ -448,18 +465,23 @@ async fn issue24_2_manual_mode_executes_nothing_until_an_operator_runs_a_phase()
         "{}",
         text.stdout
     );
-    assert_eq!(tasks_row(&env, &coord, "t")["next_command"], "automaton run t");
+    assert_eq!(
+        tasks_row(&env, &coord, "t")["next_command"],
+        "automaton run t"
+    );
     // The operator runs one phase: research runs, and the task waits at its gate.
     let out = cli(&env, &coord, &["run", "t"]);
     out.ok();
-    assert!(out.stdout.contains("runs its research next"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("runs its research next"),
+        "{}",
+        out.stdout
+    );
     let first = events.expect("assigned", "t").await;
     assert!(first.detail.starts_with("research"), "{first:?}");
     poll("research awaits approval", Duration::from_secs(20), || {
         let mut api = api.clone();
-        async move {
-            (api.state("t").await == "research:awaiting_approval").then_some(())
-        }
+        async move { (api.state("t").await == "research:awaiting_approval").then_some(()) }
     })
     .await;
     assert_eq!(
@@ -491,7 +513,10 @@ async fn issue24_2_manual_mode_executes_nothing_until_an_operator_runs_a_phase()
     // RunTask is for operators in manual mode: an unknown task and a garbage name say so.
     let e = api.run_task("nope").await.expect_err("unknown task");
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
-    let e = api.run_task(&"x".repeat(1 << 20)).await.expect_err("1 MiB name");
+    let e = api
+        .run_task(&"x".repeat(1 << 20))
+        .await
+        .expect_err("1 MiB name");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 }
 

@@ -104,6 +104,12 @@ fn the_demo_runs_to_complete_and_prints_the_summary() {
     let v: serde_json::Value = serde_json::from_str(&run.stdout)
         .unwrap_or_else(|e| panic!("stdout is not the JSON summary ({e}):\n{}", run.stdout));
     assert_eq!(v["parent"]["state"], "complete", "{v:#}");
+    // Issue 24: the summary carries the parent's aggregated verdicts; nobody is needed.
+    assert_eq!(
+        v["parent"]["verdicts"]["summary"], "PASS: 3, FAIL: 0, NEEDS_REVIEW: 0, no verdict: 0",
+        "{v:#}"
+    );
+    assert_eq!(v["parent"]["attention"], "", "{v:#}");
     // The fleet's budgets, as the summary reports them.
     let budget = |w: &str| -> u64 {
         v["workers"]
@@ -397,7 +403,12 @@ async fn a_subtask_too_large_for_every_worker_is_reported_and_waits_with_its_rea
 }
 
 /// Drives `parent` to `decomposition:approved` as an operator, with `decomposition` written.
-pub(crate) async fn approved_decomposition(api: &mut Api, env: &Env, parent: &str, decomposition: &str) {
+pub(crate) async fn approved_decomposition(
+    api: &mut Api,
+    env: &Env,
+    parent: &str,
+    decomposition: &str,
+) {
     api.approved_research(env, parent, Some("decomposition"))
         .await;
     env.artifact(parent, "DECOMPOSITION.md", decomposition);

@@ -579,7 +579,13 @@ async fn bad_uploads_are_refused_with_the_right_code_and_leave_the_folder_and_br
 async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_held() {
     // A phase past MAX_PHASE_TIME is held at once (seed 002), not retried.
     for (behaviour, reason, detail, held_as, runs) in [
-        ("exit-1", "agent_error", "exit status 1", "2 failed runs of research", 2),
+        (
+            "exit-1",
+            "agent_error",
+            "exit status 1",
+            "2 failed runs of research",
+            2,
+        ),
         (
             "no-artifact",
             "agent_error",
@@ -587,7 +593,13 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
             "2 failed runs of research",
             2,
         ),
-        ("hang", "timed_out", "", "MAX_PHASE_TIME exceeded: research", 1),
+        (
+            "hang",
+            "timed_out",
+            "",
+            "MAX_PHASE_TIME exceeded: research",
+            1,
+        ),
     ] {
         let env = Env::new();
         git_init(&env);
@@ -633,7 +645,8 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
         assert!(api.lease_of("t").await.is_none(), "{behaviour}");
         let out = env.cli(&["--task", "t"]);
         assert!(
-            out.stdout.contains(&format!("Held from dispatch: {held_as}")),
+            out.stdout
+                .contains(&format!("Held from dispatch: {held_as}")),
             "{}",
             out.stdout
         );

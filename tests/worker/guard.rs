@@ -107,6 +107,13 @@ impl pb::workers_server::Workers for FakeCoordinator {
     ) -> Result<Response<pb::StopRunResponse>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn run_task(
+        &self,
+        _: Request<pb::RunTaskRequest>,
+    ) -> Result<Response<pb::RunTaskResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 #[tonic::async_trait]

@@ -9,7 +9,8 @@ use automaton_proto::prost_types;
 use automaton_proto::v1 as pb;
 use automaton_store::{
     Approval, ApprovalView, ArtifactInfo, AuditReport, AuditTask, Category3, FolderReport, Lease,
-    ListEntry, SubtaskVerdicts, Modification, ProjectFolders, TaskError, TaskView, Unaddressable, format_time,
+    ListEntry, Modification, ProjectFolders, SubtaskVerdicts, TaskError, TaskView, Unaddressable,
+    format_time,
 };
 use automaton_workflow::{AgentId, Artifact, Finding, Guidance, Severity, State, TaskName};
 

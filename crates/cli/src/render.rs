@@ -212,7 +212,11 @@ pub fn verdicts_text(v: &automaton_store::SubtaskVerdicts) -> String {
     if v.not_terminal.is_empty() {
         v.summary.clone()
     } else {
-        format!("{} (not terminal yet: {})", v.summary, v.not_terminal.join(", "))
+        format!(
+            "{} (not terminal yet: {})",
+            v.summary,
+            v.not_terminal.join(", ")
+        )
     }
 }
 

@@ -1689,7 +1689,9 @@ impl Coordinator {
             return refuse("it has ended; nothing runs".into());
         }
         if state.is_awaiting_approval() {
-            return refuse(format!("a person approves it first: `automaton approve {task}`"));
+            return refuse(format!(
+                "a person approves it first: `automaton approve {task}`"
+            ));
         }
         if state == State::approved(automaton_workflow::Phase::Decomposition) {
             return refuse(format!(
@@ -1699,7 +1701,11 @@ impl Coordinator {
         let Some(work) = self.next_work(task, state).await? else {
             return refuse("it has nothing to run".into());
         };
-        let before = self.work.inner().requested.insert(task.clone(), by.to_string());
+        let before = self
+            .work
+            .inner()
+            .requested
+            .insert(task.clone(), by.to_string());
         if let Err(e) = self.save_dispatch(task).await {
             let mut inner = self.work.inner();
             match before {
@@ -1812,6 +1818,7 @@ mod tests {
                     ..RunRecord::default()
                 },
             ],
+            run_requested: Some("ops".into()),
         }
     }
 

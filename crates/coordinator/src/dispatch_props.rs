@@ -209,7 +209,7 @@ fn dispatch_never_starts_a_wave_early() {
         let status: HashMap<String, u64> = d
             .subtasks
             .iter()
-            .map(|s| (s.name.clone(), rng.below(3)))
+            .map(|s| (s.name.clone(), rng.below(3) as u64))
             .collect();
         let dep = |n: &str| match status.get(n).copied().unwrap_or(0) {
             0 => Dep::Open,

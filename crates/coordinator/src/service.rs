@@ -339,8 +339,7 @@ impl Service {
             && let Ok(state) = s.state.parse::<State>()
         {
             let running = !s.lease_holder.is_empty() || work.requested(&t);
-            s.next_command =
-                crate::dispatch::next_command(&t, state, !s.held.is_empty(), running);
+            s.next_command = crate::dispatch::next_command(&t, state, !s.held.is_empty(), running);
         }
     }
 }
@@ -385,34 +384,34 @@ impl pb::tasks_server::Tasks for Service {
             shown
         });
         let mut row = pb::TaskSummary {
-                task: task.to_string(),
-                state: state_str(view.state),
-                tracked: view.tracked,
-                next: view
-                    .state
-                    .map(|s| s.legal_targets())
-                    .unwrap_or_default()
-                    .iter()
-                    .map(State::to_string)
-                    .collect(),
-                approval_stale: matches!(
-                    view.approval,
-                    Some(automaton_store::ApprovalView::Approved { stale: true, .. })
-                ),
-                approval_missing: false,
-                error: String::new(),
-                lease_holder: live
-                    .as_ref()
-                    .map(|l| l.agent.to_string())
-                    .unwrap_or_default(),
-                subtasks: vec![],
-                waiting: String::new(),
-                held: String::new(),
-                wave: 0,
-                estimated_tokens: 0,
-                verdicts: view.verdicts.as_ref().map(verdicts_pb),
-                attention: view.attention.clone().unwrap_or_default(),
-                next_command: String::new(),
+            task: task.to_string(),
+            state: state_str(view.state),
+            tracked: view.tracked,
+            next: view
+                .state
+                .map(|s| s.legal_targets())
+                .unwrap_or_default()
+                .iter()
+                .map(State::to_string)
+                .collect(),
+            approval_stale: matches!(
+                view.approval,
+                Some(automaton_store::ApprovalView::Approved { stale: true, .. })
+            ),
+            approval_missing: false,
+            error: String::new(),
+            lease_holder: live
+                .as_ref()
+                .map(|l| l.agent.to_string())
+                .unwrap_or_default(),
+            subtasks: vec![],
+            waiting: String::new(),
+            held: String::new(),
+            wave: 0,
+            estimated_tokens: 0,
+            verdicts: view.verdicts.as_ref().map(verdicts_pb),
+            attention: view.attention.clone().unwrap_or_default(),
+            next_command: String::new(),
         };
         self.annotate(&mut row);
         Ok(Response::new(pb::TaskDetail {

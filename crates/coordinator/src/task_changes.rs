@@ -159,7 +159,13 @@ impl Coordinator {
                 .map_err(|e| Error::Internal(format!("escalate task failed: {e}")))??;
             let target = State::open(automaton_workflow::Phase::HumanIntervention);
             c.states().insert(t.clone(), target);
-            c.emit("transitioned", &t.to_string(), "", 0, format!("{from} → {target}"));
+            c.emit(
+                "transitioned",
+                &t.to_string(),
+                "",
+                0,
+                format!("{from} → {target}"),
+            );
             c.work.poke();
             Ok(from)
         })

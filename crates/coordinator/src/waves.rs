@@ -146,8 +146,16 @@ impl Coordinator {
                 return Sizing {
                     blocked: Some(format!(
                         "waiting for a person: {} did not pass ({}), and wave {} starts only when what it depends on passes: fix it, or drop the dependency from the parent's DECOMPOSITION.md",
-                        failed.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", "),
-                        failed.iter().map(|(_, s)| s.as_str()).collect::<Vec<_>>().join(", "),
+                        failed
+                            .iter()
+                            .map(|(n, _)| n.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        failed
+                            .iter()
+                            .map(|(_, s)| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", "),
                         wave.unwrap_or(0),
                     )),
                     wave,

@@ -134,6 +134,7 @@ mod tests {
                 ended_ms: None,
                 ..RunRecord::default()
             }],
+            run_requested: Some("ops".into()),
         }
     }
 

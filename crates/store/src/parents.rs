@@ -5,8 +5,8 @@
 //! say the same; nothing here writes.
 
 use automaton_workflow::{
-    Artifact, ParentOutcome, Phase, State, TaskName, Verdict, aggregate, parse_decomposition,
-    parse_verdict, parent_outcome,
+    Artifact, ParentOutcome, Phase, State, TaskName, Verdict, aggregate, parent_outcome,
+    parse_decomposition, parse_verdict,
 };
 use serde::{Deserialize, Serialize};
 
@@ -50,9 +50,8 @@ impl Project {
         parent: &TaskName,
         state: Option<State>,
     ) -> Result<Option<ParentStanding>, Error> {
-        let decomposed = state.is_some_and(|s| {
-            s == State::approved(Phase::Decomposition) || s.phase.is_terminal()
-        });
+        let decomposed = state
+            .is_some_and(|s| s == State::approved(Phase::Decomposition) || s.phase.is_terminal());
         if parent.is_subtask() || !decomposed {
             return Ok(None);
         }
@@ -148,8 +147,11 @@ mod tests {
         fs::create_dir_all(&dir).expect("mkdir");
         fs::write(dir.join(".state"), format!("{state}\n")).expect("state");
         if let Some(v) = verdict {
-            fs::write(dir.join("VERDICT.md"), format!("# Verdict\n\nVerdict: {v}\n"))
-                .expect("verdict");
+            fs::write(
+                dir.join("VERDICT.md"),
+                format!("# Verdict\n\nVerdict: {v}\n"),
+            )
+            .expect("verdict");
         }
     }
 
@@ -205,6 +207,9 @@ mod tests {
             line.starts_with("⚠️ **HUMAN INTERVENTION REQUIRED**: VERDICT.md says NEEDS_REVIEW"),
             "{line}"
         );
-        assert_eq!(p.attention(&t, Some(State::open(Phase::Complete)), None), None);
+        assert_eq!(
+            p.attention(&t, Some(State::open(Phase::Complete)), None),
+            None
+        );
     }
 }
