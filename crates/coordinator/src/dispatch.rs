@@ -1757,7 +1757,7 @@ impl Coordinator {
             return Ok((None, false));
         }
         let before = self.work.inner().held.get(task).cloned();
-        self.work.inner().requested.remove(task);
+        let asked = self.work.inner().requested.remove(task);
         self.hold_as(task, format!("{STOPPED_BY} ({by})"), true);
         // Acknowledged only once durable; if it cannot be, the task is as it was.
         if let Err(e) = self.save_dispatch(task).await {
@@ -1766,6 +1766,9 @@ impl Coordinator {
                 Some(h) => inner.held.insert(task.clone(), h),
                 None => inner.held.remove(task),
             };
+            if let Some(by) = asked {
+                inner.requested.insert(task.clone(), by);
+            }
             return Err(e);
         }
         let Some(l) = self.live_of(task) else {

@@ -128,10 +128,9 @@ impl Coordinator {
             let Ok(sub) = sub_of(&parent, dep) else {
                 return Dep::Passed;
             };
-            let state = self.states().get(&sub).copied().or_else(|| {
-                // Not known yet: its file.
-                self.project.read_state(&sub).ok().flatten()
-            });
+            let known = self.states().get(&sub).copied();
+            // Not known yet: its file (read with the states' lock released).
+            let state = known.or_else(|| self.project.read_state(&sub).ok().flatten());
             match state.map(|s| s.phase) {
                 Some(Phase::Complete) => Dep::Passed,
                 Some(p) if p.is_terminal() => Dep::Ended(p.to_string()),
