@@ -81,6 +81,18 @@ impl UploadBudget {
     }
 }
 
+/// The task file a review phase finds the change in.
+const CHANGES_DIFF: &str = "changes.diff";
+
+/// The phases that review the change implement made (after it, on the same branch).
+fn reviews_the_change(phase: automaton_workflow::Phase) -> bool {
+    use automaton_workflow::Phase::*;
+    matches!(
+        phase,
+        CodeReview | BugFind | AdversarialBugFind | DocReview | Referee
+    )
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -267,16 +279,28 @@ impl Service {
         on_lease(&l);
         let (task, phase) = (l.task.clone(), l.state.phase);
         let cached = r.cached_commits;
-        let (inputs, head, code) = self
+        let (inputs, head, code, base) = self
             .coord
             .read(move |p| {
-                let inputs = p.work_inputs(&task, phase)?;
+                let mut inputs = p.work_inputs(&task, phase)?;
                 let head = p.task_branch(&task)?;
                 let code = match &head {
                     Some(h) if !cached.contains(&h.commit) => Some(p.read_tree(&h.commit)?),
                     _ => None,
                 };
-                Ok((inputs, head, code))
+                // A review is given the change it reviews, and where the change started.
+                let mut base = String::new();
+                if reviews_the_change(phase)
+                    && let Some(c) = p.task_changes(&task)?
+                {
+                    base = c.base;
+                    inputs.push(InputFile {
+                        kind: "task",
+                        path: CHANGES_DIFF.into(),
+                        content: c.diff,
+                    });
+                }
+                Ok((inputs, head, code, base))
             })
             .await?;
         let mut files = Vec::new();
@@ -314,6 +338,7 @@ impl Service {
             branch: head.map(|h| h.branch).unwrap_or_default(),
             code_included,
             files,
+            base_commit: base,
         };
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {

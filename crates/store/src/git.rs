@@ -42,6 +42,23 @@ const MODE_FILE: u32 = 0o100644;
 const MODE_EXECUTABLE: u32 = 0o100755;
 const MODE_SYMLINK: i32 = 0o120000;
 
+/// The most bytes of `changes.diff` served to a review phase; a longer diff is cut there,
+/// with a last line saying so (the agent still has the whole tree).
+pub const MAX_DIFF_BYTES: usize = 4 << 20;
+
+/// What a task's branch changed since it left the project's HEAD: the change a review phase
+/// reviews.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskChanges {
+    /// The commit the branch started from (its merge base with HEAD), hex.
+    pub base: String,
+    /// The branch's head, hex.
+    pub head: String,
+    /// `git diff base head` as a unified patch, without the task store (`.automaton/`),
+    /// at most [`MAX_DIFF_BYTES`].
+    pub diff: Vec<u8>,
+}
+
 /// A task's branch and the commit it points at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BranchHead {
@@ -147,6 +164,67 @@ impl Project {
         Ok(Some(BranchHead {
             branch,
             commit: commit.to_string(),
+        }))
+    }
+
+    /// What `task`'s branch changed since it left HEAD (see [`TaskChanges`]); `None` when
+    /// the project has no repository or the task no branch yet.
+    pub fn task_changes(&self, task: &TaskName) -> Result<Option<TaskChanges>, Error> {
+        let Some(repo) = self.repository()? else {
+            return Ok(None);
+        };
+        let refname = format!("refs/heads/{}", branch_name(task));
+        let Some(head) = self.branch_commit(&repo, &refname)? else {
+            return Ok(None);
+        };
+        let base = match repo.head().and_then(|h| h.peel_to_commit()) {
+            Ok(main) => repo
+                .merge_base(main.id(), head)
+                .map_err(self.git("find where the task branch started"))?,
+            // HEAD unreadable (detached at nothing, unborn): the branch against itself.
+            Err(_) => head,
+        };
+        let tree = |id: Oid| -> Result<Tree<'_>, Error> {
+            self.find_commit(&repo, id)?
+                .tree()
+                .map_err(self.git("read a commit's tree"))
+        };
+        let (old, new) = (tree(base)?, tree(head)?);
+        let diff = repo
+            .diff_tree_to_tree(Some(&old), Some(&new), None)
+            .map_err(self.git("diff the task branch"))?;
+        let mut out = Vec::new();
+        let mut cut = false;
+        diff.print(git2::DiffFormat::Patch, |delta, _hunk, line| {
+            // The task store is served on its own; its files are no part of the change.
+            let store =
+                |f: git2::DiffFile<'_>| f.path().is_some_and(|p| p.starts_with(".automaton"));
+            if store(delta.old_file()) || store(delta.new_file()) {
+                return true;
+            }
+            let origin = line.origin();
+            let extra = usize::from(matches!(origin, '+' | '-' | ' '));
+            if out.len() + line.content().len() + extra > MAX_DIFF_BYTES {
+                cut = true;
+                return false;
+            }
+            if extra == 1 {
+                out.push(origin as u8);
+            }
+            out.extend_from_slice(line.content());
+            true
+        })
+        .or_else(|e| if cut { Ok(()) } else { Err(e) })
+        .map_err(self.git("print the task branch's diff"))?;
+        if cut {
+            out.extend_from_slice(
+                format!("\n[changes.diff cut at {MAX_DIFF_BYTES} bytes: the whole change is in the tree]\n").as_bytes(),
+            );
+        }
+        Ok(Some(TaskChanges {
+            base: base.to_string(),
+            head: head.to_string(),
+            diff: out,
         }))
     }
 

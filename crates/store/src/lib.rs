@@ -44,8 +44,8 @@ pub use audit::{AuditReport, AuditTask, Category3, Modification};
 pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
 pub use dispatch::{DispatchRecord, RunRecord};
 pub use git::{
-    Applied, BranchHead, Change, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES, TreeFile,
-    branch_name,
+    Applied, BranchHead, Change, MAX_DIFF_BYTES, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES,
+    TaskChanges, TreeFile, branch_name,
 };
 pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
