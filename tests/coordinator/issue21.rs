@@ -11,6 +11,7 @@ use pb::work_client::WorkClient;
 use crate::harness::*;
 use crate::waves::approve_all;
 use crate::work::{FLEET, git, git_init, scripted_worker as worker};
+use crate::workers::Worker;
 
 /// The workspace served under `lease`: its manifest and each task file's bytes.
 async fn workspace(
@@ -116,4 +117,213 @@ async fn issue21_review_phases_get_changes_diff_and_the_base_commit() {
     let (m, files) = workspace(&mut work, &lease).await;
     assert_eq!(m.base_commit, "", "{m:?}");
     assert!(!files.contains_key("changes.diff"), "{files:?}");
+}
+
+/// Where `tests/setup` installs the agent CLIs: `target/agent-tools/{aider/bin,npm/node_modules/.bin}`.
+fn agent_tools(sub: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/agent-tools")
+        .join(sub)
+}
+
+/// `PATH` with `dir` first, after checking `program` is there (a missing agent is a failure
+/// that says how to install it, never a skip).
+fn path_with(dir: &std::path::Path, program: &str) -> String {
+    assert!(
+        dir.join(program).is_file(),
+        "{program} is not installed at {}: run tests/setup (it installs the pinned agent CLIs)",
+        dir.display()
+    );
+    format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// The body a scripted model writes for each artifact; the referee passes.
+fn artifact_body(name: &str) -> String {
+    match name {
+        "VERDICT.md" => {
+            "# Verdict\n\nVerdict: PASS\n\nEverything the spec asks for is there.\n".into()
+        }
+        "SPEC.md" => "# Spec\n\nAdd a function `added_by_aider` to src/lib.rs.\n".into(),
+        other => format!("# {other}\n\nDone: the change adds `added_by_aider`.\n"),
+    }
+}
+
+/// An OpenAI-compatible model server that answers aider in its whole-file format: the
+/// artifact aider was given (the file "added to the chat" under `.automaton-task/`) written
+/// whole, and in implement a change to `src/lib.rs`; with usage, so runs are metered.
+fn aider_model(req: &crate::model_server::Seen) -> crate::model_server::Reply {
+    use crate::model_server::Reply;
+    if req.method != "POST" || !req.path.ends_with("/v1/chat/completions") {
+        return Reply::Body(404, "application/json", r#"{"error":"not found"}"#.into());
+    }
+    let v = req.json();
+    let text: String = v["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["content"].as_str())
+        .filter(|c| c.contains("added these files to the chat"))
+        .collect();
+    let artifact = text
+        .split(".automaton-task/")
+        .skip(1)
+        .filter_map(|rest| {
+            let name: String = rest
+                .chars()
+                .take_while(|c| {
+                    c.is_ascii_uppercase() || *c == '_' || *c == '.' || c.is_ascii_lowercase()
+                })
+                .collect();
+            name.ends_with(".md").then_some(name)
+        })
+        .find(|n| n.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
+        .unwrap_or_else(|| "NOTES.md".into());
+    let mut content = format!(
+        ".automaton-task/{artifact}\n```\n{}```\n",
+        artifact_body(&artifact)
+    );
+    if artifact == "IMPLEMENTATION.md" {
+        content.push_str("\nsrc/lib.rs\n```\npub fn f() {}\n\npub fn added_by_aider() -> u32 {\n    42\n}\n```\n");
+    }
+    let (p, c) = crate::model_server::usage_for(&v);
+    let body = serde_json::json!({
+        "id": "chatcmpl-aider",
+        "object": "chat.completion",
+        "model": v["model"],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+    });
+    Reply::Body(200, "application/json", body.to_string())
+}
+
+/// Waits (bounded) for `task` to end; a hold fails at once, with the runs that led to it.
+async fn ended_or_held(api: &mut Api, task: &str, timeout: Duration) -> String {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let d = api.get(task).await.expect("GetTask");
+        let s = d.summary.clone().unwrap_or_default();
+        if s.state == "complete" || s.state == "human_intervention" {
+            return s.state;
+        }
+        assert!(
+            s.held.is_empty(),
+            "{task} held: {}; runs: {:#?}",
+            s.held,
+            d.runs
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{task} is still {} after {timeout:?}; runs: {:#?}",
+            s.state,
+            d.runs
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue21_preset_aider_takes_a_task_from_new_to_complete() {
+    let path = path_with(&agent_tools("aider/bin"), "aider");
+    let env = Env::new();
+    git_init(&env);
+    // TEMPORARY until the built-in prompts land: a prompt per phase in the project.
+    let prompts = env.root().join(".automaton/prompts");
+    std::fs::create_dir_all(&prompts).expect("prompts");
+    for phase in [
+        "research",
+        "design",
+        "test_design",
+        "implement",
+        "code_review",
+        "bug_find",
+        "adversarial_bug_find",
+        "doc_review",
+        "referee",
+        "decomposition",
+    ] {
+        std::fs::write(
+            prompts.join(format!("{phase}.md")),
+            format!("Do the {phase} phase: write its artifact.\n"),
+        )
+        .expect("prompt");
+    }
+    let model = crate::model_server::ModelServer::start(aider_model);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let args = |name: &'static str| {
+        vec![
+            "--name",
+            name,
+            "--simulate-gpu",
+            "sim:24GiB",
+            "--agent",
+            "aider",
+            "--model",
+            "test-model",
+            "--model-server",
+            &model.url,
+            "--kill-grace",
+            "300ms",
+        ]
+    };
+    let a_args = args("gpu-a");
+    let b_args = args("gpu-b");
+    let envs = [("PATH", path.as_str())];
+    let _a = Worker::start(&coord.url, &a_args, &envs);
+    let _b = Worker::start(&coord.url, &b_args, &envs);
+    api.create("t").await.expect("create");
+    let approver = approve_all(&api);
+    let end = ended_or_held(&mut api, "t", Duration::from_secs(240)).await;
+    approver.abort();
+    let d = api.get("t").await.expect("GetTask");
+    assert_eq!(end, "complete", "{:#?}", d.runs);
+    // Every phase's artifact, as the model wrote it.
+    for a in [
+        "SPEC.md",
+        "IMPLEMENTATION.md",
+        "CODE_REVIEW.md",
+        "BUG_REPORT.md",
+        "ADVERSARIAL_BUG_REPORT.md",
+        "DOC_REVIEW.md",
+        "VERDICT.md",
+    ] {
+        let body = String::from_utf8(env.task_file("t", a).unwrap_or_default()).unwrap_or_default();
+        assert_eq!(body, artifact_body(a), "{a}");
+    }
+    // The implement commit holds the code, and no tool state.
+    let files = git(&env, &["ls-tree", "-r", "--name-only", "automaton/t"]);
+    assert!(files.lines().any(|f| f == "src/lib.rs"), "{files}");
+    for f in files.lines() {
+        assert!(
+            !f.starts_with(".aider")
+                && !f.starts_with(".automaton-task")
+                && !f.starts_with(".git/"),
+            "tool state on the branch: {f}\n{files}"
+        );
+    }
+    let lib = git(&env, &["show", "automaton/t:src/lib.rs"]);
+    assert!(lib.contains("pub fn added_by_aider()"), "{lib}");
+    // Metered from the model server, and reviewed by the other worker.
+    let done: Vec<&pb::Run> = d
+        .runs
+        .iter()
+        .filter(|r| r.stop_reason == "completed")
+        .collect();
+    assert!(
+        done.iter().all(|r| r.peak_context_tokens > 0),
+        "every run metered: {done:#?}"
+    );
+    let by = |phase: &str| {
+        done.iter()
+            .rev()
+            .find(|r| r.phase == phase)
+            .map(|r| r.worker.clone())
+            .unwrap_or_else(|| panic!("no {phase} run: {done:#?}"))
+    };
+    assert_ne!(by("implement"), by("code_review"), "reviewer ≠ implementer");
+    assert!(!model.seen().is_empty());
 }

@@ -49,9 +49,10 @@ struct Cli {
     /// The longest wait between reconnection attempts.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
     max_backoff: Duration,
-    /// The agent to run for each assignment: `scripted` (the built-in deterministic agent)
-    /// or a command template run with `sh -c` in the workspace, e.g.
-    /// `aider --yes-always --message-file {prompt_file}` (placeholders: {workspace},
+    /// The agent to run for each assignment: `scripted` (the built-in deterministic agent);
+    /// a preset — `aider` (needs aider-chat and git), `codex` (@openai/codex), `claude-code`
+    /// (@anthropic-ai/claude-code), each with --model NAME and --model-server URL; or a
+    /// command template run with `sh -c` in the workspace (placeholders: {workspace},
     /// {prompt_file}, {task}, {phase}, {artifact}, {model_url}; see docs/worker.md). Without
     /// it the worker holds its session but takes no work.
     #[arg(long, value_name = "AGENT")]
@@ -425,6 +426,10 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
         Some(a) => {
             let agent = if a == "scripted" {
                 automaton_worker::agent::AgentSpec::Scripted
+            } else if let Some(p) = automaton_worker::presets::find(a) {
+                let t = p.template(probe.model.as_deref(), cli.detect.model_server.is_some())?;
+                tracing::info!(preset = p.name, template = %t, "agent preset");
+                automaton_worker::agent::AgentSpec::Command(t)
             } else {
                 automaton_worker::agent::AgentSpec::Command(a.to_string())
             };

@@ -687,7 +687,21 @@ impl Workspace {
     /// reported, and a base file the agent replaced by a symlink reads as deleted. Refuses
     /// more than `MAX_CHANGED_FILES` changes or `MAX_CHANGED_BYTES` of changed content.
     pub fn changes(&self, base: &[TreeFile]) -> Result<Vec<Change>> {
-        let base: BTreeMap<&str, &TreeFile> = base.iter().map(|f| (f.path.as_str(), f)).collect();
+        let defaults: Vec<String> = crate::presets::DEFAULT_PATCH_EXCLUDES
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        self.changes_excluding(base, &defaults)
+    }
+
+    /// [`Workspace::changes`] leaving out the paths `exclude` names (an agent's tool state:
+    /// `crate::presets::excluded`), new, changed or deleted alike.
+    pub fn changes_excluding(&self, base: &[TreeFile], exclude: &[String]) -> Result<Vec<Change>> {
+        let base: BTreeMap<&str, &TreeFile> = base
+            .iter()
+            .filter(|f| !crate::presets::excluded(&f.path, exclude))
+            .map(|f| (f.path.as_str(), f))
+            .collect();
         let mut seen = BTreeSet::new();
         let mut out = Vec::new();
         let mut bytes = 0u64;
@@ -695,7 +709,7 @@ impl Workspace {
             dir: self.dir.clone(),
         };
         walk(&self.dir, "", &mut |rel, path, meta| {
-            if rel.split('/').next() == Some(TASK_DIR) {
+            if rel.split('/').next() == Some(TASK_DIR) || crate::presets::excluded(rel, exclude) {
                 return Ok(());
             }
             let executable = meta.permissions().mode() & 0o111 != 0;
@@ -954,6 +968,13 @@ mod tests {
         .unwrap();
         let d = ws.dir();
         assert_eq!(ws.changes(&base()).unwrap(), vec![], "an untouched copy");
+        // An agent's tool state is no change.
+        fs::write(d.join(".aider.chat.history.md"), "chat").unwrap();
+        fs::create_dir_all(d.join(".aider.tags.cache.v4")).unwrap();
+        fs::write(d.join(".aider.tags.cache.v4/cache.db"), [0u8, 1]).unwrap();
+        fs::create_dir_all(d.join(".claude")).unwrap();
+        fs::write(d.join(".claude/settings.json"), "{}").unwrap();
+        assert_eq!(ws.changes(&base()).unwrap(), vec![], "tool state only");
         fs::write(d.join("src/lib.rs"), "pub fn b() {}\n").unwrap();
         fs::write(d.join("src/new.rs"), "new\n").unwrap();
         fs::remove_file(d.join("src/gone.rs")).unwrap();
