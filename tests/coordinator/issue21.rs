@@ -147,8 +147,8 @@ fn artifact_body(name: &str) -> String {
         "VERDICT.md" => {
             "# Verdict\n\nVerdict: PASS\n\nEverything the spec asks for is there.\n".into()
         }
-        "SPEC.md" => "# Spec\n\nAdd a function `added_by_aider` to src/lib.rs.\n".into(),
-        other => format!("# {other}\n\nDone: the change adds `added_by_aider`.\n"),
+        "SPEC.md" => "# Spec\n\nAdd a function `added_by_agent` to src/lib.rs.\n".into(),
+        other => format!("# {other}\n\nDone: the change adds `added_by_agent`.\n"),
     }
 }
 
@@ -187,7 +187,7 @@ fn aider_model(req: &crate::model_server::Seen) -> crate::model_server::Reply {
         artifact_body(&artifact)
     );
     if artifact == "IMPLEMENTATION.md" {
-        content.push_str("\nsrc/lib.rs\n```\npub fn f() {}\n\npub fn added_by_aider() -> u32 {\n    42\n}\n```\n");
+        content.push_str(&format!("\nsrc/lib.rs\n```\n{LIB}```\n"));
     }
     let (p, c) = crate::model_server::usage_for(&v);
     let body = serde_json::json!({
@@ -225,54 +225,58 @@ async fn ended_or_held(api: &mut Api, task: &str, timeout: Duration) -> String {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn issue21_preset_aider_takes_a_task_from_new_to_complete() {
-    let path = path_with(&agent_tools("aider/bin"), "aider");
+/// The artifact each phase writes (the stand-in prompts name it).
+const PHASES: [(&str, &str); 9] = [
+    ("research", "SPEC.md"),
+    ("design", "DESIGN.md"),
+    ("test_design", "TEST_PLAN.md"),
+    ("implement", "IMPLEMENTATION.md"),
+    ("code_review", "CODE_REVIEW.md"),
+    ("bug_find", "BUG_REPORT.md"),
+    ("adversarial_bug_find", "ADVERSARIAL_BUG_REPORT.md"),
+    ("doc_review", "DOC_REVIEW.md"),
+    ("referee", "VERDICT.md"),
+];
+
+/// One preset end to end: a real coordinator and two real workers running `preset` against
+/// `model` take a task from `new` to `complete`; every artifact as the model wrote it, the
+/// implement commit with the code and no tool state, every run metered, reviewer ≠
+/// implementer.
+async fn preset_end_to_end(preset: &str, path: &str, model: &crate::model_server::ModelServer) {
     let env = Env::new();
     git_init(&env);
     // TEMPORARY until the built-in prompts land: a prompt per phase in the project.
     let prompts = env.root().join(".automaton/prompts");
     std::fs::create_dir_all(&prompts).expect("prompts");
-    for phase in [
-        "research",
-        "design",
-        "test_design",
-        "implement",
-        "code_review",
-        "bug_find",
-        "adversarial_bug_find",
-        "doc_review",
-        "referee",
-        "decomposition",
-    ] {
+    for (phase, artifact) in PHASES {
         std::fs::write(
             prompts.join(format!("{phase}.md")),
-            format!("Do the {phase} phase: write its artifact.\n"),
+            format!("Do the {phase} phase: write its artifact, .automaton-task/{artifact}.\n"),
         )
         .expect("prompt");
     }
-    let model = crate::model_server::ModelServer::start(aider_model);
     let coord = Coord::start(&env, &FLEET);
     let mut api = coord.api().await;
     let args = |name: &'static str| {
         vec![
-            "--name",
-            name,
-            "--simulate-gpu",
-            "sim:24GiB",
-            "--agent",
-            "aider",
-            "--model",
-            "test-model",
-            "--model-server",
-            &model.url,
-            "--kill-grace",
-            "300ms",
+            "--name".to_string(),
+            name.into(),
+            "--simulate-gpu".into(),
+            "sim:24GiB".into(),
+            "--agent".into(),
+            preset.into(),
+            "--model".into(),
+            "test-model".into(),
+            "--model-server".into(),
+            model.url.clone(),
+            "--kill-grace".into(),
+            "300ms".into(),
         ]
     };
-    let a_args = args("gpu-a");
-    let b_args = args("gpu-b");
-    let envs = [("PATH", path.as_str())];
+    let (a_args, b_args) = (args("gpu-a"), args("gpu-b"));
+    let a_args: Vec<&str> = a_args.iter().map(String::as_str).collect();
+    let b_args: Vec<&str> = b_args.iter().map(String::as_str).collect();
+    let envs = [("PATH", path)];
     let _a = Worker::start(&coord.url, &a_args, &envs);
     let _b = Worker::start(&coord.url, &b_args, &envs);
     api.create("t").await.expect("create");
@@ -300,13 +304,15 @@ async fn issue21_preset_aider_takes_a_task_from_new_to_complete() {
     for f in files.lines() {
         assert!(
             !f.starts_with(".aider")
+                && !f.starts_with(".claude")
+                && !f.starts_with(".codex")
                 && !f.starts_with(".automaton-task")
                 && !f.starts_with(".git/"),
             "tool state on the branch: {f}\n{files}"
         );
     }
     let lib = git(&env, &["show", "automaton/t:src/lib.rs"]);
-    assert!(lib.contains("pub fn added_by_aider()"), "{lib}");
+    assert!(lib.contains("pub fn added_by_agent()"), "{lib}");
     // Metered from the model server, and reviewed by the other worker.
     let done: Vec<&pb::Run> = d
         .runs
@@ -326,4 +332,32 @@ async fn issue21_preset_aider_takes_a_task_from_new_to_complete() {
     };
     assert_ne!(by("implement"), by("code_review"), "reviewer ≠ implementer");
     assert!(!model.seen().is_empty());
+}
+
+/// The new content of `src/lib.rs` an implement writes.
+const LIB: &str = "pub fn f() {}\n\npub fn added_by_agent() -> u32 {\n    42\n}\n";
+
+/// The artifact a request is about: the first `.automaton-task/NAME.md` of an upper-case
+/// name in `text`.
+fn artifact_in(text: &str) -> String {
+    text.split(".automaton-task/")
+        .skip(1)
+        .filter_map(|rest| {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '.')
+                .collect();
+            let name = name.trim_end_matches('.').to_string();
+            (name.ends_with(".md") && name.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
+                .then_some(name)
+        })
+        .next()
+        .unwrap_or_else(|| "NOTES.md".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue21_preset_aider_takes_a_task_from_new_to_complete() {
+    let path = path_with(&agent_tools("aider/bin"), "aider");
+    let model = crate::model_server::ModelServer::start(aider_model);
+    preset_end_to_end("aider", &path, &model).await;
 }

@@ -61,8 +61,10 @@ const AIDER: &str = "git init -q . 2>/dev/null; OPENAI_API_KEY=\"${OPENAI_API_KE
 const CODEX: &str = "mkdir -p .automaton-task/codex-home && CODEX_HOME=\"$PWD/.automaton-task/codex-home\" OPENAI_API_KEY=\"${OPENAI_API_KEY:-unused}\" codex exec --skip-git-repo-check -s workspace-write -c approval_policy=never -c model_provider=automaton -c model_providers.automaton.name=automaton -c \"model_providers.automaton.base_url=$AUTOMATON_MODEL_URL/v1\" -c model_providers.automaton.wire_api=responses -c model_providers.automaton.env_key=OPENAI_API_KEY -m {model} \"$(cat {prompt_file})\"";
 
 /// Claude Code: print mode runs one prompt and exits; edits and the shell are allowed
-/// without asking; requests go to the run's model URL (Anthropic's Messages API).
-const CLAUDE_CODE: &str = "ANTHROPIC_BASE_URL=\"$AUTOMATON_MODEL_URL\" ANTHROPIC_AUTH_TOKEN=\"${ANTHROPIC_AUTH_TOKEN:-unused}\" CLAUDE_CONFIG_DIR=\"$PWD/.automaton-task/claude-home\" claude -p \"$(cat {prompt_file})\" --model {model} --permission-mode acceptEdits --allowedTools \"Read,Edit,Write,Bash\"";
+/// without asking; requests go to the run's model URL (Anthropic's Messages API), and no
+/// other traffic (telemetry, update checks) leaves the machine; its config is
+/// `.automaton-task/claude-home`.
+const CLAUDE_CODE: &str = "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 ANTHROPIC_BASE_URL=\"$AUTOMATON_MODEL_URL\" ANTHROPIC_AUTH_TOKEN=\"${ANTHROPIC_AUTH_TOKEN:-unused}\" CLAUDE_CONFIG_DIR=\"$PWD/.automaton-task/claude-home\" claude -p \"$(cat {prompt_file})\" --model {model} --permission-mode acceptEdits --allowedTools \"Read,Edit,Write,Bash\"";
 
 /// Every preset, in the order `--help` lists them.
 pub const PRESETS: &[Preset] = &[
