@@ -1,9 +1,9 @@
 //! The `automaton` command. `automaton status …` implements every command of the status
 //! script spec (seed 004) plus seed 001's leases, with the flags, output lines, messages
 //! and exit codes that prompts written for `status.py` expect; `--json` gives the same facts
-//! to machines. The operators' commands talk to the coordinator: `workers`, `tasks`, `stop`,
-//! `run` (manual mode), `approve`, and the live views `watch` (the event stream) and `top`
-//! (a dashboard).
+//! to machines. `init` writes a project's `.automaton/` skeleton. The operators' commands
+//! talk to the coordinator: `workers`, `tasks`, `stop`, `run` (manual mode), `approve`, and
+//! the live views `watch` (the event stream) and `top` (a dashboard).
 //!
 //! This crate parses arguments and renders results. It must not decide policy: every check
 //! lives in `automaton-workflow` and every file operation in `automaton-store`.
@@ -11,6 +11,7 @@
 mod backend;
 mod demo;
 mod from_wire;
+mod init;
 mod render;
 mod top;
 mod watch;
@@ -43,6 +44,9 @@ pub struct Cli {
 pub enum Command {
     /// The status commands of the status-script spec (what `status.py` did).
     Status(StatusArgs),
+    /// Write the project's `.automaton/` skeleton (`.agent.md`, `.gitignore`, the prompts to
+    /// edit), keeping every file that exists; prints one line per file.
+    Init(init::InitArgs),
     /// The fleet: every worker with its GPUs, budget, state, task and heartbeat age.
     Workers(workers::WorkersArgs),
     /// Stop the agent run on a task (`operator_stopped`) and hold the task from dispatch;
@@ -226,6 +230,7 @@ fn misplaced_agent_md_warning(args: &StatusArgs) -> Option<String> {
 /// Runs a parsed command line; prints and returns the exit code.
 pub fn run(cli: Cli) -> i32 {
     match cli.command {
+        Command::Init(args) => init::run(&args),
         Command::Workers(args) => workers::run(&args),
         Command::Stop(args) => workers::stop(&args),
         Command::Run(args) => workers::run_task(&args),

@@ -1,5 +1,6 @@
 //! What an assignment needs from the task store and gives back to it: the task's own files
-//! and the framework files of its phase (through the layered lookup) as the worker's inputs,
+//! and the framework files of its phase (through the layered lookup, the phase prompt falling
+//! back to the built-in one) as the worker's inputs,
 //! and the artifact the worker uploads, written atomically.
 
 use std::fs;
@@ -62,7 +63,9 @@ fn read_small(root: &Path, path: &Path, budget: &mut u64) -> Result<Option<Vec<u
 impl Project {
     /// The inputs of `phase` of `task`: the task's artifacts so far and its sub-task files,
     /// then the phase prompt (`prompts/{phase}.md`), `.rules.md` and every `contracts/*.md`,
-    /// each through the layered lookup (the project's `.automaton/`, else `~/.automaton/`).
+    /// each through the layered lookup (the project's `.automaton/`, else `~/.automaton/`);
+    /// a phase prompt found in neither layer is the built-in one
+    /// ([`automaton_workflow::built_in_prompt`]), served byte for byte like a file's.
     /// Nothing is read through a link in the task folder or the project's layer: a link there
     /// refuses the whole workspace ([`Error::Symlink`], naming it), rather than being served or
     /// silently left out.
@@ -93,9 +96,19 @@ impl Project {
             ("prompt", prompt.as_str(), "prompt.md"),
             ("rules", ".rules.md", "rules.md"),
         ] {
-            if let Some(p) = self.layered(rel)
-                && let Some(content) = read_small(self.links_stop_at(&p), &p, &mut budget)?
-            {
+            let found = match self.layered(rel) {
+                Some(p) => read_small(self.links_stop_at(&p), &p, &mut budget)?,
+                None => None,
+            };
+            // No prompt file in either layer (or something there that is not a file): the
+            // built-in one, whose first line says so, rather than an agent with no prompt.
+            let content = match found {
+                None if kind == "prompt" => {
+                    automaton_workflow::built_in_prompt(phase).map(String::into_bytes)
+                }
+                found => found,
+            };
+            if let Some(content) = content {
                 out.push(InputFile {
                     kind,
                     path: path.to_string(),
@@ -456,11 +469,58 @@ mod tests {
             .status()
             .expect("mkfifo");
         assert!(made.success());
+        let left: Vec<&str> = p
+            .work_inputs(&parent, Phase::Implement)
+            .expect("inputs")
+            .iter()
+            .map(|f| f.kind)
+            .collect();
+        assert_eq!(left, vec!["prompt"], "only the built-in prompt");
+    }
+
+    /// The phase prompt: the project's, else the user's, else the built-in one — never none.
+    #[test]
+    fn issue21_prompts_the_project_prompt_overrides_the_users_which_overrides_the_built_in() {
+        let home = tempfile::tempdir().expect("home");
+        let (d, _) = project();
+        let p = Project::open(d.path(), Some(home.path()));
+        let t: TaskName = "t".parse().expect("name");
+        p.create_task(&t).expect("create");
+        let prompt = |phase| -> Vec<u8> {
+            let inputs = p.work_inputs(&t, phase).expect("inputs");
+            let prompts: Vec<_> = inputs.iter().filter(|f| f.kind == "prompt").collect();
+            assert_eq!(prompts.len(), 1, "one prompt: {inputs:?}");
+            assert_eq!(prompts[0].path, "prompt.md");
+            prompts[0].content.clone()
+        };
+        for phase in automaton_workflow::prompt_phases() {
+            let built_in = automaton_workflow::built_in_prompt(phase).expect("built in");
+            assert_eq!(prompt(phase), built_in.into_bytes(), "{phase}");
+        }
+        let user = home.path().join(".automaton/prompts");
+        fs::create_dir_all(&user).expect("mkdir");
+        fs::write(user.join("research.md"), "user prompt").expect("user");
+        assert_eq!(prompt(Phase::Research), b"user prompt");
+        let own = d.path().join(".automaton/prompts");
+        fs::create_dir_all(&own).expect("mkdir");
+        fs::write(own.join("research.md"), "own prompt").expect("own");
+        assert_eq!(prompt(Phase::Research), b"own prompt");
+        // Other phases still fall back, each to its own built-in prompt.
+        let design = String::from_utf8(prompt(Phase::Design)).expect("utf-8");
         assert!(
-            p.work_inputs(&parent, Phase::Implement)
-                .expect("inputs")
-                .is_empty()
+            design.starts_with("<!-- automaton: built-in prompt for design;"),
+            "{design}"
         );
+        // A folder where the prompt file would be is not a prompt: the built-in one is served.
+        fs::create_dir_all(own.join("design.md")).expect("mkdir");
+        assert_eq!(prompt(Phase::Design), design.into_bytes());
+        // A link in the project's layer is still refused, not passed over for a fallback.
+        std::os::unix::fs::symlink(user.join("research.md"), own.join("implement.md"))
+            .expect("link");
+        assert!(matches!(
+            p.work_inputs(&t, Phase::Implement),
+            Err(Error::Symlink { .. })
+        ));
     }
 
     /// The project's layer follows no link; the user's `~/.automaton/` is the operator's

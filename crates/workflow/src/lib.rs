@@ -1,7 +1,8 @@
 //! The task lifecycle of automaton: phases and their approval sub-states, the legal
 //! transitions between them, each phase's required artifact and the artifacts it forbids,
 //! the referee's verdict, task names, the policy read from `.agent.md`, the lease rules
-//! every lease store applies, and the pool tokens that bind a worker to its name.
+//! every lease store applies, the pool tokens that bind a worker to its name, and the
+//! built-in phase prompts (compiled in, filled from the lifecycle's own tables).
 //!
 //! Everything here is a pure function over values. This crate must not touch the disk, the
 //! clock or the network; `automaton-store` reads the files and hands the facts in.
@@ -19,6 +20,7 @@ mod phase;
 mod policy;
 pub mod pool_token;
 pub mod progress;
+mod prompts;
 mod rules;
 mod subtasks;
 mod verdict;
@@ -34,6 +36,10 @@ pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName, excerpt};
 pub use phase::{Gate, Phase, State, UnknownPhase};
 pub use policy::{
     DEFAULT_LOCK_TIMEOUT, MAX_DURATION, Policy, PolicyError, PolicyFile, parse_duration,
+};
+pub use prompts::{
+    BUILT_IN_MARK, TASK_DIR, artifact_path, built_in_header, built_in_prompt, prompt_body,
+    prompt_phases, prompt_template,
 };
 pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
