@@ -11,6 +11,7 @@ mod harness;
 mod history;
 mod issue14;
 mod issue20;
+mod issue21_failures;
 mod issue24;
 mod leases;
 mod limits;
