@@ -1927,6 +1927,39 @@ impl Coordinator {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_failed_tasks_pause_doubles_from_one_second_to_thirty() {
+        let secs: Vec<u64> = (1..=8).map(|n| retry_pause(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(retry_pause(u32::MAX), RETRY_MAX_PAUSE);
+    }
+
+    #[test]
+    fn a_runs_tail_is_kept_whole_in_memory_and_its_last_4_kib_in_the_record() {
+        // 16 KiB of two-byte characters and control bytes (escaped six-fold in JSON).
+        let tail: String = "é\u{1}".repeat(TAIL_KEPT / 3) + "last line\n";
+        let run = pb::Run {
+            output_tail: clip_front(&tail, TAIL_KEPT),
+            warnings: vec!["w".repeat(1000); 9],
+            ..Default::default()
+        };
+        assert!(run.output_tail.ends_with("last line\n"));
+        let kept = run_record(&run);
+        assert!(kept.output_tail.len() <= automaton_store::MAX_TAIL_KEPT);
+        assert!(kept.output_tail.ends_with("last line\n"));
+        let back = run_pb(&kept);
+        assert_eq!(back.output_tail, kept.output_tail);
+        assert_eq!(back.warnings.len(), WARNINGS_KEPT);
+        assert!(back.warnings.iter().all(|w| w.len() <= WARNING_BYTES + 3));
+        // Ten such runs stay well under the record's 1 MiB cap.
+        let record = DispatchRecord {
+            runs: vec![run_record(&back); RUNS_KEPT],
+            ..DispatchRecord::default()
+        };
+        let bytes = serde_json::to_vec_pretty(&record).expect("json");
+        assert!(bytes.len() < 512 * 1024, "{}", bytes.len());
+    }
+
     fn record() -> DispatchRecord {
         DispatchRecord {
             held: Some("stopped by an operator (ops)".into()),
