@@ -12,6 +12,7 @@ mod history;
 mod issue14;
 mod issue20;
 mod issue21;
+mod issue21_failures;
 mod issue21_prompts;
 mod issue24;
 mod leases;

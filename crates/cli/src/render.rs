@@ -64,10 +64,33 @@ pub fn runs(runs: &[automaton_proto::v1::Run], held: &str) -> String {
                 r.state,
                 crate::from_wire::time_text(r.started_at.as_ref())
             );
+            for w in &r.warnings {
+                let _ = writeln!(out, "      warning: {w}");
+            }
+        }
+        // The newest failed run's output: what the agent said last is most often why.
+        if let Some(r) = runs.iter().rev().find(|r| !r.output_tail.trim().is_empty()) {
+            let lines: Vec<&str> = r.output_tail.trim_end().lines().collect();
+            let shown = &lines[lines.len().saturating_sub(TAIL_LINES)..];
+            let _ = writeln!(
+                out,
+                "Output of the {} run by {} (token {}), last {} of {} lines:",
+                r.phase,
+                r.worker,
+                r.token,
+                shown.len(),
+                lines.len()
+            );
+            for l in shown {
+                let _ = writeln!(out, "      {l}");
+            }
         }
     }
     out
 }
+
+/// How many lines of a failed run's output `runs` shows.
+const TAIL_LINES: usize = 20;
 
 pub fn task(v: &TaskView, multi_agent: bool) -> String {
     let mut s = String::new();

@@ -98,6 +98,7 @@ fn task_json(t: &pb::TaskSummary) -> serde_json::Value {
         })),
         "attention": t.attention,
         "next_command": t.next_command,
+        "last_failure": t.last_failure,
         "subtasks": t.subtasks.iter().map(task_json).collect::<Vec<_>>(),
     })
 }
@@ -144,6 +145,11 @@ fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
         if !t.attention.is_empty() {
             let pad = " ".repeat(indent.chars().count());
             out.push_str(&format!("{pad}    {}\n", t.attention));
+        }
+        // A held task's last failed run, in one line: why it stopped, what it said last.
+        if !t.held.is_empty() && !t.last_failure.is_empty() {
+            let pad = " ".repeat(indent.chars().count());
+            out.push_str(&format!("{pad}    last run: {}\n", t.last_failure));
         }
     };
     for t in tasks {

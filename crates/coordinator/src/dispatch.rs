@@ -13,7 +13,12 @@
 //!
 //! Runs: workers report each agent run's lifecycle (seed 003: requested → starting → active
 //! → stopping → stopped, with a stop reason); the last ones per task are kept for
-//! `automaton status --task` and `automaton workers`. A failed run releases its lease; after
+//! `automaton status --task` and `automaton workers`, with a failed run's output tail (the
+//! worker's last 16 KiB in memory, its last 4 KiB in `.state.dispatch`) and a run's warnings
+//! (an implement that changed no code is also a `no_code_change` event). A failed run
+//! releases its lease and is logged at WARN; its task is offered again only after a pause
+//! ([`retry_pause`]: 1 s, doubled with each failure of the phase, at most 30 s, kept in
+//! memory only) and to another fitting idle worker before the one that failed it; after
 //! `max_attempts` failed runs of one phase the task is held from dispatch, with the reason.
 //!
 //! Restarts: what dispatch must not forget — an operator's and the limits' holds, the failure
@@ -66,6 +71,15 @@ pub(crate) const OFFER_TIMEOUT: Duration = Duration::from_secs(10);
 const REFUSAL_PAUSE: Duration = Duration::from_secs(1);
 /// Runs kept per task.
 const RUNS_KEPT: usize = 10;
+/// The most of a run's output tail kept in memory (what a worker sends at most).
+const TAIL_KEPT: usize = 16 * 1024;
+/// A run's warnings kept, and the length of each.
+const WARNINGS_KEPT: usize = 4;
+const WARNING_BYTES: usize = 400;
+/// After a failed run its task waits this long before it is offered again, doubled with
+/// each further failure of the same phase, up to `RETRY_MAX_PAUSE`.
+const RETRY_FIRST_PAUSE: Duration = Duration::from_secs(1);
+const RETRY_MAX_PAUSE: Duration = Duration::from_secs(30);
 /// How an operator's hold begins (`automaton stop`).
 const STOPPED_BY: &str = "stopped by an operator";
 
@@ -90,6 +104,25 @@ pub(crate) fn next_command(task: &TaskName, state: State, held: bool, running: b
         (Phase::Decomposition, Gate::Approved) => String::new(),
         _ => format!("automaton run {task}"),
     }
+}
+
+/// The last `max` bytes of `s` at most (from a character boundary): an output's tail.
+fn clip_front(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut start = s.len() - max;
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    s[start..].to_string()
+}
+
+/// The pause before a task whose phase failed `n` times (n ≥ 1) is offered again.
+pub(crate) fn retry_pause(n: u32) -> Duration {
+    RETRY_FIRST_PAUSE
+        .saturating_mul(1u32 << n.saturating_sub(1).min(16))
+        .min(RETRY_MAX_PAUSE)
 }
 
 /// `s` cut to at most `max` bytes (on a character boundary), marked when cut.
@@ -171,6 +204,9 @@ struct Inner {
     /// Manual mode: tasks an operator asked to run (`automaton run`), with who asked; each
     /// runs one phase, then waits for the next request.
     requested: HashMap<TaskName, String>,
+    /// Tasks whose last run failed: not offered again before the instant (a backoff), and
+    /// then to another fitting worker before the one that failed it.
+    retry: HashMap<TaskName, (Instant, AgentId)>,
 }
 
 pub(crate) struct Work {
@@ -321,6 +357,24 @@ impl Work {
             .get(task)
             .map(|r| r.iter().cloned().collect())
             .unwrap_or_default()
+    }
+
+    /// `task`'s last failed run in one line: its stop reason and detail, and the last line
+    /// of the agent's output (`agent_error: command not found: aider — sh: 1: aider: not
+    /// found`).
+    pub(crate) fn last_failure(&self, task: &TaskName) -> Option<String> {
+        let inner = self.inner();
+        let r = inner.runs.get(task)?.iter().rev().find(|r| {
+            r.state == "stopped" && !r.stop_reason.is_empty() && r.stop_reason != "completed"
+        })?;
+        let mut line = r.stop_reason.clone();
+        if !r.detail.is_empty() {
+            line.push_str(&format!(": {}", r.detail));
+        }
+        if let Some(last) = r.output_tail.lines().rev().find(|l| !l.trim().is_empty()) {
+            line.push_str(&format!(" — {}", clip(last.trim(), 160)));
+        }
+        Some(line)
     }
 
     /// The last run on `task` under fencing token `token`.
@@ -519,6 +573,9 @@ fn run_record(r: &pb::Run) -> RunRecord {
         peak_context_tokens: r.peak_context_tokens,
         why: r.why.clone(),
         peak_context_source: r.peak_context_source.clone(),
+        // Durably only the end of it: ten runs stay far below the record's cap.
+        output_tail: clip_front(&r.output_tail, automaton_store::MAX_TAIL_KEPT),
+        warnings: r.warnings.clone(),
     }
 }
 
@@ -540,6 +597,13 @@ fn run_pb(r: &RunRecord) -> pb::Run {
         peak_context_tokens: r.peak_context_tokens,
         why: clip(&r.why, 400),
         peak_context_source: clip(&r.peak_context_source, 40),
+        output_tail: clip_front(&r.output_tail, automaton_store::MAX_TAIL_KEPT),
+        warnings: r
+            .warnings
+            .iter()
+            .take(WARNINGS_KEPT)
+            .map(|w| clip(w, WARNING_BYTES))
+            .collect(),
     }
 }
 
@@ -756,6 +820,21 @@ impl Coordinator {
                 }
                 continue;
             }
+            // A failed run's task waits out its pause before it is offered again.
+            let retry = self.work.inner().retry.get(&task).cloned();
+            if let Some((until, _)) = &retry
+                && *until > Instant::now()
+            {
+                let left = until.saturating_duration_since(Instant::now());
+                waiting.insert(
+                    task.clone(),
+                    format!(
+                        "waiting: offered again in {:.1}s, after a failed run",
+                        left.as_secs_f64()
+                    ),
+                );
+                continue;
+            }
             // A decomposed parent: its sub-tasks are made, and it ends when they have. Each
             // parent's lock is its own: they are advanced together with the round's work.
             if state == State::approved(automaton_workflow::Phase::Decomposition) {
@@ -796,10 +875,15 @@ impl Coordinator {
             } else {
                 Vec::new()
             };
-            let order: Vec<usize> = choose(sizing.need, &idle)
+            let mut order: Vec<usize> = choose(sizing.need, &idle)
                 .into_iter()
                 .filter(|&i| !excluded.contains(&idle[i].name))
                 .collect();
+            // The worker whose run just failed is tried last (a stable sort keeps the rest
+            // in their order of preference).
+            if let Some((_, failed)) = &retry {
+                order.sort_by_key(|&i| &idle[i].name == failed);
+            }
             let Some(&first) = order.first() else {
                 let reason = if excluded.is_empty() {
                     waiting_reason(sizing.need, &idle, largest.as_ref())
@@ -1102,6 +1186,7 @@ impl Coordinator {
                     .map(|a| a.file_name().to_string())
                     .unwrap_or_default(),
                 can_edit: state.phase.allows_code_edits(),
+                require_code_change: self.policy.require_code_change,
                 max_phase_time: Some(crate::service::duration(self.work.max_phase_time)),
                 attempt,
                 why: why.clone(),
@@ -1226,6 +1311,8 @@ impl Coordinator {
                     peak_context_tokens: 0,
                     why: String::new(),
                     peak_context_source: String::new(),
+                    output_tail: String::new(),
+                    warnings: Vec::new(),
                 });
                 while runs.len() > RUNS_KEPT {
                     runs.pop_front();
@@ -1295,6 +1382,38 @@ impl Coordinator {
                 state.to_string(),
             ),
             "stopped" => {
+                // What the worker kept of a failed run's output, and its warnings.
+                if !u.output_tail.is_empty() || !u.warnings.is_empty() {
+                    let mut inner = self.work.inner();
+                    if let Some(r) = inner
+                        .runs
+                        .get_mut(&task)
+                        .and_then(|r| r.iter_mut().rev().find(|r| r.token == u.token))
+                    {
+                        r.output_tail = clip_front(&u.output_tail, TAIL_KEPT);
+                        r.warnings = u
+                            .warnings
+                            .iter()
+                            .take(WARNINGS_KEPT)
+                            .map(|w| clip(w, WARNING_BYTES))
+                            .collect();
+                    }
+                }
+                if u.code_unchanged {
+                    let warning = u
+                        .warnings
+                        .first()
+                        .map(|w| clip(w, WARNING_BYTES))
+                        .unwrap_or_else(|| "implement changed no code".into());
+                    tracing::warn!(task = %task, worker = %worker, token = u.token, "{warning}");
+                    self.emit(
+                        "no_code_change",
+                        &task.to_string(),
+                        worker.as_str(),
+                        u.token,
+                        format!("{state}: {warning}"),
+                    );
+                }
                 if u.peak_context_tokens > 0 {
                     let estimate = {
                         let mut inner = self.work.inner();
@@ -1330,8 +1449,17 @@ impl Coordinator {
                 if reason == "completed" {
                     // Its iteration was counted when its artifact moved the task on
                     // (`Coordinator::phase_done`); the runs and the sizing are kept.
+                    self.work.inner().retry.remove(&task);
                     self.save_or_warn(&task).await;
                 } else {
+                    let last = u
+                        .output_tail
+                        .lines()
+                        .rev()
+                        .find(|l| !l.trim().is_empty())
+                        .map(|l| clip(l.trim(), 200))
+                        .unwrap_or_default();
+                    tracing::warn!(task = %task, worker = %worker, token = u.token, phase = %state, reason = %reason, detail = %detail, last_output = %last, "run failed");
                     self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
                         .await;
                 }
@@ -1371,6 +1499,13 @@ impl Coordinator {
                 *n += 1;
                 *n
             };
+            // Offered again after a pause that grows with each failure, to another worker
+            // first.
+            let pause = retry_pause(n);
+            self.work
+                .inner()
+                .retry
+                .insert(task.clone(), (Instant::now() + pause, worker.clone()));
             if n >= self.work.max_attempts {
                 self.hold_as(
                     task,
@@ -1429,6 +1564,8 @@ impl Coordinator {
             started_at: Some(crate::service::timestamp(l.claimed)),
             ended_at: None,
             estimated_tokens: estimated,
+            output_tail: String::new(),
+            warnings: Vec::new(),
             peak_context_tokens: 0,
             why: "adopted: the run began before the coordinator's restart".into(),
             peak_context_source: String::new(),
@@ -1792,6 +1929,39 @@ impl Coordinator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_tasks_pause_doubles_from_one_second_to_thirty() {
+        let secs: Vec<u64> = (1..=8).map(|n| retry_pause(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 30, 30, 30]);
+        assert_eq!(retry_pause(u32::MAX), RETRY_MAX_PAUSE);
+    }
+
+    #[test]
+    fn a_runs_tail_is_kept_whole_in_memory_and_its_last_4_kib_in_the_record() {
+        // 16 KiB of two-byte characters and control bytes (escaped six-fold in JSON).
+        let tail: String = "é\u{1}".repeat(TAIL_KEPT / 3) + "last line\n";
+        let run = pb::Run {
+            output_tail: clip_front(&tail, TAIL_KEPT),
+            warnings: vec!["w".repeat(1000); 9],
+            ..Default::default()
+        };
+        assert!(run.output_tail.ends_with("last line\n"));
+        let kept = run_record(&run);
+        assert!(kept.output_tail.len() <= automaton_store::MAX_TAIL_KEPT);
+        assert!(kept.output_tail.ends_with("last line\n"));
+        let back = run_pb(&kept);
+        assert_eq!(back.output_tail, kept.output_tail);
+        assert_eq!(back.warnings.len(), WARNINGS_KEPT);
+        assert!(back.warnings.iter().all(|w| w.len() <= WARNING_BYTES + 3));
+        // Ten such runs stay well under the record's 1 MiB cap.
+        let record = DispatchRecord {
+            runs: vec![run_record(&back); RUNS_KEPT],
+            ..DispatchRecord::default()
+        };
+        let bytes = serde_json::to_vec_pretty(&record).expect("json");
+        assert!(bytes.len() < 512 * 1024, "{}", bytes.len());
+    }
 
     fn record() -> DispatchRecord {
         DispatchRecord {

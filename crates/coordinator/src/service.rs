@@ -304,6 +304,7 @@ fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
         verdicts: e.verdicts.as_ref().map(verdicts_pb),
         attention: e.attention.clone().unwrap_or_default(),
         next_command: String::new(),
+        last_failure: String::new(),
     }
 }
 
@@ -328,6 +329,9 @@ impl Service {
         let work = &self.coord.work;
         s.waiting = work.waiting(&t).unwrap_or_default();
         s.held = work.held(&t).unwrap_or_default();
+        if !s.held.is_empty() {
+            s.last_failure = work.last_failure(&t).unwrap_or_default();
+        }
         if let Some((w, e)) = work.wave_of(&t) {
             s.wave = w as u32;
             s.estimated_tokens = e;
@@ -412,6 +416,7 @@ impl pb::tasks_server::Tasks for Service {
             verdicts: view.verdicts.as_ref().map(verdicts_pb),
             attention: view.attention.clone().unwrap_or_default(),
             next_command: String::new(),
+            last_failure: String::new(),
         };
         self.annotate(&mut row);
         Ok(Response::new(pb::TaskDetail {

@@ -2,7 +2,7 @@
 //! why the task is held from dispatch (an operator's stop, `max_attempts`, seed 002's loop
 //! limits), its failed runs per state, its completed runs, when its first run was offered,
 //! the need a sub-task was first dispatched with, what its runs used against their estimates,
-//! and its last runs. Only a coordinator writes it, atomically and durably like every state
+//! and its last runs (with the last 4 KiB of a failed run's output). Only a coordinator writes it, atomically and durably like every state
 //! file; it is JSON, because its texts (reasons, details) are free.
 
 use std::path::Path;
@@ -60,7 +60,16 @@ pub struct RunRecord {
     pub peak_context_tokens: u64,
     pub why: String,
     pub peak_context_source: String,
+    /// The last of a failed run's output, at most [`MAX_TAIL_KEPT`] bytes: the coordinator
+    /// keeps the worker's full tail (16 KiB) in memory only, so ten runs stay far below the
+    /// record's 1 MiB cap (even with every byte JSON-escaped six-fold).
+    pub output_tail: String,
+    /// What a person should know that did not fail the run, one line each.
+    pub warnings: Vec<String>,
 }
+
+/// How much of a run's output tail a record keeps.
+pub const MAX_TAIL_KEPT: usize = 4 * 1024;
 
 impl DispatchRecord {
     pub fn is_empty(&self) -> bool {

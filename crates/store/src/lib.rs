@@ -42,7 +42,7 @@ use automaton_workflow::{
 
 pub use audit::{AuditReport, AuditTask, Category3, Modification};
 pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
-pub use dispatch::{DispatchRecord, RunRecord};
+pub use dispatch::{DispatchRecord, MAX_TAIL_KEPT, RunRecord};
 pub use git::{
     Applied, BranchHead, Change, MAX_DIFF_BYTES, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES,
     TaskChanges, TreeFile, branch_name,

@@ -4,6 +4,12 @@
 //! never a log line; its states (seed 003 §5: requested → starting → active → stopping →
 //! stopped) are reported through a callback as they happen.
 //!
+//! A failed run says why in words a person can act on: a shell's 127 is `command not found:
+//! aider` (the program from the shell's complaint, else the command's first word), 126 `not
+//! executable: …`, an artifact written anywhere but `.automaton-task/` names where it was
+//! found and where it belongs. The last 16 KiB of the output are kept in memory (whatever the
+//! log's cap), the worker's secrets redacted, for the run's report.
+//!
 //! The worker, not the shell, owns the agent's lifetime: on a timeout or a stop the whole
 //! process group gets SIGTERM, then SIGKILL after a grace period, and the group is killed
 //! once more after the leader exits, so nothing the agent started outlives the run (a process
@@ -42,6 +48,15 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(5);
 pub const DEFAULT_LOG_CAP: u64 = 4 * 1024 * 1024;
 /// The log's name inside `.automaton-task/`.
 pub const LOG_FILE: &str = "agent.log";
+/// How much of the end of the agent's output a run keeps in memory for its report
+/// (`Outcome::tail`), whatever the log's cap: the log goes with the workspace, the tail
+/// goes to the coordinator.
+pub const TAIL_BYTES: usize = 16 * 1024;
+/// Kept beyond `TAIL_BYTES` before a secret is redacted, so that a secret cut by the cut is
+/// still found whole.
+const TAIL_MARGIN: usize = 1024;
+/// What a secret of the worker's is replaced by in the tail.
+pub const REDACTED: &str = "[redacted]";
 /// Where an agent may report what it used, inside `.automaton-task/`: JSON
 /// `{"peak_context_tokens": N}` (the scripted agent always does).
 pub const USAGE_FILE: &str = "usage.json";
@@ -125,6 +140,9 @@ pub struct RunSpec {
     /// The worker binary, which runs the guard and the scripted agent; `None`: this
     /// process's own executable (tests that are not the worker binary name it).
     pub worker_exe: Option<PathBuf>,
+    /// The worker's own secrets (its token, its pool secret): never handed to the agent, and
+    /// replaced by `[redacted]` in the output tail should the agent print one anyway.
+    pub secrets: Vec<String>,
 }
 
 impl RunSpec {
@@ -152,6 +170,7 @@ impl RunSpec {
             grace: DEFAULT_GRACE,
             log_cap: DEFAULT_LOG_CAP,
             worker_exe: None,
+            secrets: Vec::new(),
         }
     }
 
@@ -353,21 +372,31 @@ pub struct Outcome {
     /// The leader's exit code, when it exited rather than being killed.
     pub exit_code: Option<i32>,
     pub elapsed: Duration,
+    /// The last of the agent's output (at most `TAIL_BYTES`, cut at a character boundary,
+    /// the spec's secrets redacted).
+    pub tail: String,
 }
 
 type OnState = Box<dyn FnMut(RunState) + Send>;
 
 /// The agent's output, appended to `agent.log` up to a cap; past it, read and dropped so the
-/// agent never blocks on a full pipe.
+/// agent never blocks on a full pipe. Its last `TAIL_BYTES` (and a margin) are kept in
+/// memory whatever the cap, for the run's report.
 struct Log {
     file: std::fs::File,
     kept: u64,
     cap: u64,
     truncated: bool,
+    tail: std::collections::VecDeque<u8>,
 }
 
 impl Log {
     fn write(&mut self, buf: &[u8]) {
+        let keep = TAIL_BYTES + TAIL_MARGIN;
+        let from = buf.len().saturating_sub(keep);
+        self.tail.extend(&buf[from..]);
+        let over = self.tail.len().saturating_sub(keep);
+        self.tail.drain(..over);
         let room = self.cap.saturating_sub(self.kept);
         let take = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
         if take > 0 && self.file.write_all(&buf[..take]).is_ok() {
@@ -412,6 +441,160 @@ fn pump(
     })
 }
 
+/// `bytes`, the end of some output, as text for a person: `secrets` replaced by
+/// `[redacted]`, then at most `TAIL_BYTES` of its end, starting on a character boundary
+/// (invalid UTF-8 shown as U+FFFD).
+pub fn tail_text(bytes: &[u8], secrets: &[String]) -> String {
+    // A cut through a character leaves continuation bytes at the start: skip them.
+    let start = bytes
+        .iter()
+        .take(3)
+        .take_while(|b| (**b & 0xC0) == 0x80)
+        .count();
+    let mut text = String::from_utf8_lossy(&bytes[start..]).into_owned();
+    for s in secrets.iter().filter(|s| s.len() >= 8) {
+        if text.contains(s.as_str()) {
+            text = text.replace(s.as_str(), REDACTED);
+        }
+    }
+    if text.len() > TAIL_BYTES {
+        let mut cut = text.len() - TAIL_BYTES;
+        while !text.is_char_boundary(cut) {
+            cut += 1;
+        }
+        text.drain(..cut);
+    }
+    text
+}
+
+/// The program a shell's "not found" (127) or "Permission denied" (126) line names, read
+/// from the last lines of `tail`: dash's `sh: 1: aider: not found`, bash's `sh: line 1:
+/// aider: command not found`, busybox's `sh: aider: not found`, zsh's `zsh: command not
+/// found: aider`; for 127 also bash's `./x: No such file or directory`, for another code
+/// only the "not found" forms. Only lines a shell wrote (`sh:`, `bash:`, `/bin/sh:`, …)
+/// count.
+pub fn shell_complaint(tail: &str, code: i32) -> Option<String> {
+    let (suffixes, infix): (&[&str], Option<&str>) = match code {
+        126 => (&[": Permission denied", ": cannot execute"], None),
+        127 => (
+            &[
+                ": not found",
+                ": command not found",
+                ": No such file or directory",
+            ],
+            Some("command not found: "),
+        ),
+        _ => (
+            &[": not found", ": command not found"],
+            Some("command not found: "),
+        ),
+    };
+    for line in tail.lines().rev().take(8) {
+        let line = line.trim();
+        let shell = line
+            .split_once(':')
+            .map(|(first, _)| first.rsplit('/').next().unwrap_or(first))
+            .is_some_and(|s| matches!(s, "sh" | "bash" | "dash" | "zsh" | "ash" | "ksh"));
+        if !shell {
+            continue;
+        }
+        if let Some(i) = infix
+            && let Some(at) = line.find(i)
+        {
+            let name = line[at + i.len()..].trim();
+            if !name.is_empty() {
+                return Some(name.to_string());
+            }
+        }
+        for suffix in suffixes {
+            if let Some(rest) = line.strip_suffix(suffix) {
+                let name = rest.rsplit(": ").next().unwrap_or(rest).trim();
+                if !name.is_empty() && !name.contains(' ') {
+                    return Some(name.to_string());
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The program a rendered command line runs first: its first word that is not a variable
+/// assignment (`FOO=1 aider …`) nor `exec`/`env`/`command`, quotes taken off.
+pub fn first_program(command: &str) -> Option<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut quote: Option<char> = None;
+    for c in command.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '\'' | '"') => quote = Some(c),
+            (None, c) if c.is_whitespace() || matches!(c, ';' | '&' | '|' | '(' | ')') => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+                if !c.is_whitespace() {
+                    break;
+                }
+            }
+            (None, c) => word.push(c),
+        }
+        if words.len() > 16 {
+            break;
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    words.into_iter().find(|w| {
+        let assignment = w.split_once('=').is_some_and(|(k, _)| {
+            !k.is_empty() && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        });
+        !assignment && !matches!(w.as_str(), "exec" | "env" | "command" | "nohup")
+    })
+}
+
+/// Where else in `workspace` a file called `name` is (a relative path, `.git` and the task
+/// folder's own copy left out), looking at most 6 folders deep and 20 000 entries: the place
+/// an agent that missed `.automaton-task/` wrote its artifact.
+pub fn misplaced_artifact(workspace: &Path, name: &str) -> Option<PathBuf> {
+    let mut queue = std::collections::VecDeque::from([(workspace.to_path_buf(), 0usize)]);
+    let mut seen = 0usize;
+    let mut found: Vec<PathBuf> = Vec::new();
+    while let Some((dir, depth)) = queue.pop_front() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut entries: Vec<_> = entries.flatten().collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            seen += 1;
+            if seen > 20_000 {
+                return found.into_iter().next();
+            }
+            let Ok(kind) = e.file_type() else { continue };
+            let path = e.path();
+            if kind.is_dir() {
+                if depth < 6 && e.file_name() != ".git" {
+                    queue.push_back((path, depth + 1));
+                }
+            } else if kind.is_file()
+                && e.file_name() == name
+                && path.parent() != Some(&workspace.join(TASK_DIR))
+                && std::fs::metadata(&path).is_ok_and(|m| m.len() > 0)
+                && let Ok(rel) = path.strip_prefix(workspace)
+            {
+                found.push(rel.to_path_buf());
+            }
+        }
+        if !found.is_empty() {
+            // Breadth first: the shallowest is the likeliest.
+            return found.into_iter().next();
+        }
+    }
+    None
+}
+
 /// A started agent. Dropping it without `wait` kills its process group (a backstop).
 pub struct Running {
     spec: RunSpec,
@@ -424,6 +607,8 @@ pub struct Running {
     alive: Option<std::io::PipeWriter>,
     /// The start of the guard's stderr: its one line when it cannot start the agent.
     stderr_head: Arc<Mutex<Vec<u8>>>,
+    /// The output log, whose in-memory tail the outcome carries.
+    log: Arc<Mutex<Log>>,
     started: Instant,
     pumps: Vec<JoinHandle<()>>,
     on_state: OnState,
@@ -437,6 +622,7 @@ struct Spawned {
     pgid: Pid,
     alive: std::io::PipeWriter,
     stderr_head: Arc<Mutex<Vec<u8>>>,
+    log: Arc<Mutex<Log>>,
     pumps: Vec<JoinHandle<()>>,
 }
 
@@ -486,6 +672,7 @@ impl Running {
                 pgid,
                 alive,
                 stderr_head,
+                log,
                 pumps,
             }) => {
                 tracing::info!(task = %spec.task, phase = %spec.phase, pgid = pgid.as_raw_pid(), "agent started");
@@ -496,6 +683,7 @@ impl Running {
                     pgid,
                     alive: Some(alive),
                     stderr_head,
+                    log,
                     started: Instant::now(),
                     pumps,
                     on_state,
@@ -576,6 +764,7 @@ impl Running {
             kept: 0,
             cap: spec.log_cap,
             truncated: false,
+            tail: std::collections::VecDeque::new(),
         }));
         let stderr_head = Arc::new(Mutex::new(Vec::new()));
         let mut pumps = Vec::new();
@@ -583,13 +772,14 @@ impl Running {
             pumps.push(pump(out, log.clone(), None));
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(pump(err, log, Some(stderr_head.clone())));
+            pumps.push(pump(err, log.clone(), Some(stderr_head.clone())));
         }
         Ok(Spawned {
             child,
             pgid,
             alive,
             stderr_head,
+            log,
             pumps,
         })
     }
@@ -688,11 +878,7 @@ impl Running {
                 return (StopReason::AgentError, why, None);
             }
             if code != 0 {
-                return (
-                    StopReason::AgentError,
-                    format!("exit status {code}"),
-                    Some(code),
-                );
+                return (StopReason::AgentError, self.exit_detail(code), Some(code));
             }
             let name = self
                 .spec
@@ -704,15 +890,23 @@ impl Running {
                 .artifact_path()
                 .and_then(|p| std::fs::read(p).ok())
                 .is_some_and(|b| !String::from_utf8_lossy(&b).trim().is_empty());
-            return if written {
-                (StopReason::Completed, format!("{name} written"), Some(0))
-            } else {
-                (
-                    StopReason::AgentError,
-                    format!("no {name} written"),
-                    Some(0),
-                )
+            if written {
+                return (StopReason::Completed, format!("{name} written"), Some(0));
+            }
+            let detail = match misplaced_artifact(&self.spec.workspace, name) {
+                Some(at) => {
+                    let place = if at.parent() == Some(Path::new("")) {
+                        "the workspace root".to_string()
+                    } else {
+                        at.display().to_string()
+                    };
+                    format!(
+                        "no {name} written at {TASK_DIR}/{name} (found {name} at {place}: write it to $AUTOMATON_ARTIFACT)"
+                    )
+                }
+                None => format!("no {name} written"),
             };
+            return (StopReason::AgentError, detail, Some(0));
         }
         let signal = status.signal().unwrap_or(0);
         (
@@ -720,6 +914,42 @@ impl Running {
             format!("killed by signal {signal}"),
             None,
         )
+    }
+
+    /// The in-memory tail of the agent's output, as text.
+    fn tail(&self) -> String {
+        match self.log.lock() {
+            Ok(log) => {
+                let (a, b) = log.tail.as_slices();
+                tail_text(&[a, b].concat(), &self.spec.secrets)
+            }
+            Err(_) => String::new(),
+        }
+    }
+
+    /// What a non-zero exit says: a shell's 127 names the program it did not find, 126 the
+    /// one it could not execute (from its complaint in the output, else the command's first
+    /// word); a shell's "not found" among the last lines names it with any other code too.
+    fn exit_detail(&self, code: i32) -> String {
+        let tail = self.tail();
+        let program = || match &self.spec.agent {
+            AgentSpec::Command(t) => first_program(&self.spec.render(t)),
+            AgentSpec::Scripted => None,
+        };
+        match code {
+            127 => match shell_complaint(&tail, 127).or_else(program) {
+                Some(p) => format!("command not found: {p}"),
+                None => format!("exit status {code}"),
+            },
+            126 => match shell_complaint(&tail, 126).or_else(program) {
+                Some(p) => format!("not executable: {p}"),
+                None => format!("exit status {code}"),
+            },
+            _ => match shell_complaint(&tail, 0) {
+                Some(p) => format!("command not found: {p} (exit status {code})"),
+                None => format!("exit status {code}"),
+            },
+        }
     }
 
     /// The guard's "cannot start the agent …" line, when it exited for that reason.
@@ -747,8 +977,13 @@ impl Running {
             detail,
             exit_code,
             elapsed: self.started.elapsed(),
+            tail: self.tail(),
         };
-        tracing::info!(task = %self.spec.task, phase = %self.spec.phase, reason = %outcome.reason, detail = %outcome.detail, "agent stopped");
+        if outcome.reason == StopReason::Completed {
+            tracing::info!(task = %self.spec.task, phase = %self.spec.phase, reason = %outcome.reason, detail = %outcome.detail, "agent stopped");
+        } else {
+            tracing::warn!(task = %self.spec.task, phase = %self.spec.phase, reason = %outcome.reason, detail = %outcome.detail, "agent stopped");
+        }
         outcome
     }
 }
@@ -1391,14 +1626,129 @@ mod tests {
                 want.trim_start_matches("cannot start the agent: ")
             )
         );
-        // An agent's own exit 127 (a shell's "not found") stays an exit status.
+        // A shell's own exit 127 names the program it did not find; the code stays.
         let (out, _) = run(
-            spec(ws.path(), Phase::Design, "no-such-command-xyz"),
+            spec(
+                ws.path(),
+                Phase::Design,
+                "no-such-command-xyz --yes {artifact}",
+            ),
             Duration::from_secs(10),
         )
         .await;
-        assert_eq!(out.detail, "exit status 127");
+        assert_eq!(out.detail, "command not found: no-such-command-xyz");
         assert_eq!(out.exit_code, Some(127));
+        assert!(out.tail.contains("no-such-command-xyz"), "{}", out.tail);
+        // Found in the shell's complaint, past a variable and a `cd`.
+        let (out, _) = run(
+            spec(
+                ws.path(),
+                Phase::Design,
+                "X=1 cd . && missing-agent-abc run",
+            ),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(out.detail, "command not found: missing-agent-abc");
+        // 126: found but not executable.
+        std::fs::write(ws.path().join("not-exec.sh"), "echo hi\n").unwrap();
+        let (out, _) = run(
+            spec(ws.path(), Phase::Design, "./not-exec.sh"),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(out.detail, "not executable: ./not-exec.sh");
+        assert_eq!(out.exit_code, Some(126));
+    }
+
+    #[tokio::test]
+    async fn the_tail_keeps_the_end_of_the_output_and_redacts_the_workers_secrets() {
+        let ws = tempfile::tempdir().unwrap();
+        let mut s = spec(
+            ws.path(),
+            Phase::Design,
+            "head -c 50000 /dev/zero | tr '\\0' x; echo; echo 'token sekrit-token-1234 end'; sleep 0.2; echo last line >&2; exit 1",
+        );
+        s.secrets = vec!["sekrit-token-1234".into(), "short".into()];
+        s.log_cap = 100;
+        let (out, _) = run(s, Duration::from_secs(10)).await;
+        assert_eq!(out.detail, "exit status 1");
+        assert!(out.tail.len() <= TAIL_BYTES, "{}", out.tail.len());
+        assert!(out.tail.len() > TAIL_BYTES - 100, "{}", out.tail.len());
+        assert!(
+            out.tail.ends_with("token [redacted] end\nlast line\n"),
+            "{:?}",
+            &out.tail[out.tail.len() - 60..]
+        );
+        assert!(!out.tail.contains("sekrit"));
+    }
+
+    #[test]
+    fn a_tail_is_cut_on_a_character_boundary_and_shell_complaints_name_the_program() {
+        let text = "é".repeat(TAIL_BYTES);
+        let bytes = text.as_bytes();
+        // Cut through a character: its continuation byte is skipped.
+        let t = tail_text(&bytes[bytes.len() - 1001..], &[]);
+        assert_eq!(t, "é".repeat(500));
+        let long = tail_text(bytes, &[]);
+        assert_eq!(long.len(), TAIL_BYTES);
+        for (line, code, want) in [
+            ("sh: 1: aider: not found", 127, Some("aider")),
+            ("sh: line 1: aider: command not found", 127, Some("aider")),
+            ("bash: codex: command not found", 127, Some("codex")),
+            ("zsh: command not found: claude", 127, Some("claude")),
+            (
+                "/bin/sh: ./run.sh: No such file or directory",
+                127,
+                Some("./run.sh"),
+            ),
+            ("sh: 1: ./a.sh: Permission denied", 126, Some("./a.sh")),
+            ("error: file not found", 127, None),
+            ("sh: 1: cannot open x: No such file", 2, None),
+            ("sh: 1: aider: not found", 1, Some("aider")),
+        ] {
+            assert_eq!(
+                shell_complaint(&format!("noise\n{line}\n"), code).as_deref(),
+                want,
+                "{line}"
+            );
+        }
+        assert_eq!(first_program("aider --yes x").as_deref(), Some("aider"));
+        assert_eq!(
+            first_program("FOO='a b' exec '/opt/my agent' run").as_deref(),
+            Some("/opt/my agent")
+        );
+        assert_eq!(first_program("  ").as_deref(), None);
+    }
+
+    #[tokio::test]
+    async fn an_artifact_written_elsewhere_is_found_and_named() {
+        let ws = tempfile::tempdir().unwrap();
+        let (out, _) = run(
+            spec(ws.path(), Phase::Research, "echo spec > SPEC.md"),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(
+            out.detail,
+            "no SPEC.md written at .automaton-task/SPEC.md (found SPEC.md at the workspace root: write it to $AUTOMATON_ARTIFACT)"
+        );
+        std::fs::remove_file(ws.path().join("SPEC.md")).unwrap();
+        let (out, _) = run(
+            spec(
+                ws.path(),
+                Phase::Research,
+                "mkdir -p docs/x && echo s > docs/x/SPEC.md",
+            ),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(
+            out.detail
+                .contains("(found SPEC.md at docs/x/SPEC.md: write it to $AUTOMATON_ARTIFACT)"),
+            "{}",
+            out.detail
+        );
     }
 
     #[tokio::test]

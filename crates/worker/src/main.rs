@@ -375,12 +375,15 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
     if !name.is_empty() {
         check_name(&name)?;
     }
+    // Kept out of every output tail the worker reports.
+    let mut secrets: Vec<String> = pool_secret.iter().cloned().collect();
     if let Some(secret) = pool_secret {
         token = Some(automaton_workflow::pool_token::mint(
             secret.as_bytes(),
             &name,
         ));
     }
+    secrets.extend(token.iter().cloned());
     let opts = session::Options {
         coordinator,
         name,
@@ -464,6 +467,7 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
                 bearer,
                 gpu: gpu_label(&probe.gpus),
                 retry_for: cli.work_retry,
+                secrets,
             }))
         }
     };

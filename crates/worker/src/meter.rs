@@ -9,7 +9,9 @@
 //! requests.
 //!
 //! The proxy never decides anything for the agent: a response it cannot read (not JSON, too
-//! large, compressed, cut off) is passed through and simply not counted.
+//! large, compressed, cut off) is passed through and simply not counted. A request to a
+//! metered endpoint that fails (the server unreachable, or an error status) is counted as
+//! failed, with why, for the run's report when it fails (`failure_note`).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -59,6 +61,45 @@ pub struct Usage {
     pub peak: Option<u64>,
 }
 
+/// What one run's requests to a metered endpoint that failed say: the model server could not
+/// be reached, or answered with an error status (4xx, 5xx).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Failures {
+    /// Requests that failed.
+    pub failed: u64,
+    /// Why the last one failed (`connection refused`, `HTTP 503 Service Unavailable`).
+    pub last: Option<String>,
+    /// Of those, the model server could not be reached at all.
+    pub unreachable: u64,
+}
+
+/// For a run that failed or wrote no artifact: what its model requests say, if they failed.
+/// Most of them failed (more than half): `model server unreachable (27 of 27 requests failed:
+/// connection refused)` (`model server failing (…)` when it answered with errors); some:
+/// `3 of 10 model requests failed: …`; none: `None`.
+pub fn failure_note(u: &Usage, f: &Failures) -> Option<String> {
+    if f.failed == 0 || u.requests == 0 {
+        return None;
+    }
+    let why = f.last.as_deref().unwrap_or("unknown");
+    Some(if f.failed * 2 > u.requests {
+        let what = if f.unreachable * 2 > u.requests {
+            "unreachable"
+        } else {
+            "failing"
+        };
+        format!(
+            "model server {what} ({} of {} requests failed: {why})",
+            f.failed, u.requests
+        )
+    } else {
+        format!(
+            "{} of {} model requests failed: {why}",
+            f.failed, u.requests
+        )
+    })
+}
+
 /// Where a run's peak context came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PeakSource {
@@ -105,10 +146,22 @@ struct Shared {
     /// `--model-server` as given, for messages.
     server: String,
     runs: Mutex<HashMap<String, Usage>>,
+    /// Per run, its failed requests.
+    failures: Mutex<HashMap<String, Failures>>,
     next: AtomicU64,
 }
 
 impl Shared {
+    /// Counts a failed request of run `id`.
+    fn failed(&self, id: &str, why: String, unreachable: bool) {
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = f.get_mut(id) {
+            f.failed += 1;
+            f.unreachable += u64::from(unreachable);
+            f.last = Some(why);
+        }
+    }
+
     fn with_run(&self, id: &str, f: impl FnOnce(&mut Usage)) -> bool {
         let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
         match runs.get_mut(id) {
@@ -162,6 +215,7 @@ impl Meter {
             upstream,
             server: model_server.trim_end_matches('/').to_string(),
             runs: Mutex::new(HashMap::new()),
+            failures: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
@@ -185,6 +239,11 @@ impl Meter {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.clone(), Usage::default());
+        self.shared
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), Failures::default());
         Metered {
             url: format!("http://{}/run/{id}", self.addr),
             id,
@@ -211,12 +270,28 @@ impl Metered {
         self.shared.with_run(&self.id, |x| u = *x);
         u
     }
+
+    /// The run's failed requests so far.
+    pub fn failures(&self) -> Failures {
+        self.shared
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&self.id)
+            .cloned()
+            .unwrap_or_default()
+    }
 }
 
 impl Drop for Metered {
     fn drop(&mut self) {
         self.shared
             .runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+        self.shared
+            .failures
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.id);
@@ -449,6 +524,9 @@ async fn handle(
     let response = match forward(&shared, Request::from_parts(parts, body)).await {
         Ok(r) => r,
         Err(why) => {
+            if endpoint.is_some() {
+                shared.failed(&id, why.clone(), true);
+            }
             tracing::warn!(server = %shared.server, error = %why, "metering proxy: model server unreachable");
             return Ok(text(
                 StatusCode::BAD_GATEWAY,
@@ -460,6 +538,9 @@ async fn handle(
         }
     };
     let (mut parts, body) = response.into_parts();
+    if endpoint.is_some() && (parts.status.is_client_error() || parts.status.is_server_error()) {
+        shared.failed(&id, format!("HTTP {}", parts.status), false);
+    }
     strip_hop_by_hop(&mut parts.headers);
     let scanner = endpoint.and_then(|e| Scanner::for_response(e, &parts.headers));
     let body = match scanner {
@@ -483,7 +564,7 @@ async fn forward(shared: &Shared, req: Request<ProxyBody>) -> Result<Response<In
     let stream =
         match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
             Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Err(e)) => return Err(io_why(&e)),
             Err(_) => {
                 return Err(format!(
                     "no connection after {}s",
@@ -501,6 +582,20 @@ async fn forward(shared: &Shared, req: Request<ProxyBody>) -> Result<Response<In
         }
     });
     sender.send_request(req).await.map_err(|e| e.to_string())
+}
+
+/// A connection error in a few words (`connection refused`), the OS's text otherwise.
+fn io_why(e: &std::io::Error) -> String {
+    use std::io::ErrorKind as K;
+    match e.kind() {
+        K::ConnectionRefused => "connection refused".into(),
+        K::ConnectionReset => "connection reset".into(),
+        K::TimedOut => "connection timed out".into(),
+        K::HostUnreachable => "host unreachable".into(),
+        K::NetworkUnreachable => "network unreachable".into(),
+        K::AddrNotAvailable => "address not available".into(),
+        _ => e.to_string(),
+    }
 }
 
 /// The response body on its way back, frames passed on as they come, read as they pass.
@@ -1007,6 +1102,34 @@ mod tests {
         assert_eq!(Endpoint::of("/api/generate"), Some(Endpoint::Ollama));
         assert_eq!(Endpoint::of("/v1/models"), None);
         assert_eq!(Endpoint::of("/api/ps"), None);
+    }
+
+    #[test]
+    fn failed_model_requests_are_named_when_most_or_some_failed() {
+        let u = |requests| Usage {
+            requests,
+            counted: 0,
+            peak: None,
+        };
+        let f = |failed, unreachable, why: &str| Failures {
+            failed,
+            unreachable,
+            last: Some(why.into()),
+        };
+        assert_eq!(
+            failure_note(&u(27), &f(27, 27, "connection refused")).as_deref(),
+            Some("model server unreachable (27 of 27 requests failed: connection refused)")
+        );
+        assert_eq!(
+            failure_note(&u(4), &f(3, 0, "HTTP 503 Service Unavailable")).as_deref(),
+            Some("model server failing (3 of 4 requests failed: HTTP 503 Service Unavailable)")
+        );
+        assert_eq!(
+            failure_note(&u(10), &f(2, 2, "connection reset")).as_deref(),
+            Some("2 of 10 model requests failed: connection reset")
+        );
+        assert_eq!(failure_note(&u(5), &Failures::default()), None);
+        assert_eq!(failure_note(&u(0), &Failures::default()), None);
     }
 
     #[test]

@@ -2,6 +2,13 @@
 //! a fresh workspace, run the agent, upload its artifact and the code it changed, complete the
 //! phase — reporting each step of the run (seed 003) on the session.
 //!
+//! A run that did not complete reports the tail of the agent's output, and, when its model
+//! requests failed, how many and why (`model server unreachable (3 of 3 requests failed:
+//! connection refused)`). The changes are looked at before anything is sent: an implement run
+//! whose changes hold no code (nothing, or only tool state such as `.aider*`) is reported as
+//! such — a failed run under `.agent.md`'s `Require code change: yes` — and a read-only
+//! phase's changes, never sent, are named in a warning. Failed runs are logged at WARN.
+//!
 //! The lease is the only authority: when it is lost (the session's `LeaseLost`, an operator's
 //! stop, the worker shutting down), the agent's process group is killed and the workspace is
 //! discarded; anything sent after the lease ended is refused by its fencing token anyway.
@@ -55,6 +62,68 @@ pub struct Runner {
     /// How long a `Work` call is retried while the coordinator is unreachable (at least the
     /// coordinator's session timeout: a restart within it keeps the run's lease).
     pub retry_for: Duration,
+    /// The worker's own secrets (its token, its pool secret), redacted from the output tails
+    /// sent to the coordinator.
+    pub secrets: Vec<String>,
+}
+
+/// What a run's report carries besides its reason and detail.
+#[derive(Debug, Default, Clone)]
+struct Notes {
+    /// The agent's output tail, for a run that did not complete.
+    tail: String,
+    /// What a person should know that did not fail the run.
+    warnings: Vec<String>,
+    /// An implement run whose changes held no code.
+    code_unchanged: bool,
+}
+
+/// At most this many warnings per run, each at most `WARNING_BYTES`.
+const MAX_WARNINGS: usize = 4;
+const WARNING_BYTES: usize = 400;
+
+/// What an implement run that changed no code is told (the warning, and the failure under
+/// `Require code change: yes`).
+pub const NO_CODE_CHANGE: &str = "implement changed no code";
+
+/// Paths an agent's own tooling leaves in the workspace (its chat history, caches, settings):
+/// not code. A change of only these is no code change.
+pub const TOOL_STATE: &[&str] = &[".aider", ".claude/", ".codex/", ".cursor/", ".continue/"];
+
+/// Whether `path` is an agent tool's state rather than code.
+pub fn is_tool_state(path: &str) -> bool {
+    TOOL_STATE.iter().any(|p| match p.strip_suffix('/') {
+        // A folder: the folder itself, anywhere in the tree.
+        Some(dir) => path.split('/').any(|c| c == dir),
+        // A prefix of a name at the root (`.aider.chat.history.md`, `.aider.tags.cache.v4/`).
+        None => path.starts_with(p),
+    })
+}
+
+/// `paths` for one line: the first ten, and how many more.
+fn name_paths(paths: &[&str]) -> String {
+    let mut out = paths
+        .iter()
+        .take(10)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if paths.len() > 10 {
+        out.push_str(&format!(" and {} more", paths.len() - 10));
+    }
+    out
+}
+
+/// `s` cut to at most `max` bytes on a character boundary, marked when cut.
+fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
 }
 
 /// Why a step failed: the lease ended (nothing more to do), the run was told to stop while a
@@ -66,6 +135,9 @@ enum Failed {
     Stopped(StopReason),
     Unreachable(String),
     Error(String),
+    /// The agent exited well, but what it left fails the run (an implement that changed no
+    /// code under `Require code change: yes`): nothing was sent.
+    Judged(String),
 }
 
 impl From<tonic::Status> for Failed {
@@ -188,7 +260,7 @@ struct Report {
 
 impl Report {
     fn send(&self, state: RunState, reason: Option<StopReason>, detail: &str, code: Option<i32>) {
-        self.send_peak(state, reason, detail, code, None);
+        self.send_peak(state, reason, detail, code, None, Notes::default());
     }
 
     fn send_peak(
@@ -198,6 +270,7 @@ impl Report {
         detail: &str,
         code: Option<i32>,
         peak: Option<Peak>,
+        notes: Notes,
     ) {
         let _ = self.tx.send(pb::RunUpdate {
             lease_id: self.lease_id.clone(),
@@ -210,6 +283,14 @@ impl Report {
             exit_code: code.unwrap_or(-1),
             peak_context_tokens: peak.map_or(0, |p| p.tokens),
             peak_context_source: peak.map(|p| p.source.as_str().into()).unwrap_or_default(),
+            output_tail: notes.tail,
+            warnings: notes
+                .warnings
+                .iter()
+                .take(MAX_WARNINGS)
+                .map(|w| clip(w, WARNING_BYTES))
+                .collect(),
+            code_unchanged: notes.code_unchanged,
         });
     }
 }
@@ -257,6 +338,8 @@ pub async fn run(
         automaton.exit_code = tracing::field::Empty,
         automaton.peak_context_tokens = tracing::field::Empty,
         automaton.peak_context_source = tracing::field::Empty,
+        automaton.output_last_line = tracing::field::Empty,
+        automaton.warnings = tracing::field::Empty,
     );
     automaton_telemetry::trace::set_parent_from_traceparent(&span, &a.traceparent, &a.tracestate);
     let report = Report {
@@ -271,20 +354,28 @@ pub async fn run(
         let started = std::time::Instant::now();
         let metrics = &crate::metrics::METRICS;
         metrics.runs_active.add(1);
-        let (reason, detail, code, peak) =
-            match attempt(&runner, &channel, &a, &lease, stop, &report, &finishing).await {
-                Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
-                Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
-                Err(Failed::Stopped(r)) => (
-                    r,
-                    "stopped while the coordinator was unreachable: nothing more sent".into(),
-                    None,
-                    None,
-                ),
-                Err(Failed::Error(why) | Failed::Unreachable(why)) => {
-                    (StopReason::AgentError, why, None, None)
-                }
-            };
+        let mut notes = Notes::default();
+        let (reason, detail, code, peak) = match attempt(
+            &runner, &channel, &a, &lease, stop, &report, &finishing, &mut notes,
+        )
+        .await
+        {
+            Ok((o, peak)) => (o.reason, o.detail, o.exit_code, peak),
+            Err(Failed::LeaseLost(why)) => (StopReason::LeaseLost, why, None, None),
+            Err(Failed::Stopped(r)) => (
+                r,
+                "stopped while the coordinator was unreachable: nothing more sent".into(),
+                None,
+                None,
+            ),
+            Err(Failed::Error(why) | Failed::Unreachable(why) | Failed::Judged(why)) => {
+                (StopReason::AgentError, why, None, None)
+            }
+        };
+        // A completed run's artifact says what happened; a failed one's output is the clue.
+        if reason == StopReason::Completed {
+            notes.tail.clear();
+        }
         metrics.runs_active.add(-1);
         if let Ok(state) = a.phase.parse::<State>() {
             metrics.run_stopped(state.phase, reason, started.elapsed());
@@ -299,6 +390,15 @@ pub async fn run(
             span.record("automaton.peak_context_tokens", p.tokens);
             span.record("automaton.peak_context_source", p.source.as_str());
         }
+        if let Some(line) = notes.tail.lines().rev().find(|l| !l.trim().is_empty()) {
+            span.record(
+                "automaton.output_last_line",
+                clip(line.trim(), 200).as_str(),
+            );
+        }
+        if !notes.warnings.is_empty() {
+            span.record("automaton.warnings", notes.warnings.join("; ").as_str());
+        }
         // Stopped by a person or by the worker's own shutdown: not the run's failure.
         if !matches!(
             reason,
@@ -306,21 +406,36 @@ pub async fn run(
         ) {
             automaton_telemetry::trace::record_error(&span, &format!("{reason}: {detail}"));
         }
-        tracing::info!(
-            task = %a.task,
-            phase = %a.phase,
-            reason = %reason,
-            detail = %detail,
-            peak_context_tokens = peak.map_or(0, |p| p.tokens),
-            peak_source = peak.map_or("none", |p| p.source.as_str()),
-            "run stopped"
-        );
-        report.send_peak(RunState::Stopped, Some(reason), &detail, code, peak);
+        if reason == StopReason::Completed {
+            tracing::info!(
+                task = %a.task,
+                phase = %a.phase,
+                reason = %reason,
+                detail = %detail,
+                peak_context_tokens = peak.map_or(0, |p| p.tokens),
+                peak_source = peak.map_or("none", |p| p.source.as_str()),
+                warnings = %notes.warnings.join("; "),
+                "run stopped"
+            );
+        } else {
+            // A failed run is what an operator looks for first.
+            tracing::warn!(
+                task = %a.task,
+                phase = %a.phase,
+                reason = %reason,
+                detail = %detail,
+                peak_context_tokens = peak.map_or(0, |p| p.tokens),
+                peak_source = peak.map_or("none", |p| p.source.as_str()),
+                "run stopped"
+            );
+        }
+        report.send_peak(RunState::Stopped, Some(reason), &detail, code, peak, notes);
     }
     .instrument(span)
     .await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn attempt(
     runner: &Arc<Runner>,
     channel: &Channel,
@@ -329,6 +444,7 @@ async fn attempt(
     stop: watch::Receiver<Option<StopReason>>,
     report: &Report,
     finishing: &std::sync::atomic::AtomicBool,
+    notes: &mut Notes,
 ) -> Result<(Outcome, Option<Peak>), Failed> {
     let phase: State = a
         .phase
@@ -391,6 +507,7 @@ async fn attempt(
     spec.num_ctx = runner.num_ctx;
     spec.estimated_tokens = (a.estimated_tokens > 0).then_some(a.estimated_tokens);
     spec.grace = runner.grace;
+    spec.secrets = runner.secrets.clone();
     let r2 = report.clone();
     let running = match Running::start(spec, move |s| {
         // `starting` was sent already; `stopped` is sent once uploads are done.
@@ -406,16 +523,37 @@ async fn attempt(
     };
     let max =
         crate::session::wire_duration(a.max_phase_time.as_ref()).max(Duration::from_millis(1));
-    let outcome = running.wait(max, stopped(stop.clone())).await;
+    let mut outcome = running.wait(max, stopped(stop.clone())).await;
+    notes.tail = std::mem::take(&mut outcome.tail);
     let usage = metered.as_ref().map(|m| m.usage());
+    let failures = metered.as_ref().map(|m| m.failures()).unwrap_or_default();
     if let Some(u) = usage {
-        tracing::info!(
-            task = %a.task,
-            requests = u.requests,
-            with_usage = u.counted,
-            peak_context_tokens = u.peak.unwrap_or(0),
-            "model server usage"
-        );
+        if u.requests > 0 && (u.counted == 0 || failures.failed > 0) {
+            // Requests that said nothing of their usage, or failed: the run's peak is unknown,
+            // and the model server may be why the run failed.
+            tracing::warn!(
+                task = %a.task,
+                requests = u.requests,
+                with_usage = u.counted,
+                failed = failures.failed,
+                last_failure = failures.last.as_deref().unwrap_or(""),
+                peak_context_tokens = u.peak.unwrap_or(0),
+                "model server usage"
+            );
+        } else {
+            tracing::info!(
+                task = %a.task,
+                requests = u.requests,
+                with_usage = u.counted,
+                peak_context_tokens = u.peak.unwrap_or(0),
+                "model server usage"
+            );
+        }
+        if outcome.reason != StopReason::Completed
+            && let Some(note) = crate::meter::failure_note(&u, &failures)
+        {
+            outcome.detail = format!("{note}; {}", outcome.detail);
+        }
     }
     let peak = crate::meter::peak_of(crate::agent::reported_peak(ws.dir()), usage);
     if outcome.reason != StopReason::Completed {
@@ -435,9 +573,21 @@ async fn attempt(
             peak,
         ));
     }
-    let result = report_back(runner, &work, a, lease, &ws, tree, &stop, finishing).await;
+    let result = report_back(runner, &work, a, lease, &ws, tree, &stop, finishing, notes).await;
     let _ = ws.discard();
-    result.map(|()| (outcome, peak))
+    match result {
+        Ok(()) => Ok((outcome, peak)),
+        // Judged after the agent exited: the run failed, though the agent did not.
+        Err(Failed::Judged(detail)) => Ok((
+            Outcome {
+                reason: StopReason::AgentError,
+                detail,
+                ..outcome
+            },
+            peak,
+        )),
+        Err(e) => Err(e),
+    }
 }
 
 type Fetched = (pb::WorkspaceManifest, Vec<InputFile>, Option<Vec<TreeFile>>);
@@ -569,7 +719,9 @@ async fn fetch(
 }
 
 /// Uploads the artifact and (in phases that may edit code) the changed files, then completes
-/// the phase.
+/// the phase. The changes are looked at first: an implement run whose changes hold no code
+/// (nothing, or only tool state) is noted, and under `require_code_change` fails before
+/// anything is sent; a read-only phase's changes are named in a warning (they are never sent).
 #[allow(clippy::too_many_arguments)]
 async fn report_back(
     runner: &Runner,
@@ -580,7 +732,70 @@ async fn report_back(
     tree: Option<Pin>,
     stop: &watch::Receiver<Option<StopReason>>,
     finishing: &std::sync::atomic::AtomicBool,
+    notes: &mut Notes,
 ) -> Result<(), Failed> {
+    let implement = a
+        .phase
+        .parse::<State>()
+        .is_ok_and(|s| s.phase == automaton_workflow::Phase::Implement);
+    // The changes against the tree the run started from (none without a tree).
+    let mut base = None;
+    let changes = match tree {
+        Some(pin) => {
+            base = Some(pin.commit().to_string());
+            let files = match runner.cache.load(&pin) {
+                // Gone all the same (removed by hand): fetched again, never a failed run.
+                Err(crate::workspace::Error::NotCached(_)) => {
+                    let again =
+                        fetch_tree(runner, work, lease, pin.commit(), stop, PINNED_GONE).await?;
+                    runner.cache.load(&again)
+                }
+                loaded => loaded,
+            }
+            .map_err(|e| Failed::Error(format!("cannot read the cached code: {e}")))?;
+            // The tree is read: it may go.
+            drop(pin);
+            match ws.changes(&files) {
+                Ok(c) => c,
+                Err(e) if a.can_edit => {
+                    return Err(Failed::Error(format!("cannot diff the workspace: {e}")));
+                }
+                Err(e) => {
+                    notes
+                        .warnings
+                        .push(format!("cannot tell what a read-only phase changed: {e}"));
+                    Vec::new()
+                }
+            }
+        }
+        None => Vec::new(),
+    };
+    let code: Vec<&str> = changes
+        .iter()
+        .map(|c| c.path.as_str())
+        .filter(|p| !is_tool_state(p))
+        .collect();
+    if implement && code.is_empty() {
+        if a.require_code_change {
+            return Err(Failed::Judged(NO_CODE_CHANGE.into()));
+        }
+        notes.code_unchanged = true;
+        let junk: Vec<&str> = changes.iter().map(|c| c.path.as_str()).collect();
+        notes.warnings.push(if junk.is_empty() {
+            NO_CODE_CHANGE.to_string()
+        } else {
+            format!("{NO_CODE_CHANGE} (only tool state: {})", name_paths(&junk))
+        });
+        tracing::warn!(task = %a.task, files = changes.len(), "{NO_CODE_CHANGE}");
+    }
+    if !a.can_edit && !code.is_empty() {
+        let line = format!(
+            "code changes in a read-only phase were dropped: {}",
+            name_paths(&code)
+        );
+        tracing::warn!(task = %a.task, phase = %a.phase, "{line}");
+        notes.warnings.push(line);
+    }
     let path = ws.artifact_path(&a.artifact);
     let bytes = std::fs::read(&path)
         .map_err(|e| Failed::Error(format!("cannot read {}: {e}", path.display())))?;
@@ -612,71 +827,55 @@ async fn report_back(
     })
     .await?;
     if a.can_edit
-        && let Some(pin) = tree
+        && let Some(base) = base
+        && !changes.is_empty()
     {
-        let base = pin.commit().to_string();
-        let files = match runner.cache.load(&pin) {
-            // Gone all the same (removed by hand): fetched again, never a failed run.
-            Err(crate::workspace::Error::NotCached(_)) => {
-                let again = fetch_tree(runner, work, lease, &base, stop, PINNED_GONE).await?;
-                runner.cache.load(&again)
+        let mut msgs = Vec::new();
+        for c in changes {
+            if c.deleted || c.content.is_empty() {
+                msgs.push(pb::FileChange {
+                    path: c.path,
+                    deleted: c.deleted,
+                    executable: c.executable,
+                    data: vec![],
+                    last: true,
+                });
+                continue;
             }
-            loaded => loaded,
+            let parts: Vec<&[u8]> = c.content.chunks(CHUNK).collect();
+            let n = parts.len();
+            for (i, p) in parts.into_iter().enumerate() {
+                msgs.push(pb::FileChange {
+                    path: c.path.clone(),
+                    deleted: false,
+                    executable: c.executable,
+                    data: p.to_vec(),
+                    last: i + 1 == n,
+                });
+            }
         }
-        .map_err(|e| Failed::Error(format!("cannot read the cached code: {e}")))?;
-        // The tree is read: it may go.
-        drop(pin);
-        let changes = ws
-            .changes(&files)
-            .map_err(|e| Failed::Error(format!("cannot diff the workspace: {e}")))?;
-        if !changes.is_empty() {
-            let mut msgs = Vec::new();
-            for c in changes {
-                if c.deleted || c.content.is_empty() {
-                    msgs.push(pb::FileChange {
-                        path: c.path,
-                        deleted: c.deleted,
-                        executable: c.executable,
-                        data: vec![],
-                        last: true,
-                    });
-                    continue;
-                }
-                let parts: Vec<&[u8]> = c.content.chunks(CHUNK).collect();
-                let n = parts.len();
-                for (i, p) in parts.into_iter().enumerate() {
-                    msgs.push(pb::FileChange {
-                        path: c.path.clone(),
-                        deleted: false,
-                        executable: c.executable,
-                        data: p.to_vec(),
-                        last: i + 1 == n,
-                    });
-                }
-            }
-            let mut chunks: Vec<pb::PatchChunk> = msgs
-                .into_iter()
-                .map(|c| pb::PatchChunk {
-                    change: Some(c),
-                    ..Default::default()
-                })
-                .collect();
-            chunks[0].lease_id = lease.lease_id.clone();
-            chunks[0].token = lease.token;
-            chunks[0].base_commit = base;
-            let out = retrying("UploadPatch", runner.retry_for, stop, || {
-                let mut work = work.clone();
-                let chunks = chunks.clone();
-                async move {
-                    Ok(work
-                        .upload_patch(runner.req(tokio_stream::iter(chunks)))
-                        .await?
-                        .into_inner())
-                }
+        let mut chunks: Vec<pb::PatchChunk> = msgs
+            .into_iter()
+            .map(|c| pb::PatchChunk {
+                change: Some(c),
+                ..Default::default()
             })
-            .await?;
-            tracing::info!(task = %a.task, commit = %out.commit, files = out.files_changed, "code committed");
-        }
+            .collect();
+        chunks[0].lease_id = lease.lease_id.clone();
+        chunks[0].token = lease.token;
+        chunks[0].base_commit = base;
+        let out = retrying("UploadPatch", runner.retry_for, stop, || {
+            let mut work = work.clone();
+            let chunks = chunks.clone();
+            async move {
+                Ok(work
+                    .upload_patch(runner.req(tokio_stream::iter(chunks)))
+                    .await?
+                    .into_inner())
+            }
+        })
+        .await?;
+        tracing::info!(task = %a.task, commit = %out.commit, files = out.files_changed, "code committed");
     }
     // Completing ends the lease, and the coordinator may offer new work at once.
     finishing.store(true, std::sync::atomic::Ordering::Release);

@@ -1,5 +1,6 @@
-//! Project policy read from `.agent.md`: multi-agent mode, the lock timeout, and which
-//! phases are separated from their implementer.
+//! Project policy read from `.agent.md`: multi-agent mode, the lock timeout, which phases
+//! are separated from their implementer, autopilot, and whether an implement run must change
+//! code.
 
 use std::time::Duration;
 
@@ -19,6 +20,10 @@ pub struct Policy {
     /// `human_intervention`, and never create fix, review or tie-break tasks on its own.
     /// Disabled (manual mode): those follow-up tasks are created from verdicts.
     pub autopilot: bool,
+    /// `Require code change: yes`: an implement run that changed no code (nothing, or only
+    /// an agent tool's own state) fails (`agent_error`) instead of completing with a
+    /// warning. Default: no.
+    pub require_code_change: bool,
 }
 
 impl Default for Policy {
@@ -28,6 +33,7 @@ impl Default for Policy {
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             separated: vec![Phase::CodeReview],
             autopilot: true,
+            require_code_change: false,
         }
     }
 }
@@ -47,6 +53,10 @@ pub enum PolicyError {
         "key 'Autopilot' has the invalid value '{0}': write 'Autopilot: Enabled' or 'Autopilot: Disabled'"
     )]
     Autopilot(String),
+    #[error(
+        "key 'Require code change' has the invalid value '{0}': write 'Require code change: yes' or 'Require code change: no'"
+    )]
+    RequireCodeChange(String),
 }
 
 /// The keys of one `.agent.md`, each `None` when the file does not set it.
@@ -56,6 +66,7 @@ pub struct PolicyFile {
     pub lock_timeout: Option<Duration>,
     pub separated: Option<Vec<Phase>>,
     pub autopilot: Option<bool>,
+    pub require_code_change: Option<bool>,
 }
 
 impl PolicyFile {
@@ -92,6 +103,13 @@ impl PolicyFile {
                         _ => return Err(PolicyError::Autopilot(value)),
                     });
                 }
+                "require code change" | "require-code-change" | "require_code_change" => {
+                    out.require_code_change = Some(match value.to_ascii_lowercase().as_str() {
+                        "yes" | "true" | "on" | "enabled" => true,
+                        "no" | "false" | "off" | "disabled" => false,
+                        _ => return Err(PolicyError::RequireCodeChange(value)),
+                    });
+                }
                 _ => {}
             }
         }
@@ -118,6 +136,10 @@ impl Policy {
                 .or_else(|| user.separated.clone())
                 .unwrap_or(d.separated),
             autopilot: project.autopilot.or(user.autopilot).unwrap_or(d.autopilot),
+            require_code_change: project
+                .require_code_change
+                .or(user.require_code_change)
+                .unwrap_or(d.require_code_change),
         }
     }
 }
@@ -214,6 +236,25 @@ mod tests {
         assert!(!p("- **Autopilot**: Disabled").autopilot);
         assert!(p("Autopilot: Enabled").autopilot);
         assert!(PolicyFile::parse("Autopilot: sometimes").is_err());
+    }
+
+    #[test]
+    fn agent_md_require_code_change_is_off_unless_set() {
+        let p = |t: &str| {
+            Policy::layered(
+                &PolicyFile::parse(t).expect("valid"),
+                &PolicyFile::default(),
+            )
+        };
+        assert!(!p("").require_code_change);
+        assert!(p("Require code change: yes").require_code_change);
+        assert!(p("- **Require code change**: true").require_code_change);
+        assert!(!p("require_code_change: no").require_code_change);
+        let e = PolicyFile::parse("Require code change: maybe").expect_err("invalid");
+        assert_eq!(
+            e.to_string(),
+            "key 'Require code change' has the invalid value 'maybe': write 'Require code change: yes' or 'Require code change: no'"
+        );
     }
 
     #[test]
