@@ -168,20 +168,7 @@ fn aider_model(req: &crate::model_server::Seen) -> crate::model_server::Reply {
         .filter_map(|m| m["content"].as_str())
         .filter(|c| c.contains("added these files to the chat"))
         .collect();
-    let artifact = text
-        .split(".automaton-task/")
-        .skip(1)
-        .filter_map(|rest| {
-            let name: String = rest
-                .chars()
-                .take_while(|c| {
-                    c.is_ascii_uppercase() || *c == '_' || *c == '.' || c.is_ascii_lowercase()
-                })
-                .collect();
-            name.ends_with(".md").then_some(name)
-        })
-        .find(|n| n.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
-        .unwrap_or_else(|| "NOTES.md".into());
+    let artifact = artifact_in(&text);
     let mut content = format!(
         ".automaton-task/{artifact}\n```\n{}```\n",
         artifact_body(&artifact)
@@ -225,19 +212,6 @@ async fn ended_or_held(api: &mut Api, task: &str, timeout: Duration) -> String {
     }
 }
 
-/// The artifact each phase writes (the stand-in prompts name it).
-const PHASES: [(&str, &str); 9] = [
-    ("research", "SPEC.md"),
-    ("design", "DESIGN.md"),
-    ("test_design", "TEST_PLAN.md"),
-    ("implement", "IMPLEMENTATION.md"),
-    ("code_review", "CODE_REVIEW.md"),
-    ("bug_find", "BUG_REPORT.md"),
-    ("adversarial_bug_find", "ADVERSARIAL_BUG_REPORT.md"),
-    ("doc_review", "DOC_REVIEW.md"),
-    ("referee", "VERDICT.md"),
-];
-
 /// One preset end to end: a real coordinator and two real workers running `preset` against
 /// `model` take a task from `new` to `complete`; every artifact as the model wrote it, the
 /// implement commit with the code and no tool state, every run metered, reviewer ≠
@@ -245,16 +219,6 @@ const PHASES: [(&str, &str); 9] = [
 async fn preset_end_to_end(preset: &str, path: &str, model: &crate::model_server::ModelServer) {
     let env = Env::new();
     git_init(&env);
-    // TEMPORARY until the built-in prompts land: a prompt per phase in the project.
-    let prompts = env.root().join(".automaton/prompts");
-    std::fs::create_dir_all(&prompts).expect("prompts");
-    for (phase, artifact) in PHASES {
-        std::fs::write(
-            prompts.join(format!("{phase}.md")),
-            format!("Do the {phase} phase: write its artifact, .automaton-task/{artifact}.\n"),
-        )
-        .expect("prompt");
-    }
     let coord = Coord::start(&env, &FLEET);
     let mut api = coord.api().await;
     let args = |name: &'static str| {

@@ -133,6 +133,9 @@ pub struct RunSpec {
     pub num_ctx: Option<u64>,
     /// The phase's estimated peak context (tokens), from the decomposition, if sized.
     pub estimated_tokens: Option<u64>,
+    /// In a phase that reviews the change: the commit the task's branch started from (the
+    /// base of `.automaton-task/changes.diff`).
+    pub base_commit: Option<String>,
     /// Between SIGTERM and SIGKILL.
     pub grace: Duration,
     /// How much output `agent.log` keeps; the rest is read and dropped.
@@ -167,6 +170,7 @@ impl RunSpec {
             model_url: None,
             num_ctx: None,
             estimated_tokens: None,
+            base_commit: None,
             grace: DEFAULT_GRACE,
             log_cap: DEFAULT_LOG_CAP,
             worker_exe: None,
@@ -234,6 +238,10 @@ impl RunSpec {
             (
                 "AUTOMATON_MODEL_SERVER",
                 self.model_server.clone().unwrap_or_default(),
+            ),
+            (
+                "AUTOMATON_BASE_COMMIT",
+                self.base_commit.clone().unwrap_or_default(),
             ),
             (
                 "AUTOMATON_NUM_CTX",
@@ -1328,6 +1336,7 @@ mod tests {
         s.model_server = Some("http://127.0.0.1:11434".into());
         s.num_ctx = Some(32768);
         s.budget_tokens = 24000;
+        s.base_commit = Some("0123abcd".into());
         s
     }
 
@@ -1350,6 +1359,7 @@ mod tests {
             "AUTOMATON_BUDGET_TOKENS=24000".into(),
             "AUTOMATON_MODEL_SERVER=http://127.0.0.1:11434".into(),
             "AUTOMATON_NUM_CTX=32768".into(),
+            "AUTOMATON_BASE_COMMIT=0123abcd".into(),
             // Not metered: the model server itself.
             "AUTOMATON_MODEL_URL=http://127.0.0.1:11434".into(),
         ] {

@@ -16,6 +16,8 @@ pub const DEFAULT_PATCH_EXCLUDES: &[&str] = &[
     ".aider*",
     ".claude/",
     ".codex/",
+    ".cursor/",
+    ".continue/",
     ".git/",
     ".gitignore.aider",
     "__pycache__/",

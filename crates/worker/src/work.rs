@@ -86,18 +86,14 @@ const WARNING_BYTES: usize = 400;
 /// `Require code change: yes`).
 pub const NO_CODE_CHANGE: &str = "implement changed no code";
 
-/// Paths an agent's own tooling leaves in the workspace (its chat history, caches, settings):
-/// not code. A change of only these is no code change.
-pub const TOOL_STATE: &[&str] = &[".aider", ".claude/", ".codex/", ".cursor/", ".continue/"];
-
-/// Whether `path` is an agent tool's state rather than code.
+/// Whether `path` is an agent tool's state rather than code (the patch-exclude list,
+/// `crate::presets::DEFAULT_PATCH_EXCLUDES`): a change of only these is no code change.
 pub fn is_tool_state(path: &str) -> bool {
-    TOOL_STATE.iter().any(|p| match p.strip_suffix('/') {
-        // A folder: the folder itself, anywhere in the tree.
-        Some(dir) => path.split('/').any(|c| c == dir),
-        // A prefix of a name at the root (`.aider.chat.history.md`, `.aider.tags.cache.v4/`).
-        None => path.starts_with(p),
-    })
+    let defaults: Vec<String> = crate::presets::DEFAULT_PATCH_EXCLUDES
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    crate::presets::excluded(path, &defaults)
 }
 
 /// `paths` for one line: the first ten, and how many more.
@@ -506,6 +502,7 @@ async fn attempt(
     spec.model_url = metered.as_ref().map(|m| m.url().to_string());
     spec.num_ctx = runner.num_ctx;
     spec.estimated_tokens = (a.estimated_tokens > 0).then_some(a.estimated_tokens);
+    spec.base_commit = (!manifest.base_commit.is_empty()).then(|| manifest.base_commit.clone());
     spec.grace = runner.grace;
     spec.secrets = runner.secrets.clone();
     let r2 = report.clone();
