@@ -752,7 +752,8 @@ async fn report_back(
             .map_err(|e| Failed::Error(format!("cannot read the cached code: {e}")))?;
             // The tree is read: it may go.
             drop(pin);
-            match ws.changes(&files) {
+            // Everything, tool state included, to name it; the patch leaves it out.
+            match ws.changes_excluding(&files, &[]) {
                 Ok(c) => c,
                 Err(e) if a.can_edit => {
                     return Err(Failed::Error(format!("cannot diff the workspace: {e}")));
@@ -793,6 +794,11 @@ async fn report_back(
         tracing::warn!(task = %a.task, phase = %a.phase, "{line}");
         notes.warnings.push(line);
     }
+    // What goes onto the branch: never an agent's tool state.
+    let changes: Vec<_> = changes
+        .into_iter()
+        .filter(|c| !is_tool_state(&c.path))
+        .collect();
     let path = ws.artifact_path(&a.artifact);
     let bytes = std::fs::read(&path)
         .map_err(|e| Failed::Error(format!("cannot read {}: {e}", path.display())))?;
