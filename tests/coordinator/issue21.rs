@@ -325,3 +325,128 @@ async fn issue21_preset_aider_takes_a_task_from_new_to_complete() {
     let model = crate::model_server::ModelServer::start(aider_model);
     preset_end_to_end("aider", &path, &model).await;
 }
+
+/// An Anthropic Messages server that answers Claude Code as a model would: a `Write` of the
+/// artifact (absolute, under the working directory the system prompt names) — in implement
+/// with a `Read` of `src/lib.rs`, and once that is answered a `Write` of it (Claude Code
+/// writes an existing file only after reading it) — then the end of the turn. Claude Code
+/// folds a turn's tool calls into one assistant message, so where the conversation stands is
+/// read from the tool-call ids it holds. Streamed (SSE) when asked, with usage in
+/// `message_start`/`message_delta`, as the metering proxy reads it.
+fn anthropic_model(req: &crate::model_server::Seen) -> crate::model_server::Reply {
+    use crate::model_server::Reply;
+    if req.method != "POST" || !req.path.contains("/v1/messages") {
+        return Reply::Body(404, "application/json", r#"{"error":"not found"}"#.into());
+    }
+    let v = req.json();
+    let all = v.to_string();
+    let messages = v["messages"].as_array().cloned().unwrap_or_default();
+    let used: Vec<String> = messages
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .flat_map(|m| m["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|b| b["id"].as_str().map(str::to_string))
+        .collect();
+    let user_text: String = messages
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .flat_map(|m| m["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|b| b["text"].as_str().map(str::to_string))
+        .collect();
+    let wd = all
+        .split("Primary working directory: ")
+        .nth(1)
+        .map(|r| r.split("\\n").next().unwrap_or("").to_string())
+        .unwrap_or_default();
+    let artifact = artifact_in(&user_text);
+    let implement = artifact == "IMPLEMENTATION.md";
+    let lib = format!("{wd}/src/lib.rs");
+    let tool = |id: &str, name: &str, input: serde_json::Value| serde_json::json!({"type": "tool_use", "id": id, "name": name, "input": input});
+    let mut blocks = Vec::new();
+    let has = |id: &str| used.iter().any(|u| u == id);
+    if !wd.is_empty() && !has("toolu_artifact") {
+        blocks.push(tool(
+            "toolu_artifact",
+            "Write",
+            serde_json::json!({"file_path": format!("{wd}/.automaton-task/{artifact}"), "content": artifact_body(&artifact)}),
+        ));
+        if implement {
+            blocks.push(tool(
+                "toolu_read",
+                "Read",
+                serde_json::json!({"file_path": lib}),
+            ));
+        }
+    } else if !wd.is_empty() && implement && !has("toolu_lib") {
+        blocks.push(tool(
+            "toolu_lib",
+            "Write",
+            serde_json::json!({"file_path": lib, "content": LIB}),
+        ));
+    }
+    if blocks.is_empty() {
+        blocks.push(serde_json::json!({"type": "text", "text": "Done."}));
+    }
+    let stop = if blocks.iter().any(|b| b["type"] == "tool_use") {
+        "tool_use"
+    } else {
+        "end_turn"
+    };
+    let input = (all.len() / 4) as u64;
+    if v["stream"] != serde_json::Value::Bool(true) {
+        let body = serde_json::json!({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": v["model"],
+            "content": blocks, "stop_reason": stop, "stop_sequence": null,
+            "usage": {"input_tokens": input, "output_tokens": 20},
+        });
+        return Reply::Body(200, "application/json", body.to_string());
+    }
+    let mut out = String::new();
+    let mut event = |name: &str, data: serde_json::Value| {
+        out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
+    };
+    event(
+        "message_start",
+        serde_json::json!({"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": v["model"], "content": [],
+            "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": input, "output_tokens": 1}}}),
+    );
+    for (i, b) in blocks.iter().enumerate() {
+        if b["type"] == "text" {
+            event(
+                "content_block_start",
+                serde_json::json!({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}),
+            );
+            event(
+                "content_block_delta",
+                serde_json::json!({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": b["text"]}}),
+            );
+        } else {
+            event(
+                "content_block_start",
+                serde_json::json!({"type": "content_block_start", "index": i, "content_block": {"type": "tool_use", "id": b["id"], "name": b["name"], "input": {}}}),
+            );
+            event(
+                "content_block_delta",
+                serde_json::json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": b["input"].to_string()}}),
+            );
+        }
+        event(
+            "content_block_stop",
+            serde_json::json!({"type": "content_block_stop", "index": i}),
+        );
+    }
+    event(
+        "message_delta",
+        serde_json::json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null}, "usage": {"output_tokens": 20}}),
+    );
+    event("message_stop", serde_json::json!({"type": "message_stop"}));
+    Reply::Body(200, "text/event-stream", out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue21_preset_claude_code_takes_a_task_from_new_to_complete() {
+    let path = path_with(&agent_tools("npm/node_modules/.bin"), "claude");
+    let model = crate::model_server::ModelServer::start(anthropic_model);
+    preset_end_to_end("claude-code", &path, &model).await;
+}
