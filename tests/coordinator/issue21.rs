@@ -450,3 +450,67 @@ async fn issue21_preset_claude_code_takes_a_task_from_new_to_complete() {
     let model = crate::model_server::ModelServer::start(anthropic_model);
     preset_end_to_end("claude-code", &path, &model).await;
 }
+
+/// An OpenAI Responses server that answers Codex as a model would: one `exec_command` call
+/// that writes the artifact (and in implement `src/lib.rs`) with heredocs, in the workspace
+/// Codex runs it in; once its output is back, the final message. Streamed (SSE), with usage
+/// in `response.completed`, as the metering proxy reads it.
+fn responses_model(req: &crate::model_server::Seen) -> crate::model_server::Reply {
+    use crate::model_server::Reply;
+    if req.method != "POST" || !req.path.ends_with("/v1/responses") {
+        return Reply::Body(404, "application/json", r#"{"error":"not found"}"#.into());
+    }
+    let v = req.json();
+    let input = v["input"].as_array().cloned().unwrap_or_default();
+    let answered = input.iter().any(|i| i["type"] == "function_call_output");
+    let user_text: String = input
+        .iter()
+        .filter(|i| i["role"] == "user")
+        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|c| c["text"].as_str().map(str::to_string))
+        .collect();
+    let artifact = artifact_in(&user_text);
+    let item = if answered {
+        serde_json::json!({"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": "Done.", "annotations": []}]})
+    } else {
+        let mut cmd = format!(
+            "cat > .automaton-task/{artifact} <<'AUTOMATON_EOF'\n{}AUTOMATON_EOF\n",
+            artifact_body(&artifact)
+        );
+        if artifact == "IMPLEMENTATION.md" {
+            cmd.push_str(&format!(
+                "cat > src/lib.rs <<'AUTOMATON_EOF'\n{LIB}AUTOMATON_EOF\n"
+            ));
+        }
+        serde_json::json!({"type": "function_call", "id": "fc_1", "call_id": "call_1", "status": "completed",
+            "name": "exec_command", "arguments": serde_json::json!({"cmd": cmd}).to_string()})
+    };
+    let tokens = (v.to_string().len() / 4) as u64;
+    let mut out = String::new();
+    let mut event = |data: serde_json::Value| {
+        out.push_str(&format!(
+            "event: {}\ndata: {data}\n\n",
+            data["type"].as_str().unwrap_or("")
+        ));
+    };
+    event(
+        serde_json::json!({"type": "response.created", "response": {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}}),
+    );
+    event(
+        serde_json::json!({"type": "response.output_item.done", "output_index": 0, "item": item}),
+    );
+    event(
+        serde_json::json!({"type": "response.completed", "response": {"id": "resp_1", "object": "response", "status": "completed", "output": [item],
+        "usage": {"input_tokens": tokens, "output_tokens": 20, "total_tokens": tokens + 20,
+            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}}),
+    );
+    Reply::Body(200, "text/event-stream", out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue21_preset_codex_takes_a_task_from_new_to_complete() {
+    let path = path_with(&agent_tools("npm/node_modules/.bin"), "codex");
+    let model = crate::model_server::ModelServer::start(responses_model);
+    preset_end_to_end("codex", &path, &model).await;
+}
