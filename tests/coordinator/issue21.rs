@@ -514,3 +514,68 @@ async fn issue21_preset_codex_takes_a_task_from_new_to_complete() {
     let model = crate::model_server::ModelServer::start(responses_model);
     preset_end_to_end("codex", &path, &model).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue21_patch_exclude_keeps_a_configured_path_off_the_branch() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    // The scripted agent's only code change is AUTOMATON_SCRIPTED.md: excluded, nothing
+    // reaches the branch, and the implement run says it changed no code.
+    let _w = Worker::start(
+        &coord.url,
+        &[
+            "--name",
+            "gpu-a",
+            "--simulate-gpu",
+            "sim:24GiB",
+            "--agent",
+            "scripted",
+            "--patch-exclude",
+            "AUTOMATON_SCRIPTED*",
+        ],
+        &[],
+    );
+    api.create("t").await.expect("create");
+    let approver = approve_all(&api);
+    let d = poll("implement done", Duration::from_secs(40), || {
+        let mut api = api.clone();
+        async move {
+            let d = api.get("t").await.ok()?;
+            d.runs
+                .iter()
+                .any(|r| r.phase == "implement" && r.state == "stopped")
+                .then_some(d)
+        }
+    })
+    .await;
+    approver.abort();
+    let run = d
+        .runs
+        .iter()
+        .find(|r| r.phase == "implement")
+        .expect("the implement run");
+    assert!(
+        run.warnings
+            .iter()
+            .any(|w| w
+                .contains("implement changed no code (only tool state: AUTOMATON_SCRIPTED.md)")),
+        "{run:#?}"
+    );
+    let files = git(&env, &["ls-tree", "-r", "--name-only", "automaton/t"]);
+    assert!(!files.contains("AUTOMATON_SCRIPTED.md"), "{files}");
+    // A pattern that is no top-level name is refused at start, in one line.
+    let mut bad = Worker::spawn(
+        &coord.url,
+        &["--agent", "scripted", "--patch-exclude", "src/x"],
+        &[],
+    );
+    let status = wait_bounded(&mut bad.child, Duration::from_secs(20)).expect("exits");
+    assert_eq!(status.code(), Some(2), "{}", bad.stderr());
+    assert!(
+        bad.stderr().contains("give a top-level name"),
+        "{}",
+        bad.stderr()
+    );
+}

@@ -57,6 +57,11 @@ struct Cli {
     /// it the worker holds its session but takes no work.
     #[arg(long, value_name = "AGENT")]
     agent: Option<String>,
+    /// A path that is the agent's tool state, never part of a patch, besides the defaults
+    /// (`.aider*`, `.claude/`, `.codex/`, …): `name/` a top-level folder, `prefix*` a
+    /// top-level name so starting, else that name. Repeat for more.
+    #[arg(long, value_name = "PATTERN", value_parser = parse_exclude)]
+    patch_exclude: Vec<String>,
     /// Where fresh workspaces are made (default: a folder under the system's temp dir).
     #[arg(long, value_name = "DIR")]
     work_dir: Option<std::path::PathBuf>,
@@ -135,6 +140,16 @@ fn parse_keep(s: &str) -> Result<usize, String> {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("'{s}': give how many trees to keep, at least 1")),
     }
+}
+
+fn parse_exclude(s: &str) -> Result<String, String> {
+    let bare = s.trim_end_matches(['/', '*']);
+    if bare.is_empty() || bare.contains('/') || bare == "." || bare == ".." || s.len() > 255 {
+        return Err(format!(
+            "{s:?}: give a top-level name, e.g. .aider* (a prefix), .claude/ (a folder) or notes.tmp"
+        ));
+    }
+    Ok(s.to_string())
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -468,6 +483,11 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
                 gpu: gpu_label(&probe.gpus),
                 retry_for: cli.work_retry,
                 secrets,
+                patch_exclude: automaton_worker::presets::DEFAULT_PATCH_EXCLUDES
+                    .iter()
+                    .map(|p| p.to_string())
+                    .chain(cli.patch_exclude.iter().cloned())
+                    .collect(),
             }))
         }
     };

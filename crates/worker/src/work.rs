@@ -65,6 +65,9 @@ pub struct Runner {
     /// The worker's own secrets (its token, its pool secret), redacted from the output tails
     /// sent to the coordinator.
     pub secrets: Vec<String>,
+    /// Paths that are an agent's tool state, never part of a patch
+    /// (`crate::presets::DEFAULT_PATCH_EXCLUDES` and the worker's `--patch-exclude`s).
+    pub patch_exclude: Vec<String>,
 }
 
 /// What a run's report carries besides its reason and detail.
@@ -771,7 +774,7 @@ async fn report_back(
     let code: Vec<&str> = changes
         .iter()
         .map(|c| c.path.as_str())
-        .filter(|p| !is_tool_state(p))
+        .filter(|p| !crate::presets::excluded(p, &runner.patch_exclude))
         .collect();
     if implement && code.is_empty() {
         if a.require_code_change {
@@ -797,7 +800,7 @@ async fn report_back(
     // What goes onto the branch: never an agent's tool state.
     let changes: Vec<_> = changes
         .into_iter()
-        .filter(|c| !is_tool_state(&c.path))
+        .filter(|c| !crate::presets::excluded(&c.path, &runner.patch_exclude))
         .collect();
     let path = ws.artifact_path(&a.artifact);
     let bytes = std::fs::read(&path)
