@@ -335,6 +335,48 @@ fn issue21_doctor_names_an_agent_that_changed_no_code() {
 }
 
 #[test]
+fn issue21_doctor_stops_an_agent_at_its_timeout_and_still_removes_its_scratch() {
+    let server = ModelServer::start(vllm);
+    let work = tempfile::tempdir().unwrap();
+    let agent = format!("{ARTIFACT}; sleep 60");
+    let t = std::time::Instant::now();
+    let r: Run = Command::new(env!("CARGO_BIN_EXE_automaton-worker"))
+        .args([
+            "doctor",
+            "--timeout",
+            "1s",
+            "--kill-grace",
+            "1s",
+            "--agent",
+            &agent,
+        ])
+        .args(["--model-server", &server.url, "--work-dir"])
+        .arg(work.path())
+        .env("HOME", work.path())
+        .output()
+        .unwrap()
+        .into();
+    r.code(1);
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        r.stderr.contains("no result after 1s (--timeout 1s)"),
+        "{}",
+        r.stderr
+    );
+    fails(
+        &r,
+        "metering",
+        &["no model request passed through the metering proxy"],
+    );
+    passes(&r, "artifact");
+    assert!(scratch_left(work.path()).is_empty());
+}
+
+#[test]
 fn issue21_doctor_refuses_bad_usage_with_exit_2() {
     let work = tempfile::tempdir().unwrap();
     let r = doctor(work.path(), None, &["--agent", "aider"]);

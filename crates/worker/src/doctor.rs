@@ -344,8 +344,11 @@ fn run_in(o: &Options, agent: &Agent, scratch: &Path) -> Result<Report, Error> {
         let outcome = match Running::start(spec, |_| {}) {
             Ok(r) => {
                 let stop = async {
-                    // Ctrl-C ends the agent's group and still cleans the scratch up.
-                    let _ = tokio::signal::ctrl_c().await;
+                    // Ctrl-C ends the agent's group and still cleans the scratch up; without
+                    // a handler the run just goes on to its timeout.
+                    if tokio::signal::ctrl_c().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
                     StopReason::Shutdown
                 };
                 r.wait(o.timeout, stop).await

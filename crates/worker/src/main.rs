@@ -1,5 +1,6 @@
-//! `automaton-worker`: `probe` reports what this machine can hold; without a subcommand the
-//! worker joins the coordinator's fleet and holds its session.
+//! `automaton-worker`: `probe` reports what this machine can hold; `doctor` runs one dry
+//! phase of an agent setup and says what to fix; without a subcommand the worker joins the
+//! coordinator's fleet and holds its session.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
