@@ -7,12 +7,14 @@
 //! and code reported back under the lease (`work`) — each run one span, joined to the
 //! coordinator's trace of the phase run — what each run used, read from the model server's
 //! answers by a metering proxy the agent is pointed at (`meter`), and its Prometheus metrics
-//! (`metrics`). `presets` holds the tested templates for aider, Codex and Claude Code.
+//! (`metrics`). `presets` holds the tested templates for aider, Codex and Claude Code;
+//! `doctor` runs one dry phase in a scratch workspace and says what to fix.
 //!
 //! It must not decide policy: which task runs where, who may review what, when a lease ends
 //! are the coordinator's calls. The worker reports and obeys.
 
 pub mod agent;
+pub mod doctor;
 pub mod guard;
 pub mod meter;
 pub mod metrics;

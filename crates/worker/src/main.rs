@@ -1,5 +1,6 @@
-//! `automaton-worker`: `probe` reports what this machine can hold; without a subcommand the
-//! worker joins the coordinator's fleet and holds its session.
+//! `automaton-worker`: `probe` reports what this machine can hold; `doctor` runs one dry
+//! phase of an agent setup and says what to fix; without a subcommand the worker joins the
+//! coordinator's fleet and holds its session.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -119,6 +120,31 @@ enum Cmd {
         #[arg(long, value_name = "NAME")]
         name: String,
     },
+    /// One dry implement phase in a scratch workspace, run as the worker runs an assignment
+    /// (metering proxy, guard, built-in prompt), then one line per check, PASS or FAIL with
+    /// the fix: the program is on PATH, the model server answers and its window is read,
+    /// requests pass through the metering proxy with usage, the artifact is written where it
+    /// belongs, code lands in the workspace root. Exits 0 when all pass, 1 when any fails.
+    Doctor {
+        /// The agent, as the worker takes it: a preset (aider, codex, claude-code),
+        /// `scripted`, or a command template.
+        #[arg(long, value_name = "AGENT")]
+        agent: String,
+        /// How long the agent may run.
+        #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
+        timeout: Duration,
+        /// Keep the scratch workspace (its path is printed on stderr).
+        #[arg(long)]
+        keep: bool,
+        /// Where the scratch workspace is made (default: the system's temp dir).
+        #[arg(long, value_name = "DIR")]
+        work_dir: Option<PathBuf>,
+        /// Between SIGTERM and SIGKILL of the agent's process group.
+        #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_duration)]
+        kill_grace: Duration,
+        #[command(flatten)]
+        detect: probe::DetectArgs,
+    },
     /// The built-in deterministic agent, run by the worker itself for `--agent scripted`.
     #[command(hide = true)]
     ScriptedAgent,
@@ -167,6 +193,24 @@ fn main() -> ExitCode {
         Some(Cmd::AgentGuard { grace, ref command }) => {
             return ExitCode::from(guard::run(grace, command));
         }
+        Some(Cmd::Doctor {
+            ref agent,
+            timeout,
+            keep,
+            ref work_dir,
+            kill_grace,
+            ref detect,
+        }) => {
+            return doctor(automaton_worker::doctor::Options {
+                agent: agent.clone(),
+                model: detect.model.clone(),
+                model_server: detect.model_server.clone(),
+                timeout,
+                keep,
+                work_dir: work_dir.clone(),
+                grace: kill_grace,
+            });
+        }
         Some(Cmd::ScriptedAgent) => {
             return match scripted::run_from_env() {
                 Ok(code) => ExitCode::from(code),
@@ -184,6 +228,48 @@ fn main() -> ExitCode {
             eprintln!("automaton-worker: {e:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// `doctor`: the checks on stdout, one line each; when one failed, how the agent's run ended
+/// and the last of its output on stderr. 0 when all pass, 1 when any fails, 2 when it could
+/// not run.
+fn doctor(o: automaton_worker::doctor::Options) -> ExitCode {
+    use std::io::Write;
+    let report = match automaton_worker::doctor::run(&o) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("automaton-worker doctor: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    for c in &report.checks {
+        let _ = writeln!(out, "{}", c.line());
+    }
+    let _ = out.flush();
+    if !report.passed() {
+        eprintln!(
+            "automaton-worker doctor: the agent's run: {}",
+            report.outcome
+        );
+        if !report.tail.is_empty() {
+            eprintln!(
+                "automaton-worker doctor: the last of its output:\n{}",
+                report.tail
+            );
+        }
+    }
+    if let Some(dir) = &report.kept {
+        eprintln!(
+            "automaton-worker doctor: the scratch workspace is kept at {}",
+            dir.display()
+        );
+    }
+    if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
     }
 }
 
