@@ -157,6 +157,14 @@ fn artifact_body(name: &str) -> String {
 /// whole, and in implement a change to `src/lib.rs`; with usage, so runs are metered.
 fn aider_model(req: &crate::model_server::Seen) -> crate::model_server::Reply {
     use crate::model_server::Reply;
+    // vLLM's model list, with the window the worker's probe (and the doctor) read.
+    if req.method == "GET" && req.path == "/v1/models" {
+        return Reply::Body(
+            200,
+            "application/json",
+            r#"{"object":"list","data":[{"id":"test-model","object":"model","max_model_len":32768}]}"#.into(),
+        );
+    }
     if req.method != "POST" || !req.path.ends_with("/v1/chat/completions") {
         return Reply::Body(404, "application/json", r#"{"error":"not found"}"#.into());
     }
@@ -578,4 +586,38 @@ async fn issue21_patch_exclude_keeps_a_configured_path_off_the_branch() {
         "{}",
         bad.stderr()
     );
+}
+
+#[test]
+fn issue21_doctor_passes_with_the_real_aider_preset() {
+    let path = path_with(&agent_tools("aider/bin"), "aider");
+    let model = crate::model_server::ModelServer::start(aider_model);
+    let home = tempfile::tempdir().expect("home");
+    let mut c = std::process::Command::new(worker_bin());
+    c.args([
+        "doctor",
+        "--agent",
+        "aider",
+        "--model",
+        "test-model",
+        "--model-server",
+        &model.url,
+        "--timeout",
+        "120s",
+    ]);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    c.env("HOME", home.path()).env("PATH", &path);
+    let out = run_bounded(c, Duration::from_secs(150));
+    assert_eq!(out.code, 0, "{}\n{}", out.stdout, out.stderr);
+    for check in ["program", "model-server", "metering", "artifact", "code"] {
+        assert!(
+            out.stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("PASS {check}"))),
+            "{check}:\n{}",
+            out.stdout
+        );
+    }
 }

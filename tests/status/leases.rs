@@ -470,7 +470,9 @@ fn state_write_survives_kill_9_at_any_instant() {
         let _ = child.wait();
         whole = whole.max(t.elapsed());
     }
-    let window = u64::try_from(whole.as_micros() * 2).unwrap_or(u64::MAX).max(4000);
+    let window = u64::try_from(whole.as_micros() * 2)
+        .unwrap_or(u64::MAX)
+        .max(4000);
     let mut rng = Lcg(0x5eed);
     let started = Instant::now();
     let mut killed = 0;
