@@ -284,6 +284,17 @@ impl Env {
 }
 
 /// Runs `c` to completion with its output captured, killing it after `timeout`.
+/// `automaton ARGS --coordinator URL` in `env`'s project, as an operator at a shell would.
+pub fn cli_at(env: &Env, coord: &Coord, args: &[&str]) -> Run {
+    let mut c = Command::new(cli_bin());
+    c.args(args).args(["--coordinator", &coord.url]);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    c.env("HOME", env.home.path()).current_dir(env.root());
+    run_bounded(c, Duration::from_secs(30))
+}
+
 pub fn run_bounded(mut c: Command, timeout: Duration) -> Run {
     c.stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -6,7 +6,6 @@
 //! code is a `no_code_change` event (and a failed run under `Require code change: yes`); a
 //! read-only phase's dropped changes are named; a retry waits and goes to the other worker.
 
-use std::process::Command;
 use std::time::Duration;
 
 use automaton_proto::v1 as pb;
@@ -37,17 +36,6 @@ fn agent_worker(coord: &Coord, name: &str, agent: &str, model_server: Option<&st
 /// A coordinator over `env` that holds a task after its first failed run.
 fn coordinator(env: &std::sync::Arc<Env>) -> Coord {
     Coord::start_with_env(env, &FLEET, &[("AUTOMATON_MAX_ATTEMPTS", "1")])
-}
-
-/// `automaton ARGS --coordinator URL`.
-fn cli(env: &Env, coord: &Coord, args: &[&str]) -> Run {
-    let mut c = Command::new(cli_bin());
-    c.args(args).args(["--coordinator", &coord.url]);
-    for k in SCRUBBED_ENV {
-        c.env_remove(k);
-    }
-    c.env("HOME", env.home.path()).current_dir(env.root());
-    run_bounded(c, Duration::from_secs(30))
 }
 
 /// The first stopped run of `task`.
@@ -102,7 +90,7 @@ async fn issue21_failures_a_missing_program_is_named_and_its_output_shown() {
         }
     })
     .await;
-    let out = cli(&env, &coord, &["status", "--task", "t"]);
+    let out = cli_at(&env, &coord, &["status", "--task", "t"]);
     assert!(
         out.stdout
             .contains("(agent_error): command not found: no-such-agent-xyz"),
@@ -121,7 +109,7 @@ async fn issue21_failures_a_missing_program_is_named_and_its_output_shown() {
         "the tail, indented: {}",
         out.stdout
     );
-    let out = cli(&env, &coord, &["tasks"]);
+    let out = cli_at(&env, &coord, &["tasks"]);
     assert!(
         out.stdout.lines().any(|l| l
             .trim_start()
@@ -157,7 +145,7 @@ async fn issue21_failures_an_agent_that_prints_then_fails_has_its_tail_in_the_ru
             && run.output_tail.ends_with("the model said no\n"),
         "{run:#?}"
     );
-    let out = cli(&env, &coord, &["status", "--task", "t"]);
+    let out = cli_at(&env, &coord, &["status", "--task", "t"]);
     assert!(
         out.stdout.contains("last 20 of 41 lines:"),
         "{}",
@@ -256,7 +244,7 @@ async fn issue21_failures_an_implement_that_changes_no_code_is_reported_and_can_
     let e = events.expect("no_code_change", "t").await;
     assert_eq!(e.agent, "gpu-a");
     assert!(e.detail.contains("implement changed no code"), "{e:?}");
-    let out = cli(&env, &coord, &["status", "--task", "t"]);
+    let out = cli_at(&env, &coord, &["status", "--task", "t"]);
     assert!(
         out.stdout
             .contains("      warning: implement changed no code (only tool state"),

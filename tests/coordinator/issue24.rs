@@ -5,7 +5,6 @@
 //! a parent whose own VERDICT.md says PASS over a failed sub-task ends in
 //! `human_intervention`; a missing VRAM_CONFIG.md is made again.
 
-use std::process::Command;
 use std::time::Duration;
 
 use automaton_proto::v1 as pb;
@@ -57,29 +56,18 @@ async fn plan(api: &mut Api, env: &Env, parent: &str, rows: &[(&str, &str, u64, 
     env.artifact(parent, "SPEC.md", &spec(rows));
 }
 
-/// The CLI against `coord`, in the project.
-fn cli(env: &Env, coord: &Coord, args: &[&str]) -> Run {
-    let mut c = Command::new(cli_bin());
-    c.args(args).args(["--coordinator", &coord.url]);
-    for k in SCRUBBED_ENV {
-        c.env_remove(k);
-    }
-    c.env("HOME", env.home.path()).current_dir(env.root());
-    run_bounded(c, Duration::from_secs(30))
-}
-
 /// `automaton status --task TASK` (text) against `coord`.
 fn status(env: &Env, coord: &Coord, task: &str, json: bool) -> Run {
     let mut args = vec!["status", "--task", task];
     if json {
         args.push("--json");
     }
-    cli(env, coord, &args)
+    cli_at(env, coord, &args)
 }
 
 /// `automaton tasks --json`: the row of `task` (a top-level task or a sub-task).
 fn tasks_row(env: &Env, coord: &Coord, task: &str) -> serde_json::Value {
-    let out = cli(env, coord, &["tasks", "--json"]);
+    let out = cli_at(env, coord, &["tasks", "--json"]);
     out.ok();
     let all: serde_json::Value = serde_json::from_str(&out.stdout).expect("tasks --json");
     all.as_array()
@@ -209,7 +197,7 @@ async fn issue24_5_the_parents_status_carries_its_subtasks_verdicts_everywhere()
     // automaton tasks, JSON and text.
     let row = tasks_row(&env, &coord, "p");
     assert_eq!(row["verdicts"]["summary"], want, "{row:#}");
-    let out = cli(&env, &coord, &["tasks"]);
+    let out = cli_at(&env, &coord, &["tasks"]);
     out.ok();
     assert!(
         out.stdout.contains(&format!(
@@ -268,7 +256,7 @@ async fn issue24_6_human_intervention_required_is_shown_in_status_tasks_and_even
         "{}",
         text.stdout
     );
-    let out = cli(&env, &coord, &["tasks"]);
+    let out = cli_at(&env, &coord, &["tasks"]);
     out.ok();
     assert!(out.stdout.contains(&line), "{}", out.stdout);
     assert!(
@@ -470,7 +458,7 @@ async fn issue24_2_manual_mode_executes_nothing_until_an_operator_runs_a_phase()
         "automaton run t"
     );
     // The operator runs one phase: research runs, and the task waits at its gate.
-    let out = cli(&env, &coord, &["run", "t"]);
+    let out = cli_at(&env, &coord, &["run", "t"]);
     out.ok();
     assert!(
         out.stdout.contains("runs its research next"),
@@ -489,7 +477,7 @@ async fn issue24_2_manual_mode_executes_nothing_until_an_operator_runs_a_phase()
         "automaton approve t"
     );
     // A run at a gate is refused, clearly, and changes nothing.
-    let refused = cli(&env, &coord, &["run", "t"]);
+    let refused = cli_at(&env, &coord, &["run", "t"]);
     assert_ne!(refused.code, 0, "{refused:?}");
     assert!(
         refused.stderr.contains("automaton approve t"),
@@ -526,7 +514,7 @@ async fn issue24_2_automaton_run_in_autopilot_is_refused_with_what_to_do() {
     let coord = Coord::start(&env, &["--no-dispatch"]);
     let mut api = coord.api().await;
     api.create("t").await.expect("create");
-    let out = cli(&env, &coord, &["run", "t"]);
+    let out = cli_at(&env, &coord, &["run", "t"]);
     assert_ne!(out.code, 0, "{out:?}");
     assert!(
         out.stderr.contains("autopilot is on") && out.stderr.contains("Autopilot: Disabled"),

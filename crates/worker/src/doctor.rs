@@ -707,7 +707,7 @@ fn code_check(ws: &Workspace, base: &[TreeFile]) -> Check {
             format!(
                 "{} file(s) changed in the workspace root: {}",
                 code.len(),
-                name_paths(&code)
+                crate::work::name_paths(&code)
             ),
         );
     }
@@ -718,7 +718,7 @@ fn code_check(ws: &Workspace, base: &[TreeFile]) -> Check {
             NAME,
             format!(
                 "no code changed in the workspace root; the agent wrote under {TASK_DIR}/ instead: {}",
-                name_paths(&strays)
+                crate::work::name_paths(&strays)
             ),
             "run the agent with the workspace root as its root ($AUTOMATON_WORKSPACE; aider: a git repository there, as the aider preset makes); nothing under .automaton-task/ but the artifact is kept",
         );
@@ -732,25 +732,11 @@ fn code_check(ws: &Workspace, base: &[TreeFile]) -> Check {
             format!(
                 "{} (only tool state: {})",
                 crate::work::NO_CODE_CHANGE,
-                name_paths(&tool)
+                crate::work::name_paths(&tool)
             ),
             fix,
         )
     }
-}
-
-/// `paths` for one line: the first ten, and how many more.
-fn name_paths(paths: &[&str]) -> String {
-    let mut out = paths
-        .iter()
-        .take(10)
-        .copied()
-        .collect::<Vec<_>>()
-        .join(", ");
-    if paths.len() > 10 {
-        out.push_str(&format!(" and {} more", paths.len() - 10));
-    }
-    out
 }
 
 #[cfg(test)]

@@ -100,7 +100,7 @@ pub fn is_tool_state(path: &str) -> bool {
 }
 
 /// `paths` for one line: the first ten, and how many more.
-fn name_paths(paths: &[&str]) -> String {
+pub(crate) fn name_paths(paths: &[&str]) -> String {
     let mut out = paths
         .iter()
         .take(10)
