@@ -629,3 +629,60 @@ async fn a_late_stopped_for_a_run_the_restarted_coordinator_does_not_know_releas
     assert_eq!(late.stop_reason, "agent_error", "{late:?}");
     assert!(late.detail.contains("tcp connect error"), "{late:?}");
 }
+
+/// A failed run's retry pause survives `kill -9`: three failures make it 4 s; the coordinator
+/// is killed at once and restarted; the next run starts no sooner than the pause allows
+/// (forgotten, the task was offered as soon as the worker resumed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_pause_survives_kill_9() {
+    let env = Env::new();
+    git_init(&env);
+    let args = args();
+    let envs = [("AUTOMATON_MAX_ATTEMPTS", "10")];
+    let mut coord = Coord::start_with_env(&env, &args, &envs);
+    let api = coord.api().await;
+    let _w = scripted_worker(
+        &coord,
+        "gpu-a",
+        "sim:24GiB",
+        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "exit-1")],
+    );
+    api.clone().create("t").await.expect("create");
+    let third = poll("three failed runs", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            let failed: Vec<pb::Run> = runs(&mut api, "t")
+                .await
+                .into_iter()
+                .filter(|r| r.stop_reason == "agent_error")
+                .collect();
+            (failed.len() >= 3).then(|| failed[2].clone())
+        }
+    })
+    .await;
+    on_disk(&env, "t", "retry_until_ms").await;
+    kill_9_and_restart(&mut coord, &args, &envs);
+    let api = coord.api().await;
+    let next = poll("the run after the pause", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        let after = third.token;
+        async move {
+            runs(&mut api, "t")
+                .await
+                .into_iter()
+                .find(|r| r.token > after)
+        }
+    })
+    .await;
+    let at = |t: &Option<automaton_proto::prost_types::Timestamp>| {
+        t.as_ref()
+            .map(|t| t.seconds as f64 + f64::from(t.nanos) / 1e9)
+            .unwrap_or(0.0)
+    };
+    let gap = at(&next.started_at) - at(&third.ended_at);
+    // The pause after the third failure is 4 s; the clocks are the coordinator's own.
+    assert!(
+        gap >= 3.5,
+        "offered {gap:.2}s after the third failure, across a restart: {next:?}"
+    );
+}

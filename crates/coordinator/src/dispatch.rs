@@ -18,8 +18,9 @@
 //! (an implement that changed no code is also a `no_code_change` event). A failed run
 //! releases its lease and is logged at WARN; its task is offered again only after a pause
 //! ([`retry_pause`]: 1 s, doubled with each failure of the phase, at most 30 s, kept in
-//! memory only) and to another fitting idle worker before the one that failed it; after
-//! `max_attempts` failed runs of one phase the task is held from dispatch, with the reason.
+//! `.state.dispatch` across restarts) and to another fitting idle worker before the one that
+//! failed it; after `max_attempts` failed runs of one phase the task is held from dispatch,
+//! with the reason.
 //!
 //! Restarts: what dispatch must not forget — an operator's and the limits' holds, the failure
 //! and iteration counts, when a task's first run was offered, the need a sub-task was first
@@ -206,7 +207,8 @@ struct Inner {
     requested: HashMap<TaskName, String>,
     /// Tasks whose last run failed: not offered again before the instant (a backoff), and
     /// then to another fitting worker before the one that failed it.
-    retry: HashMap<TaskName, (Instant, AgentId)>,
+    /// When, also as wall-clock milliseconds (what `.state.dispatch` keeps).
+    retry: HashMap<TaskName, (Instant, AgentId, u64)>,
 }
 
 pub(crate) struct Work {
@@ -434,6 +436,8 @@ impl Work {
                 .map(|r| r.iter().map(run_record).collect())
                 .unwrap_or_default(),
             run_requested: inner.requested.get(task).cloned(),
+            retry_until_ms: inner.retry.get(task).map(|(_, _, ms)| *ms),
+            retry_after: inner.retry.get(task).map(|(_, w, _)| w.to_string()),
         }
     }
 
@@ -495,6 +499,18 @@ impl Work {
         }
         if let Some(by) = r.run_requested {
             inner.requested.entry(task.clone()).or_insert(by);
+        }
+        // A retry pause goes on across the restart, for what is left of it.
+        if let (Some(ms), Some(w)) = (r.retry_until_ms, r.retry_after.as_deref())
+            && let Ok(w) = w.parse::<AgentId>()
+        {
+            let left = from_ms(ms)
+                .duration_since(SystemTime::now())
+                .unwrap_or_default();
+            let until = Instant::now()
+                .checked_add(left)
+                .unwrap_or_else(|| Instant::now() + RETRY_MAX_PAUSE);
+            inner.retry.entry(task.clone()).or_insert((until, w, ms));
         }
         if let Some((e, a)) = r.sized
             && !inner.sized.contains_key(task)
@@ -822,7 +838,7 @@ impl Coordinator {
             }
             // A failed run's task waits out its pause before it is offered again.
             let retry = self.work.inner().retry.get(&task).cloned();
-            if let Some((until, _)) = &retry
+            if let Some((until, _, _)) = &retry
                 && *until > Instant::now()
             {
                 let left = until.saturating_duration_since(Instant::now());
@@ -881,7 +897,7 @@ impl Coordinator {
                 .collect();
             // The worker whose run just failed is tried last (a stable sort keeps the rest
             // in their order of preference).
-            if let Some((_, failed)) = &retry {
+            if let Some((_, failed, _)) = &retry {
                 order.sort_by_key(|&i| &idle[i].name == failed);
             }
             let Some(&first) = order.first() else {
@@ -1502,10 +1518,14 @@ impl Coordinator {
             // Offered again after a pause that grows with each failure, to another worker
             // first.
             let pause = retry_pause(n);
-            self.work
-                .inner()
-                .retry
-                .insert(task.clone(), (Instant::now() + pause, worker.clone()));
+            self.work.inner().retry.insert(
+                task.clone(),
+                (
+                    Instant::now() + pause,
+                    worker.clone(),
+                    wall_ms(SystemTime::now() + pause),
+                ),
+            );
             if n >= self.work.max_attempts {
                 self.hold_as(
                     task,
@@ -1992,6 +2012,8 @@ mod tests {
                 },
             ],
             run_requested: Some("ops".into()),
+            retry_until_ms: Some(wall_ms(SystemTime::now() + Duration::from_secs(20))),
+            retry_after: Some("gpu-b".into()),
         }
     }
 

@@ -40,6 +40,10 @@ pub struct DispatchRecord {
     /// Manual mode: an operator asked to run its next phase (`automaton run`), with who
     /// asked; used up when the phase's artifact moves the task on.
     pub run_requested: Option<String>,
+    /// After a failed run: not offered again before this instant (milliseconds since the
+    /// Unix epoch), and then to another worker before `retry_after`, the one that failed it.
+    pub retry_until_ms: Option<u64>,
+    pub retry_after: Option<String>,
 }
 
 /// A run as the coordinator shows it (`GetTask.runs`, `ListWorkers`).
@@ -144,6 +148,8 @@ mod tests {
                 ..RunRecord::default()
             }],
             run_requested: Some("ops".into()),
+            retry_until_ms: Some(u64::MAX),
+            retry_after: Some("gpu-a".into()),
         }
     }
 
