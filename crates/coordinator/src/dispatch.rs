@@ -1551,7 +1551,7 @@ impl Coordinator {
 
     /// [`Coordinator::save_dispatch`] where nobody waits for the answer: a failure is logged
     /// (the record is written again with the task's next change).
-    async fn save_or_warn(&self, task: &TaskName) {
+    pub(crate) async fn save_or_warn(&self, task: &TaskName) {
         if let Err(e) = self.save_dispatch(task).await {
             tracing::warn!(task = %task, error = %e, "cannot write the task's dispatch record");
         }

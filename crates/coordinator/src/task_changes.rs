@@ -122,9 +122,12 @@ impl Coordinator {
                     Some(r) => Some(self.end(r?, "transitioned").await?),
                     None => Some(l),
                 };
-                if let Err(e) = self.save_dispatch(task).await {
-                    // The move is durable; the count is written again with the next change.
-                    tracing::warn!(task = %task, error = %e, "cannot write the task's dispatch record");
+                // The count is in force at once (the limit is exact); its record is written
+                // behind the answer, off the phase's hand-off: the move itself is durable,
+                // and the run's `stopped`, which follows, writes the record again.
+                if let Some(me) = self.me.upgrade() {
+                    let t = task.clone();
+                    tokio::spawn(async move { me.save_or_warn(&t).await });
                 }
                 ended
             }
