@@ -660,7 +660,18 @@ async fn a_retry_pause_survives_kill_9() {
         }
     })
     .await;
-    on_disk(&env, "t", "retry_until_ms").await;
+    // The third failure's record (its count and its 4 s pause) is on disk: the runs are
+    // listed a moment before it is written.
+    poll(
+        "the third failure on disk",
+        Duration::from_secs(10),
+        || async {
+            let v: serde_json::Value =
+                serde_json::from_slice(&env.task_file("t", ".state.dispatch")?).ok()?;
+            (v["failures"][0][1].as_u64()? >= 3 && v["retry_until_ms"].is_u64()).then_some(())
+        },
+    )
+    .await;
     kill_9_and_restart(&mut coord, &args, &envs);
     let api = coord.api().await;
     let next = poll("the run after the pause", Duration::from_secs(30), || {

@@ -944,26 +944,6 @@ pub async fn lock_view(env: &Env, task: &str, token: Option<u64>) {
     }
 }
 
-/// Waits (bounded) until `task`'s `.state.dispatch` holds `iterations` phases completed:
-/// the record a transition under a lease writes behind its answer.
-pub async fn dispatch_record(env: &Env, task: &str, iterations: u64) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let got = env
-            .task_file(task, ".state.dispatch")
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-            .and_then(|v| v["iterations"].as_u64());
-        if got == Some(iterations) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{task}: .state.dispatch shows {got:?} iterations, want {iterations}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// A live process of this machine, as `/proc` shows it.
 pub struct Process {
     pub pid: u32,

@@ -10,7 +10,7 @@ use tonic::Code;
 
 use crate::harness::{
     AGENT_B_TOKEN, AGENT_TOKEN, Coord, Env, OPERATOR_TOKEN, TOKENS_TOML, bearer, connect,
-    dispatch_record, expect_err, lock_view,
+    expect_err, lock_view,
 };
 
 /// Issue §Semantics "Separation of duties … reviewer ≠ implementer on claim and on approve,
@@ -82,9 +82,6 @@ async fn reviewer_is_not_implementer_and_agent_token_cannot_approve() {
 
     // An agent token can never approve.
     lock_view(&env, "sod", None).await;
-    // The phases completed under leases so far (A's implement, B's review), written behind
-    // the answers.
-    dispatch_record(&env, "sod", 2).await;
     let before = env.snapshot();
     expect_err(
         agent.approve("sod", "").await,

@@ -79,6 +79,18 @@ pub struct TasksArgs {
     pub json: bool,
 }
 
+/// A parent's sub-task verdicts as JSON (`tasks --json`, the demo's summary).
+pub(crate) fn verdicts_json(v: &pb::SubtaskVerdicts) -> serde_json::Value {
+    serde_json::json!({
+        "pass": v.pass,
+        "fail": v.fail,
+        "needs_review": v.needs_review,
+        "no_verdict": v.no_verdict,
+        "not_terminal": v.not_terminal,
+        "summary": v.summary,
+    })
+}
+
 fn task_json(t: &pb::TaskSummary) -> serde_json::Value {
     serde_json::json!({
         "task": t.task,
@@ -88,14 +100,7 @@ fn task_json(t: &pb::TaskSummary) -> serde_json::Value {
         "estimated_tokens": t.estimated_tokens,
         "waiting": t.waiting,
         "held": t.held,
-        "verdicts": t.verdicts.as_ref().map(|v| serde_json::json!({
-            "pass": v.pass,
-            "fail": v.fail,
-            "needs_review": v.needs_review,
-            "no_verdict": v.no_verdict,
-            "not_terminal": v.not_terminal,
-            "summary": v.summary,
-        })),
+        "verdicts": t.verdicts.as_ref().map(verdicts_json),
         "attention": t.attention,
         "next_command": t.next_command,
         "last_failure": t.last_failure,
@@ -370,15 +375,20 @@ fn backend_of(
     })
 }
 
-fn stop_act(args: &StopArgs) -> Result<String, Failure> {
-    let task: automaton_workflow::TaskName = args
-        .task
+/// The task an operator's command names, and the coordinator (or files) to act on.
+fn task_and_backend(
+    task: &str,
+    target: &Target,
+) -> Result<(automaton_workflow::TaskName, Backend), Failure> {
+    let task = task
         .parse()
         .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
-    let backend = backend_of(
-        args.target.project.as_deref(),
-        args.target.coordinator.as_deref(),
-    )?;
+    let backend = backend_of(target.project.as_deref(), target.coordinator.as_deref())?;
+    Ok((task, backend))
+}
+
+fn stop_act(args: &StopArgs) -> Result<String, Failure> {
+    let (task, backend) = task_and_backend(&args.task, &args.target)?;
     let out = backend.stop_run(&task, args.resume)?;
     Ok(if args.json {
         format!(
@@ -413,14 +423,7 @@ pub fn stop(args: &StopArgs) -> i32 {
 }
 
 fn run_act(args: &RunArgs) -> Result<String, Failure> {
-    let task: automaton_workflow::TaskName = args
-        .task
-        .parse()
-        .map_err(|e: automaton_workflow::NameError| Failure::Store(e.into()))?;
-    let backend = backend_of(
-        args.target.project.as_deref(),
-        args.target.coordinator.as_deref(),
-    )?;
+    let (task, backend) = task_and_backend(&args.task, &args.target)?;
     let out = backend.run_task(&task)?;
     Ok(if args.json {
         format!(

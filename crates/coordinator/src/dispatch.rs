@@ -84,6 +84,12 @@ const RETRY_MAX_PAUSE: Duration = Duration::from_secs(30);
 /// How an operator's hold begins (`automaton stop`).
 const STOPPED_BY: &str = "stopped by an operator";
 
+/// Whether a hold waits for a person's decision (a limit's, failed runs', MAX_PHASE_TIME's:
+/// durable and not an operator's own stop), shown with seed 002's line.
+fn awaits_a_person(why: &str, durable: bool) -> bool {
+    durable && !why.starts_with(STOPPED_BY)
+}
+
 /// Why a task with work waits in manual mode.
 fn manual_waiting(task: &TaskName, work: State) -> String {
     format!("manual mode (Autopilot: Disabled): `automaton run {task}` runs its {work}")
@@ -197,7 +203,7 @@ struct Inner {
     fixed: HashMap<TaskName, u64>,
     /// Each sub-task's wave, for listings.
     waves: HashMap<TaskName, (usize, u64)>,
-    /// Completed runs per task (seed 002's iterations) and when its first run was offered.
+    /// Phases completed per task (seed 002's iterations) and when its first run was offered.
     iterations: HashMap<TaskName, u32>,
     first_offered: HashMap<TaskName, (Instant, SystemTime)>,
     /// Terminal tasks already looked at (follow-ups made in manual mode).
@@ -344,8 +350,7 @@ impl Work {
     pub(crate) fn attention(&self, task: &TaskName) -> Option<String> {
         let inner = self.inner();
         let h = inner.held.get(task)?;
-        (h.durable && !h.why.starts_with(STOPPED_BY))
-            .then(|| automaton_store::human_intervention_line(&h.why))
+        awaits_a_person(&h.why, h.durable).then(|| automaton_store::human_intervention_line(&h.why))
     }
 
     /// Manual mode: whether an operator asked to run `task`'s next phase.
@@ -398,11 +403,11 @@ impl Work {
 
     /// A phase's work moved `task` on under its lease (seed 002's `iteration_count++`,
     /// counted when the artifact moves the task, whatever order the run's messages come in);
-    /// in manual mode, the operator's `automaton run` is used up.
-    pub(crate) fn phase_done(&self, task: &TaskName) {
+    /// in manual mode, the operator's `automaton run` is used up (whether one was).
+    pub(crate) fn phase_done(&self, task: &TaskName) -> bool {
         let mut inner = self.inner();
         *inner.iterations.entry(task.clone()).or_insert(0) += 1;
-        inner.requested.remove(task);
+        inner.requested.remove(task).is_some()
     }
 
     fn is_loaded(&self, task: &TaskName) -> bool {
@@ -1804,7 +1809,7 @@ impl Coordinator {
         if new {
             tracing::warn!(task = %task, why = %why, "task held from dispatch");
             // A hold that waits for a person's decision says so as seed 002 does.
-            let detail = if durable && !why.starts_with(STOPPED_BY) {
+            let detail = if awaits_a_person(&why, durable) {
                 automaton_store::human_intervention_line(&why)
             } else {
                 why

@@ -116,18 +116,18 @@ impl Coordinator {
         let ended = match live {
             Some(l) => {
                 // Counted before the lease ends: no round can offer the next phase first.
-                self.work.phase_done(task);
+                let asked = self.work.phase_done(task);
                 let removed = self.take_and_end(&mut self.table(), task);
                 let ended = match removed {
                     Some(r) => Some(self.end(r?, "transitioned").await?),
                     None => Some(l),
                 };
-                // The count is in force at once (the limit is exact); its record is written
-                // behind the answer, off the phase's hand-off: the move itself is durable,
-                // and the run's `stopped`, which follows, writes the record again.
-                if let Some(me) = self.me.upgrade() {
-                    let t = task.clone();
-                    tokio::spawn(async move { me.save_or_warn(&t).await });
+                // A manual-mode run request just used up is gone from disk before the answer
+                // (a restart must not run a phase nobody asked for). The count itself is in
+                // force at once (the limit is exact) and is written with the run's `stopped`,
+                // which follows: the hand-off waits for no write of its own.
+                if asked {
+                    self.save_or_warn(task).await;
                 }
                 ended
             }

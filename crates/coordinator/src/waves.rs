@@ -311,7 +311,7 @@ impl Coordinator {
                 },
             );
         }
-        self.end_parent(parent).await
+        self.end_parent(parent, d).await
     }
 
     /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).
@@ -347,12 +347,14 @@ impl Coordinator {
     /// files as every view reads it). A parent that needs a person goes to
     /// `human_intervention` whatever artifacts it holds (its own `VERDICT.md` saying PASS,
     /// say): the move hands them to that person.
-    async fn end_parent(self: &Arc<Self>, parent: &TaskName) -> Result<(), Error> {
+    async fn end_parent(
+        self: &Arc<Self>,
+        parent: &TaskName,
+        plan: Arc<Decomposition>,
+    ) -> Result<(), Error> {
         let p = parent.clone();
-        let state = Some(State::approved(Phase::Decomposition));
-        let Some(standing) = self.read(move |pr| pr.parent_standing(&p, state)).await? else {
-            return Ok(());
-        };
+        // The plan as this round has it (parsed once per version of the file).
+        let standing = self.read(move |pr| Ok(pr.standing_of(&p, &plan))).await?;
         let why = match standing.outcome {
             ParentOutcome::Waiting => return Ok(()),
             ParentOutcome::Complete => {

@@ -27,7 +27,7 @@ pub struct DispatchRecord {
     pub held: Option<String>,
     /// Failed runs per state, since the last resume.
     pub failures: Vec<(State, u32)>,
-    /// Completed runs (seed 002's iterations), since the last resume.
+    /// Phases completed under a lease (seed 002's iterations), since the last resume.
     pub iterations: u32,
     /// When its first run was offered, in milliseconds since the Unix epoch.
     pub first_offered_ms: Option<u64>,

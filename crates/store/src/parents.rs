@@ -5,8 +5,8 @@
 //! say the same; nothing here writes.
 
 use automaton_workflow::{
-    Artifact, ParentOutcome, Phase, State, TaskName, Verdict, aggregate, parent_outcome,
-    parse_decomposition, parse_verdict,
+    Artifact, Decomposition, ParentOutcome, Phase, State, TaskName, Verdict, aggregate,
+    parent_outcome, parse_decomposition, parse_verdict,
 };
 use serde::{Deserialize, Serialize};
 
@@ -61,6 +61,12 @@ impl Project {
         let Ok(plan) = parse_decomposition(&text) else {
             return Ok(None);
         };
+        Ok(Some(self.standing_of(parent, &plan)))
+    }
+
+    /// `parent`'s standing under `plan` (its parsed decomposition, as a caller that keeps one
+    /// has it): each planned sub-task's state and verdict read from its files.
+    pub fn standing_of(&self, parent: &TaskName, plan: &Decomposition) -> ParentStanding {
         let mut verdicts = Vec::new();
         let mut not_terminal = Vec::new();
         for spec in &plan.subtasks {
@@ -83,7 +89,7 @@ impl Project {
         let agg = aggregate(&verdicts);
         let outcome = parent_outcome(&agg, self.verdict_of(parent));
         let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-        Ok(Some(ParentStanding {
+        ParentStanding {
             verdicts: SubtaskVerdicts {
                 pass: count(agg.pass),
                 fail: count(agg.fail),
@@ -93,7 +99,7 @@ impl Project {
                 summary: agg.summary(),
             },
             outcome,
-        }))
+        }
     }
 
     /// Seed 002's `⚠️ **HUMAN INTERVENTION REQUIRED**: {reason}` for a task in

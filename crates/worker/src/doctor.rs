@@ -687,7 +687,7 @@ fn strays_in_task_dir(workspace: &Path) -> Vec<String> {
 
 fn code_check(ws: &Workspace, base: &[TreeFile]) -> Check {
     const NAME: &str = "code";
-    let changes = match ws.changes_excluding(base, &[]) {
+    let changes = match ws.changes_excluding::<&str>(base, &[]) {
         Ok(c) => c,
         Err(e) => {
             return Check::fail(

@@ -114,10 +114,11 @@ fn shell_quote(s: &str) -> String {
 
 /// Whether `path` (relative, `/`-separated) is tool state by `patterns` (see
 /// [`DEFAULT_PATCH_EXCLUDES`] for the form).
-pub fn excluded(path: &str, patterns: &[String]) -> bool {
+pub fn excluded<P: AsRef<str>>(path: &str, patterns: &[P]) -> bool {
     let first = path.split('/').next().unwrap_or(path);
     let is_dir = path.contains('/');
     patterns.iter().any(|p| {
+        let p = p.as_ref();
         if let Some(dir) = p.strip_suffix('/') {
             is_dir && first == dir
         } else if let Some(prefix) = p.strip_suffix('*') {
@@ -132,16 +133,9 @@ pub fn excluded(path: &str, patterns: &[String]) -> bool {
 mod tests {
     use super::*;
 
-    fn defaults() -> Vec<String> {
-        DEFAULT_PATCH_EXCLUDES
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    }
-
     #[test]
     fn tool_state_is_excluded_and_code_is_not() {
-        let d = defaults();
+        let d = DEFAULT_PATCH_EXCLUDES;
         for junk in [
             ".aider.chat.history.md",
             ".aider.tags.cache.v4/cache.db",
@@ -150,7 +144,7 @@ mod tests {
             ".git/HEAD",
             "node_modules/x/index.js",
         ] {
-            assert!(excluded(junk, &d), "{junk}");
+            assert!(excluded(junk, d), "{junk}");
         }
         for code in [
             "src/lib.rs",
@@ -159,7 +153,7 @@ mod tests {
             ".claude",
             "src/.git/x",
         ] {
-            assert!(!excluded(code, &d), "{code}");
+            assert!(!excluded(code, d), "{code}");
         }
     }
 

@@ -92,11 +92,7 @@ pub const NO_CODE_CHANGE: &str = "implement changed no code";
 /// Whether `path` is an agent tool's state rather than code (the patch-exclude list,
 /// `crate::presets::DEFAULT_PATCH_EXCLUDES`): a change of only these is no code change.
 pub fn is_tool_state(path: &str) -> bool {
-    let defaults: Vec<String> = crate::presets::DEFAULT_PATCH_EXCLUDES
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    crate::presets::excluded(path, &defaults)
+    crate::presets::excluded(path, crate::presets::DEFAULT_PATCH_EXCLUDES)
 }
 
 /// `paths` for one line: the first ten, and how many more.
@@ -756,7 +752,7 @@ async fn report_back(
             // The tree is read: it may go.
             drop(pin);
             // Everything, tool state included, to name it; the patch leaves it out.
-            match ws.changes_excluding(&files, &[]) {
+            match ws.changes_excluding::<&str>(&files, &[]) {
                 Ok(c) => c,
                 Err(e) if a.can_edit => {
                     return Err(Failed::Error(format!("cannot diff the workspace: {e}")));

@@ -687,16 +687,16 @@ impl Workspace {
     /// reported, and a base file the agent replaced by a symlink reads as deleted. Refuses
     /// more than `MAX_CHANGED_FILES` changes or `MAX_CHANGED_BYTES` of changed content.
     pub fn changes(&self, base: &[TreeFile]) -> Result<Vec<Change>> {
-        let defaults: Vec<String> = crate::presets::DEFAULT_PATCH_EXCLUDES
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        self.changes_excluding(base, &defaults)
+        self.changes_excluding(base, crate::presets::DEFAULT_PATCH_EXCLUDES)
     }
 
     /// [`Workspace::changes`] leaving out the paths `exclude` names (an agent's tool state:
     /// `crate::presets::excluded`), new, changed or deleted alike.
-    pub fn changes_excluding(&self, base: &[TreeFile], exclude: &[String]) -> Result<Vec<Change>> {
+    pub fn changes_excluding<P: AsRef<str>>(
+        &self,
+        base: &[TreeFile],
+        exclude: &[P],
+    ) -> Result<Vec<Change>> {
         let base: BTreeMap<&str, &TreeFile> = base
             .iter()
             .filter(|f| !crate::presets::excluded(&f.path, exclude))
