@@ -10,14 +10,14 @@ use crate::state::Coordinator;
 /// their own. No hop on the common path.
 pub(crate) struct Committing<'a, T: Send + 'static> {
     coord: &'a Coordinator,
-    pending: Option<(crate::wal::Commit, T)>,
+    pending: Option<(automaton_backend::Commit, T)>,
     then: fn(&Coordinator, &T, &Result<(), String>),
 }
 
 impl<'a, T: Send + 'static> Committing<'a, T> {
     pub(crate) fn new(
         coord: &'a Coordinator,
-        commit: crate::wal::Commit,
+        commit: automaton_backend::Commit,
         item: T,
         then: fn(&Coordinator, &T, &Result<(), String>),
     ) -> Self {

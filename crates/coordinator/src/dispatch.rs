@@ -1625,7 +1625,7 @@ impl Coordinator {
         &self,
         worker: &AgentId,
         adopted: Vec<(Live, String)>,
-        lost: Vec<(Live, crate::wal::Commit)>,
+        lost: Vec<(Live, automaton_backend::Commit)>,
     ) {
         for (l, state) in adopted {
             self.load_dispatch(&l.task).await;

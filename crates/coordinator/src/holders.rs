@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use automaton_store::Project;
 use automaton_workflow::{AgentId, Phase, State, TaskName};
 
-use crate::wal::Record;
+use automaton_backend::Record;
 
 type Key = (TaskName, AgentId, State);
 

@@ -31,7 +31,7 @@ pub(crate) struct KeepAlive {
     pending: VecDeque<pb::KeepAliveResponse>,
     /// A lapsed lease's end on its way to the log: answers wait behind it (a client told its
     /// lease is gone must never see it back after a restart).
-    durable: Option<crate::wal::Commit>,
+    durable: Option<automaton_backend::Commit>,
     /// The agent an agent token speaks for: it renews only its own leases.
     who: Option<AgentId>,
     /// An error that ends the stream once the answers before it are sent.

@@ -31,7 +31,7 @@ pub struct Presented {
 /// barrier behind it) is durable.
 pub(crate) enum Refused {
     Now(Error),
-    OnceDurable(crate::wal::Commit, Error),
+    OnceDurable(automaton_backend::Commit, Error),
 }
 
 impl Coordinator {
@@ -134,9 +134,9 @@ impl Coordinator {
                     let (logged, rewrite) = if ttl > l.ttl {
                         l.ttl = ttl;
                         let rewrite = l.extend(now);
-                        (self.wal.grant(l), rewrite)
+                        (self.log.grant(l.as_grant()), rewrite)
                     } else {
-                        (self.wal.barrier(), false)
+                        (self.log.barrier(), false)
                     };
                     Some((l.clone(), logged, rewrite))
                 }
@@ -201,7 +201,7 @@ impl Coordinator {
             self.holders.granted(task, agent, state);
             // Queued under the table's lock, like every record: whatever is queued after
             // this grant became visible (a barrier, an end of it) is queued after it too.
-            let commit = self.wal.grant(&live);
+            let commit = self.log.grant(live.as_grant());
             (live, displaced, commit)
         };
         drop(guard);
@@ -270,7 +270,7 @@ impl Coordinator {
     pub(crate) fn unclaim(&self, live: &Live) {
         self.table().remove_lease(&live.task, &live.lease_id);
         self.holders.taken_back(&live.task, &live.agent, live.state);
-        self.wal.append_end_nowait(&live.lease_id);
+        self.log.end_nowait(&live.lease_id);
     }
 
     /// Extends a live lease to now + its TTL. No disk sync: the log records TTLs, not
@@ -355,7 +355,7 @@ impl Coordinator {
             self.expire();
         }
         let not_found = Error::LeaseNotFound(automaton_workflow::excerpt(lease_id));
-        match self.wal.barrier() {
+        match self.log.barrier() {
             Ok(commit) => Refused::OnceDurable(commit, not_found),
             Err(e) => Refused::Now(Error::Unavailable(e)),
         }
@@ -456,9 +456,9 @@ impl Coordinator {
         &self,
         table: &mut crate::table::Table,
         task: &TaskName,
-    ) -> Option<Result<(Live, crate::wal::Commit), Error>> {
+    ) -> Option<Result<(Live, automaton_backend::Commit), Error>> {
         let l = table.remove(task)?;
-        Some(match self.wal.end(&l.lease_id) {
+        Some(match self.log.end(&l.lease_id) {
             Ok(commit) => Ok((l, commit)),
             Err(e) => {
                 table.insert(l);
@@ -472,7 +472,7 @@ impl Coordinator {
     /// stopping: nothing may look ended that a restart would bring back).
     pub(crate) async fn end(
         &self,
-        (l, commit): (Live, crate::wal::Commit),
+        (l, commit): (Live, automaton_backend::Commit),
         reason: &'static str,
     ) -> Result<Live, Error> {
         let ((l, _), logged) =
@@ -536,7 +536,7 @@ impl Coordinator {
     /// Rewrites the lease log with only the live leases if it has grown enough (see
     /// `Wal::wants_rewrite`); the rewrite happens on the log's thread.
     pub fn compact_log(&self) -> bool {
-        if !self.wal.wants_rewrite() {
+        if !self.log.wants_rewrite() {
             return false;
         }
         // Snapshot and queue under the table's lock: no change can fall between the two, so
@@ -545,7 +545,7 @@ impl Coordinator {
         let mut records = table.records();
         // Holders of grants the rewrite drops, not yet in their task's files.
         records.extend(self.holders.records());
-        drop(self.wal.rewrite(&records));
+        drop(self.log.rewrite(&records));
         true
     }
 
@@ -560,7 +560,9 @@ impl Coordinator {
             if lapsed.is_empty() {
                 return 0;
             }
-            let commit = self.wal.ends(lapsed.iter().map(|l| l.lease_id.as_str()));
+            let commit = self
+                .log
+                .ends(&mut lapsed.iter().map(|l| l.lease_id.as_str()));
             (lapsed, commit)
         };
         let n = lapsed.len();
@@ -704,7 +706,7 @@ mod tests {
     /// Polls `coord`'s change `f` once, with the log held so it cannot commit yet, and drops
     /// it: a request cut off by its deadline while its change commits.
     fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(coord: &Coordinator, f: F) {
-        let held = coord.wal.hold_commits();
+        let held = coord.file_log().hold_commits();
         {
             let mut f = std::pin::pin!(f);
             let once = f
@@ -743,7 +745,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(30)).await;
         let b = {
             // A's end and B's grant commit in one batch; their follow-ups then race.
-            let held = coord.wal.hold_commits();
+            let held = coord.file_log().hold_commits();
             coord.expire();
             let agent_b: AgentId = name("b");
             let claim = coord.claim(&task, &agent_b, None);
@@ -791,7 +793,7 @@ mod tests {
         let coord = coordinator(dir.path()).await;
         let task: TaskName = name("t");
         let ttl = Duration::from_millis(200);
-        let held = coord.wal.hold_commits();
+        let held = coord.file_log().hold_commits();
         let agent_a: AgentId = name("a");
         let mut claim = Box::pin(coord.claim(&task, &agent_a, Some(ttl)));
         assert!(
@@ -847,7 +849,7 @@ mod tests {
         let coord = coordinator(dir.path()).await;
         let mut events = coord.subscribe_events();
         let task: TaskName = name("t");
-        coord.wal.fail_next_commit();
+        coord.file_log().fail_next_commit();
         cut_off(&coord, coord.claim(&task, &name("a"), None));
         let deadline = Instant::now() + Duration::from_secs(5);
         while coord.live_leases() != 0 {
@@ -885,7 +887,7 @@ mod tests {
             .expect("claim");
         let _ = next_event(&mut events).await; // granted
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let held = coord.wal.hold_commits();
+        let held = coord.file_log().hold_commits();
         let renewal = coord.renew(&g.live.lease_id, None, None);
         let mut renewal = std::pin::pin!(renewal);
         let once = renewal
@@ -904,9 +906,10 @@ mod tests {
         assert!(matches!(e, Error::LeaseNotFound(_)), "{e:?}");
         let e = next_event(&mut events).await;
         assert_eq!((e.kind, e.task.as_str()), ("lease_expired", "t"));
-        let log = crate::wal::read(&dir.path().join(".automaton/leases.wal")).expect("log");
+        let log =
+            automaton_backend::files::read(&dir.path().join(".automaton/leases.wal")).expect("log");
         assert!(
-            log.contains(&crate::wal::Record::End {
+            log.contains(&automaton_backend::Record::End {
                 lease_id: g.live.lease_id.clone()
             }),
             "the end is in the log: {log:?}"
@@ -919,7 +922,7 @@ mod tests {
         let coord = coordinator(dir.path()).await;
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
         // The first claim is cut off while its grant commits; the repeat must wait for it.
-        let held = coord.wal.hold_commits();
+        let held = coord.file_log().hold_commits();
         {
             let first = coord.claim(&task, &agent, None);
             let mut first = std::pin::pin!(first);

@@ -36,7 +36,6 @@ mod state;
 mod table;
 mod task_changes;
 mod views;
-mod wal;
 #[cfg(test)]
 mod wal_fuzz;
 mod watchers;
@@ -55,13 +54,13 @@ use tokio::sync::watch;
 use tonic::Status;
 use tonic::metadata::MetadataValue;
 
+pub use automaton_backend::Failpoints;
 pub use config::{Config, Overrides, Role};
 pub use events::Event;
 pub use lease_ops::{Granted, Presented};
 pub use owner::Ownership;
 pub use state::{Coordinator, Options};
 pub use table::Live;
-pub use wal::Failpoints;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

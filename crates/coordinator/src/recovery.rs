@@ -4,7 +4,6 @@
 //! (a crash inside its own transition) gets the completion record that transition would
 //! have written.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -15,7 +14,7 @@ use crate::Error;
 use crate::fencing::TOKEN_BLOCK;
 use crate::state::Coordinator;
 use crate::table::{Live, Table, later, wall_later};
-use crate::wal::Record;
+use automaton_backend::{Record, holders_in, replay};
 
 /// What a start found: the table, what it noticed, and the token mark.
 pub(crate) struct Recovered {
@@ -29,65 +28,6 @@ pub(crate) struct Recovered {
     /// Every holder the log names (grants and `H` records), for `holders.rs` to make sure
     /// the task files say so.
     pub holders: Vec<(TaskName, AgentId, State)>,
-}
-
-/// Replays the log: the grants that no later record ended, at most one per task, and the
-/// highest token any coordinator may have issued. A grant ends every earlier grant of its
-/// task (a claim that displaced a lapsed lease wrote no end of its own); a grant older than
-/// one already seen for its task is superseded already.
-pub(crate) fn replay(log: &[Record]) -> (HashMap<TaskName, Record>, u64) {
-    let mut by_task: HashMap<TaskName, Record> = HashMap::new();
-    let mut by_id: HashMap<String, TaskName> = HashMap::new();
-    let mut mark = 0;
-    for r in log {
-        match r {
-            Record::Grant {
-                lease_id,
-                task,
-                token,
-                ..
-            } => {
-                mark = mark.max(*token);
-                let superseded = match by_task.get(task) {
-                    Some(Record::Grant { token: held, .. }) => held > token,
-                    _ => false,
-                };
-                if superseded {
-                    continue;
-                }
-                if let Some(Record::Grant { lease_id: old, .. }) =
-                    by_task.insert(task.clone(), r.clone())
-                {
-                    by_id.remove(&old);
-                }
-                by_id.insert(lease_id.clone(), task.clone());
-            }
-            Record::End { lease_id } => {
-                if let Some(task) = by_id.remove(lease_id) {
-                    by_task.remove(&task);
-                }
-            }
-            Record::Mark { token } => mark = mark.max(*token),
-            Record::Holder { .. } => {}
-        }
-    }
-    (by_task, mark)
-}
-
-/// Every (task, agent, state) the log says held a lease: its grants, ended or not, and its
-/// `H` records.
-pub(crate) fn holders_in(log: &[Record]) -> Vec<(TaskName, AgentId, State)> {
-    let mut seen = std::collections::HashSet::new();
-    log.iter()
-        .filter_map(|r| match r {
-            Record::Grant {
-                task, agent, state, ..
-            }
-            | Record::Holder { task, agent, state } => Some((task.clone(), agent.clone(), *state)),
-            _ => None,
-        })
-        .filter(|k| seen.insert(k.clone()))
-        .collect()
 }
 
 /// Rebuilds the table from the log alone — the log is the truth, and a start reads no task
@@ -259,7 +199,7 @@ impl Coordinator {
                     table.bump_past(l.token);
                     table.insert(live.clone());
                     self.holders.granted(task, &live.agent, state);
-                    self.wal.grant(&live)
+                    self.log.grant(live.as_grant())
                 };
                 let logged = match commit {
                     Ok(c) => c.await,

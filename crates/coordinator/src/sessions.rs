@@ -94,12 +94,7 @@ pub(crate) struct Sessions {
 }
 
 /// Whether `s` can be a session id (it is written into the lease log).
-pub(crate) fn valid_id(s: &str) -> bool {
-    s.len() > 2
-        && s.len() <= 64
-        && s.starts_with("s-")
-        && s[2..].bytes().all(|b| b.is_ascii_hexdigit())
-}
+pub(crate) use automaton_backend::valid_session_id as valid_id;
 
 /// What a register hands back.
 pub(crate) struct Joined {
@@ -110,7 +105,7 @@ pub(crate) struct Joined {
     /// A resume's findings for [`Coordinator::resumed_runs`], once `granted` is sent: the
     /// runs reported under kept leases, and the leases whose runs were lost (ends queued).
     pub adopted: Vec<(Live, String)>,
-    pub run_lost: Vec<(Live, crate::wal::Commit)>,
+    pub run_lost: Vec<(Live, automaton_backend::Commit)>,
 }
 
 /// Who opened a session stream: the name a worker token is bound to, or none (an operator,
@@ -794,8 +789,8 @@ impl Coordinator {
                 None
             } else {
                 Some(
-                    self.wal
-                        .ends(ending.iter().map(|l| l.lease_id.as_str()))
+                    self.log
+                        .ends(&mut ending.iter().map(|l| l.lease_id.as_str()))
                         .map_err(Error::Unavailable)?,
                 )
             };

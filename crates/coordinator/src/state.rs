@@ -15,7 +15,6 @@ use crate::Error;
 use crate::events::Event;
 use crate::fencing::Fencing;
 use crate::table::{Live, Table};
-use crate::wal::Wal;
 use crate::watchers::Watchers;
 
 const GUARD_SHARDS: usize = 64;
@@ -50,7 +49,7 @@ pub struct Options {
     /// Seed 002's MAX_TOTAL_TIME: from a task's first run until it is held.
     pub max_total_time: Duration,
     /// Test hooks that fail the log's disk on purpose (`AUTOMATON_FAILPOINTS`).
-    pub failpoints: crate::wal::Failpoints,
+    pub failpoints: automaton_backend::Failpoints,
 }
 
 impl Default for Options {
@@ -68,7 +67,7 @@ impl Default for Options {
             max_upload_memory_bytes: crate::work_service::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
-            failpoints: crate::wal::Failpoints::default(),
+            failpoints: automaton_backend::Failpoints::default(),
         }
     }
 }
@@ -82,7 +81,8 @@ pub struct Coordinator {
     pub(crate) options: Options,
     pub(crate) table: Mutex<Table>,
     pub(crate) fencing: Arc<Fencing>,
-    pub(crate) wal: Wal,
+    /// Where every grant and end of a lease is made durable (`automaton-backend`).
+    pub(crate) log: Arc<dyn automaton_backend::LeaseLog>,
     /// Lease holders on their way to the task files (`holders.rs`).
     pub(crate) holders: crate::holders::Holders,
     /// Serialise changes of one task with claims of it, so a claim never grants a lease on a
@@ -122,6 +122,20 @@ impl Coordinator {
         project: Project,
         options: Options,
     ) -> Result<(Arc<Coordinator>, Vec<String>), Error> {
+        let files = automaton_backend::FileBackend {
+            path: project.meta().join("leases.wal"),
+            compact_bytes: options.log_compact_bytes,
+            failpoints: options.failpoints,
+        };
+        Self::open_with(project, options, &files)
+    }
+
+    /// [`Coordinator::open`] over the lease log of `backend`.
+    pub fn open_with(
+        project: Project,
+        options: Options,
+        backend: &dyn automaton_backend::Backend,
+    ) -> Result<(Arc<Coordinator>, Vec<String>), Error> {
         let mut policy = project.policy()?;
         let mut notes = Vec::new();
         let bounded = options.ttl.clamp(policy.lock_timeout);
@@ -134,8 +148,7 @@ impl Coordinator {
             policy.lock_timeout = bounded;
         }
         let grace = options.grace;
-        let wal_path = project.meta().join("leases.wal");
-        let log = crate::wal::read(&wal_path).map_err(Error::Internal)?;
+        let log = backend.load().map_err(Error::Internal)?;
         let crate::recovery::Recovered {
             table,
             notes: recovered,
@@ -157,13 +170,7 @@ impl Coordinator {
         // The fresh log: the leases kept, and the holders not yet in their task's files.
         let mut records = table.records();
         records.extend(holders.records());
-        let wal = Wal::create(
-            &wal_path,
-            &records,
-            options.log_compact_bytes,
-            options.failpoints,
-        )
-        .map_err(|e| Error::Internal(format!("cannot write {}: {e}", wal_path.display())))?;
+        let log = backend.start(&records).map_err(Error::Internal)?;
         // Views of the leases kept: written now. Every other `.state.lock` is looked at when
         // its task is first touched (see `touch`).
         let now = Instant::now();
@@ -188,7 +195,7 @@ impl Coordinator {
             options,
             table: Mutex::new(table),
             fencing,
-            wal,
+            log,
             holders,
             guards: (0..GUARD_SHARDS)
                 .map(|_| Arc::new(tokio::sync::Mutex::new(())))
@@ -282,7 +289,16 @@ impl Coordinator {
 
     /// Resolves with the reason once the lease log has failed (the coordinator must stop).
     pub async fn log_failed(&self) -> String {
-        self.wal.failed().await
+        self.log.failed().await
+    }
+
+    /// Tests: the files backend's log, for its hooks.
+    #[cfg(test)]
+    pub(crate) fn file_log(&self) -> &automaton_backend::FileLog {
+        self.log
+            .as_any()
+            .downcast_ref()
+            .expect("tests open the files backend")
     }
 
     pub fn live_leases(&self) -> usize {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 use automaton_store::Lease;
 use automaton_workflow::{AgentId, State, TaskName, TtlBounds};
 
-use crate::wal::Record;
+use automaton_backend::Record;
 
 /// A live lease as the coordinator holds it.
 #[derive(Debug, Clone)]
@@ -60,14 +60,19 @@ impl Live {
     }
 
     pub(crate) fn as_record(&self) -> Record {
-        Record::Grant {
-            task: self.task.clone(),
-            agent: self.agent.clone(),
-            lease_id: self.lease_id.clone(),
+        self.as_grant().to_record()
+    }
+
+    /// The grant as the lease log takes it (borrowed: no copy on the claim path).
+    pub(crate) fn as_grant(&self) -> automaton_backend::Grant<'_> {
+        automaton_backend::Grant {
+            task: &self.task,
+            agent: &self.agent,
+            lease_id: &self.lease_id,
             token: self.token,
             ttl: self.ttl,
             state: self.state,
-            session: self.session.as_deref().map(str::to_string),
+            session: self.session.as_deref(),
         }
     }
 

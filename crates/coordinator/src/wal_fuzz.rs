@@ -1,4 +1,4 @@
-//! Arbitrary bytes against the coordinator's readers: the lease log (`wal::read`), the
+//! Arbitrary bytes against the coordinator's readers: the lease log (`automaton_backend::files::read`), the
 //! config's durations, and a whole start — `.agent.md`, the log, a `.state.lock` and the
 //! fencing mark fuzzed together, then a claim with a fuzzed `ttl_ms` as a request sends it —
 //! with the times the coordinator shows computed and formatted.
@@ -13,7 +13,8 @@ use crate::Coordinator;
 use crate::config::parse_duration;
 use crate::fuzz::{assert_no_panics, iterations, run};
 use crate::state::Options;
-use crate::wal::{Failpoints, Wal, read};
+use automaton_backend::files::read;
+use automaton_backend::{Failpoints, FileLog};
 
 const CASES: u64 = 20_000;
 
@@ -58,7 +59,10 @@ fn fuzz_lease_log() {
         // What a start does with the records is `fuzz_coordinator_start`'s.
         if round_trips.get() < 1000 {
             round_trips.set(round_trips.get() + 1);
-            drop(Wal::create(&rendered, &records, 1 << 20, Failpoints::default()).expect("create"));
+            drop(
+                FileLog::create(&rendered, &records, 1 << 20, Failpoints::default())
+                    .expect("create"),
+            );
             assert_eq!(read(&rendered), Ok(records), "the log round-trips");
         }
         true

@@ -19,7 +19,7 @@ use automaton_workflow::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::fsx::{self, ProjectLock, io_err, remove_durably};
+use crate::fsx::{self, ProjectLock, io_err};
 use crate::project::{APPROVALS, LOCK, STATE};
 use crate::read::Folder;
 use crate::records::{Approval, Lease};
@@ -210,6 +210,15 @@ impl Project {
                 f.sync_all().map_err(io_err("sync", &path))?;
             }
             fsx::sync_dir(&staging)?;
+            // The replica first: a folder on disk that it lacks would vanish at the next
+            // leader's view.
+            let named: Vec<(PathBuf, &[u8])> = own
+                .into_iter()
+                .chain(files.iter().copied())
+                .map(|(name, content)| (dir.join(name), content))
+                .collect();
+            let refs: Vec<(&Path, &[u8])> = named.iter().map(|(p, b)| (p.as_path(), *b)).collect();
+            self.replicate(&refs)?;
             fs::rename(&staging, &dir).map_err(io_err("rename into place", &dir))
         })();
         if built.is_err() {
@@ -271,7 +280,7 @@ impl Project {
         self.check_holder(task, lease.as_ref(), agent, token, now)?;
         self.apply_transition(task, &folder, from, target)?;
         if lease.is_some() {
-            remove_durably(&folder.dir.join(LOCK))?;
+            self.remove_durably(&folder.dir.join(LOCK))?;
         }
         Ok(TransitionOutcome {
             task: task.clone(),
@@ -352,7 +361,7 @@ impl Project {
                 && fs::symlink_metadata(&path)
                     .and_then(|m| m.modified())
                     .is_ok_and(|t| t < before);
-            if old && fs::remove_file(&path).is_ok() {
+            if old && self.remove_durably(&path).is_ok() {
                 removed += 1;
             }
         }

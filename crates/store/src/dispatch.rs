@@ -98,7 +98,7 @@ impl Project {
         }
         let path = dir.join(DISPATCH);
         if record.is_empty() {
-            return fsx::remove_durably(&path);
+            return self.remove_durably(&path);
         }
         let bytes = serde_json::to_vec_pretty(record).map_err(|e| Error::CorruptDispatch {
             path: path.clone(),

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use automaton_workflow::{AgentId, Phase, Policy, State, TaskName};
 use sha2::{Digest, Sha256};
 
-use crate::fsx::{self, io_err, remove_durably};
+use crate::fsx::{self, io_err};
 use crate::project::{HOLDERS, IMPLEMENTER, LOCK, hex};
 use crate::records::{Lease, render_holders};
 use crate::{Error, Project};
@@ -182,7 +182,7 @@ impl Project {
         match self.lease(&folder.dir)? {
             // The holder may remove its own lock file, live or lapsed.
             Some(l) if &l.agent == agent => {
-                remove_durably(&folder.dir.join(LOCK))?;
+                self.remove_durably(&folder.dir.join(LOCK))?;
                 Ok(l)
             }
             Some(l) if l.is_live(now) => {

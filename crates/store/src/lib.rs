@@ -21,6 +21,7 @@ mod lease_store;
 mod parents;
 mod project;
 mod records;
+mod replica;
 
 // The operations of `Project` (defined in project.rs): `impl Project` blocks, one concern a file.
 mod change;
@@ -51,6 +52,11 @@ pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
 pub use parents::{ParentStanding, SubtaskVerdicts, human_intervention_line};
 pub use project::Project;
+pub use replica::{Replica, replicated};
+
+/// The largest file a replica is read back for (an artifact is capped lower by the
+/// coordinator's `max_artifact_bytes`).
+pub const MAX_REPLICATED_BYTES: u64 = 64 << 20;
 pub use read::{ArtifactInfo, Unaddressable};
 pub use records::{
     Approval, Lease, MAX_TOKEN, clamp_time, format_time, format_time_millis, parse_time,
@@ -322,6 +328,8 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("Cannot store {} in the replica: {detail}. Nothing was written; retry (against the leader, if it changed).", path.display())]
+    Replica { path: PathBuf, detail: String },
 }
 
 impl Error {
@@ -380,7 +388,7 @@ impl Error {
             | CorruptFencing { .. }
             | CorruptDispatch { .. }
             | NotUtf8 { .. } => ErrorKind::Corrupt,
-            Io { .. } | Git { .. } => ErrorKind::Io,
+            Io { .. } | Git { .. } | Replica { .. } => ErrorKind::Io,
             Untracked { .. }
             | Transition(_)
             | Approve(_)

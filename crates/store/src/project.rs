@@ -34,6 +34,8 @@ pub struct Project {
     /// coordinator grants thousands of leases a second and must not re-read `.state.holders`
     /// for a holder it wrote itself.
     pub(crate) recorded: Arc<Mutex<HashSet<(TaskName, Phase, AgentId)>>>,
+    /// Receives every durable write before the local files (`replica.rs`).
+    pub(crate) replica: Option<crate::replica::Attached>,
 }
 
 impl Project {
@@ -56,6 +58,7 @@ impl Project {
             root,
             home: home.map(Path::to_path_buf),
             recorded: Arc::default(),
+            replica: None,
         }
     }
 
@@ -119,6 +122,7 @@ impl Project {
     }
 
     pub(crate) fn write(&self, target: &Path, bytes: &[u8]) -> Result<(), Error> {
+        self.replicate(&[(target, bytes)])?;
         atomic_write(&self.tmp_dir(), target, bytes)
     }
 
