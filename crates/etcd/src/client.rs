@@ -623,6 +623,25 @@ impl Client {
             seen.join("; ")
         )))
     }
+
+    /// [`Client::get`] giving up at `until` (the election bounds its calls by its lease).
+    pub(crate) async fn get_until(
+        &self,
+        key: &[u8],
+        until: Instant,
+    ) -> Result<Option<KeyValue>, Error> {
+        let request = pb::RangeRequest {
+            key: key.to_vec(),
+            ..Default::default()
+        };
+        let route = Route { only: None, until };
+        let r = self
+            .call("Range", request, route, |ch, r| async move {
+                kv(ch).range(r).await
+            })
+            .await?;
+        Ok(r.kvs.into_iter().next().map(KeyValue::from))
+    }
 }
 
 fn kv(ch: Channel) -> KvClient<Channel> {

@@ -10,6 +10,7 @@
 
 mod client;
 mod config;
+mod election;
 mod error;
 mod txn;
 
@@ -22,6 +23,7 @@ pub mod pb {
 
 pub use client::{Client, MemberStatus};
 pub use config::{Config, DEFAULT_TIMEOUT, MAX_TIMEOUT, TlsConfig};
+pub use election::{Election, Leadership, MAX_TTL, MIN_TTL, leader};
 pub use error::Error;
 pub use txn::{
     Cmp, Compare, KeyValue, MAX_TXN_BYTES, MAX_TXN_OPS, Op, OpResponse, Txn, TxnResponse, split_ops,
