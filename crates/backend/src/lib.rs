@@ -22,8 +22,10 @@ use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::oneshot;
 
 pub mod conformance;
+pub mod etcd;
 pub mod files;
 
+pub use etcd::EtcdBackend;
 pub use files::{Failpoints, FileBackend, FileLog};
 
 /// One durable lease record.
