@@ -4,9 +4,13 @@
 
 mod api;
 mod cli;
+#[path = "../etcd/cluster.rs"]
+#[allow(dead_code)]
+mod cluster;
 mod deploy;
 mod durable;
 mod faults;
+mod ha;
 mod harness;
 mod history;
 mod issue14;

@@ -61,6 +61,126 @@ impl WorkerPool {
     }
 }
 
+/// Where the coordinator's acknowledged state lives (`docs/backends.md`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// The project's own folder: the lease log and the task files (one coordinator).
+    #[default]
+    Files,
+    /// An etcd cluster: any number of coordinators, one leader (`[etcd]`).
+    Etcd,
+}
+
+impl std::str::FromStr for StoreKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "files" => Ok(StoreKind::Files),
+            "etcd" => Ok(StoreKind::Etcd),
+            other => Err(format!("store '{other}': write files or etcd")),
+        }
+    }
+}
+
+/// The etcd cluster a coordinator keeps its state in, and how it stands for leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Etcd {
+    /// `http://host:2379` or `https://…`, one per member.
+    pub endpoints: Vec<String>,
+    /// The project's name in etcd (keys under `/automaton/{name}/`; one cluster holds many
+    /// projects). Default: the project folder's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The URL clients reach this coordinator at, which followers name as the leader's.
+    /// Default: `http(s)://` and the bound listen address (not allowed for 0.0.0.0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// The leadership lease: a leader that cannot renew it within this long stops
+    /// leading, and another takes over about this long after a leader dies. At least 2s;
+    /// twice etcd's election time or more keeps leadership through an etcd leader change.
+    #[serde(with = "duration")]
+    pub election_ttl: Duration,
+    /// One attempt of one etcd call (each call retries for about three of these).
+    #[serde(with = "duration")]
+    pub timeout: Duration,
+    /// TLS to etcd: the CA that signed the members' certificates, and a client certificate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<PathBuf>,
+    /// etcd authentication: the user, and a file holding its password.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password_file: Option<PathBuf>,
+}
+
+impl Default for Etcd {
+    fn default() -> Self {
+        Etcd {
+            endpoints: Vec::new(),
+            name: None,
+            advertise: None,
+            election_ttl: Duration::from_secs(5),
+            timeout: Duration::from_secs(2),
+            ca: None,
+            cert: None,
+            key: None,
+            user: None,
+            password_file: None,
+        }
+    }
+}
+
+impl Etcd {
+    /// The etcd client's configuration (the password read from its file).
+    pub fn client_config(&self) -> Result<automaton_etcd::Config, Error> {
+        let tls = match (&self.ca, &self.cert, &self.key) {
+            (None, None, None) => None,
+            (Some(ca), cert, key) => Some(automaton_etcd::TlsConfig {
+                ca: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            }),
+            _ => {
+                return Err(Error::Config(
+                    "[etcd] cert and key need ca: name the CA that signed the etcd members' certificates".into(),
+                ));
+            }
+        };
+        let user = match (&self.user, &self.password_file) {
+            (None, None) => None,
+            (Some(u), Some(f)) => {
+                let pw = std::fs::read_to_string(f).map_err(|e| {
+                    Error::Config(format!(
+                        "cannot read the etcd password file {}: {e}",
+                        f.display()
+                    ))
+                })?;
+                Some((u.clone(), pw.trim_end_matches(['\r', '\n']).to_string()))
+            }
+            _ => {
+                return Err(Error::Config(
+                    "[etcd] user and password_file go together: give both or neither".into(),
+                ));
+            }
+        };
+        let cfg = automaton_etcd::Config {
+            endpoints: self.endpoints.clone(),
+            timeout: self.timeout,
+            tls,
+            user,
+        };
+        cfg.validate()
+            .map_err(|e| Error::Config(format!("[etcd]: {e}")))?;
+        Ok(cfg)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tls {
@@ -132,6 +252,9 @@ pub struct Config {
     /// Worker pools: workers that join with tokens minted from a pool's secret.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub worker_pools: Vec<WorkerPool>,
+    /// Where acknowledged state lives: `files` (default) or `etcd` (then `[etcd]`).
+    pub store: StoreKind,
+    pub etcd: Etcd,
 }
 
 impl Default for Config {
@@ -161,6 +284,8 @@ impl Default for Config {
             tls: None,
             tokens: Vec::new(),
             worker_pools: Vec::new(),
+            store: StoreKind::Files,
+            etcd: Etcd::default(),
         }
     }
 }
@@ -180,6 +305,10 @@ pub struct Overrides {
     pub heartbeat_interval: Option<Duration>,
     pub max_phase_time: Option<Duration>,
     pub no_dispatch: bool,
+    pub store: Option<StoreKind>,
+    /// `--etcd a,b,c`: the etcd endpoints.
+    pub etcd: Vec<String>,
+    pub advertise: Option<String>,
 }
 
 mod duration {
@@ -225,6 +354,15 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
             .filter(|d| *d <= automaton_workflow::MAX_DURATION);
     }
     automaton_workflow::parse_duration(s)
+}
+
+/// `a,b, c` → `[a, b, c]` (empty items dropped).
+pub fn split_list(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 fn env_var(key: &str) -> Option<String> {
@@ -276,6 +414,15 @@ impl Config {
         if flags.no_dispatch {
             cfg.dispatch = false;
         }
+        if let Some(s) = flags.store {
+            cfg.store = s;
+        }
+        if !flags.etcd.is_empty() {
+            cfg.etcd.endpoints = flags.etcd.clone();
+        }
+        if let Some(a) = &flags.advertise {
+            cfg.etcd.advertise = Some(a.clone());
+        }
         Ok(cfg)
     }
 
@@ -314,6 +461,17 @@ impl Config {
         }
         if let Some(v) = env_var("AUTOMATON_INSECURE") {
             self.insecure = matches!(v.as_str(), "1" | "true" | "yes");
+        }
+        if let Some(v) = env_var("AUTOMATON_STORE") {
+            self.store = v
+                .parse()
+                .map_err(|e: String| Error::Config(format!("AUTOMATON_STORE: {e}")))?;
+        }
+        if let Some(v) = env_var("AUTOMATON_ETCD") {
+            self.etcd.endpoints = split_list(&v);
+        }
+        if let Some(v) = env_var("AUTOMATON_ADVERTISE") {
+            self.etcd.advertise = Some(v);
         }
         if let Some(v) = env_var("AUTOMATON_DISPATCH") {
             self.dispatch = !matches!(v.as_str(), "0" | "false" | "no" | "off");
@@ -545,7 +703,62 @@ impl Config {
                 self.project.display()
             )));
         }
+        if self.store == StoreKind::Etcd {
+            self.validate_etcd()?;
+        }
         Ok(())
+    }
+
+    fn validate_etcd(&self) -> Result<(), Error> {
+        let e = &self.etcd;
+        if e.endpoints.is_empty() {
+            return Err(Error::Config(
+                "store = etcd needs its endpoints: pass --etcd http://a:2379,http://b:2379 or set [etcd] endpoints".into(),
+            ));
+        }
+        e.client_config()?;
+        if e.election_ttl < Duration::from_secs(2) || e.election_ttl > Duration::from_secs(600) {
+            return Err(Error::Config(
+                "[etcd] election_ttl must be between 2s and 10m (etcd's leases count whole seconds)".into(),
+            ));
+        }
+        if let Some(a) = &e.advertise
+            && !(a.starts_with("http://") || a.starts_with("https://"))
+        {
+            return Err(Error::Config(format!(
+                "advertise '{}' is not a URL: write e.g. http://coordinator-0.example:7070",
+                automaton_workflow::excerpt(a)
+            )));
+        }
+        if e.advertise.is_none() && self.listen.ip().is_unspecified() {
+            return Err(Error::Config(format!(
+                "listening on {} with store = etcd: pass --advertise URL, the address clients reach this coordinator at (followers name it as the leader's)",
+                self.listen
+            )));
+        }
+        let name = self.etcd_name();
+        if name.is_empty()
+            || name.len() > 128
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(Error::Config(format!(
+                "the project's etcd name '{}' must be 1-128 letters, digits, '-', '_' or '.': set [etcd] name",
+                automaton_workflow::excerpt(&name)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The project's name in etcd: `[etcd] name`, or the project folder's name.
+    pub fn etcd_name(&self) -> String {
+        self.etcd.name.clone().unwrap_or_else(|| {
+            std::path::absolute(&self.project)
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_default()
+        })
     }
 
     /// What the coordinator is opened with.

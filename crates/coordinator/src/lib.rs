@@ -23,6 +23,7 @@ mod fencing;
 #[cfg(test)]
 #[path = "../../workflow/src/fuzz.rs"]
 mod fuzz;
+pub mod ha;
 mod holders;
 mod keepalive;
 mod layers;
@@ -55,7 +56,7 @@ use tonic::Status;
 use tonic::metadata::MetadataValue;
 
 pub use automaton_backend::Failpoints;
-pub use config::{Config, Overrides, Role};
+pub use config::{Config, Overrides, Role, StoreKind};
 pub use events::Event;
 pub use lease_ops::{Granted, Presented};
 pub use owner::Ownership;
@@ -129,6 +130,20 @@ impl From<Error> for Status {
         );
         status
     }
+}
+
+/// `builder` serving TLS with the configured certificate and key.
+pub(crate) fn tls_builder(
+    builder: tonic::transport::Server,
+    tls: &config::Tls,
+) -> Result<tonic::transport::Server, Error> {
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| Error::Config(format!("cannot read {}: {e}", p.display())))
+    };
+    let identity = tonic::transport::Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
+    builder
+        .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+        .map_err(|e| Error::Config(format!("invalid TLS certificate or key: {e}")))
 }
 
 /// How often expired leases are swept: the granularity by which a lease may outlive its TTL.
@@ -213,13 +228,7 @@ pub async fn serve(
 
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.tls {
-        let read = |p: &std::path::Path| {
-            std::fs::read(p).map_err(|e| Error::Config(format!("cannot read {}: {e}", p.display())))
-        };
-        let identity = tonic::transport::Identity::from_pem(read(&tls.cert)?, read(&tls.key)?);
-        builder = builder
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
-            .map_err(|e| Error::Config(format!("invalid TLS certificate or key: {e}")))?;
+        builder = tls_builder(builder, tls)?;
     }
     // Fail-stop: once the lease log cannot be written, stop serving (health first, so load
     // balancers stop sending), end the streams, and return the reason as an error.

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use automaton_coordinator::{
-    Config, Coordinator, Failpoints, Overrides, Ownership, config::parse_duration, serve,
+    Config, Coordinator, Failpoints, Overrides, Ownership, StoreKind, config::parse_duration, serve,
 };
 use automaton_store::Project;
 use automaton_telemetry::trace::LogFormat;
@@ -57,6 +57,17 @@ struct Flags {
     /// Offer no work to workers: sessions and leases only (agents claim tasks themselves).
     #[arg(long)]
     no_dispatch: bool,
+    /// Where acknowledged state lives: files (default: this project's folder, one
+    /// coordinator) or etcd (several coordinators, one leader; needs --etcd).
+    #[arg(long, value_name = "STORE", value_parser = |s: &str| s.parse::<automaton_coordinator::StoreKind>())]
+    store: Option<automaton_coordinator::StoreKind>,
+    /// The etcd endpoints, comma-separated (http://a:2379,http://b:2379,http://c:2379).
+    #[arg(long, value_name = "URLS")]
+    etcd: Option<String>,
+    /// With --store etcd: the URL clients reach this coordinator at (followers name it as
+    /// the leader's). Default: http(s):// and the bound address.
+    #[arg(long, value_name = "URL")]
+    advertise: Option<String>,
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
@@ -100,6 +111,13 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
         heartbeat_interval: flags.heartbeat_interval,
         max_phase_time: flags.max_phase_time,
         no_dispatch: flags.no_dispatch,
+        store: flags.store,
+        etcd: flags
+            .etcd
+            .as_deref()
+            .map(automaton_coordinator::config::split_list)
+            .unwrap_or_default(),
+        advertise: flags.advertise,
     })?;
     if flags.print_config {
         print!("{}", cfg.to_toml());
@@ -139,6 +157,30 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
                 "failpoints set: the lease log will fail on purpose"
             );
         }
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+        if cfg.store == StoreKind::Etcd {
+            let advertise = cfg
+                .etcd
+                .advertise
+                .clone()
+                .unwrap_or_else(|| format!("{scheme}://{addr}"));
+            let mut options = cfg.options(failpoints);
+            // A file is one etcd value: an artifact over it is refused at upload, clearly.
+            options.max_artifact_bytes = options
+                .max_artifact_bytes
+                .min(automaton_backend::etcd::MAX_FILE_BYTES as u64);
+            ownership.publish(&advertise)?;
+            let shutdown = shutdown_signal()?;
+            println!("listening on {addr}");
+            let listener = listener
+                .into_std()
+                .context("cannot hand the listener over")?;
+            automaton_coordinator::ha::serve_on_etcd(
+                &cfg, project, options, listener, advertise, shutdown,
+            )
+            .await?;
+            return Ok::<_, anyhow::Error>(ownership);
+        }
         let (coord, notes) = Coordinator::open(project.clone(), cfg.options(failpoints))?;
         for n in &notes {
             tracing::warn!(note = %n, "recovery");
@@ -150,7 +192,6 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
             )
             .context("cannot read the metrics address")?;
         }
-        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
         ownership.publish(&format!("{scheme}://{addr}"))?;
         tracing::info!(
             project = %project.root().display(),

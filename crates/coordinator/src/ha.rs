@@ -1,0 +1,282 @@
+//! High availability on etcd (`store = etcd`): any number of coordinators serve one project,
+//! one of them leader. Each process loops: as a follower it answers every call
+//! `UNAVAILABLE` with the leader's address in the `automaton-leader` metadata (clients given
+//! several coordinators follow it) while it campaigns; once elected it rebuilds its folder
+//! from etcd, opens the coordinator over the etcd backend and serves until leadership is lost
+//! — then it steps down and follows again. It owns that loop and nothing of what a leader
+//! does: the coordinator is the same one the files store runs.
+//!
+//! Election is not fencing: every write the leader makes is fenced in etcd by its leader
+//! key's revision (`automaton-backend`'s etcd backend), so a deposed leader that still
+//! believes it leads writes nothing before it notices.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use automaton_backend::EtcdBackend;
+use automaton_etcd::{Client, Election};
+use automaton_store::Project;
+use tokio::sync::watch;
+use tonic::codegen::http;
+
+use crate::{Config, Coordinator, Error, Options};
+
+/// The metadata key naming the leader's URL in a follower's answers.
+pub const LEADER_METADATA: &str = "automaton-leader";
+
+/// Serves `project` as one of the coordinators of an etcd-backed fleet until `shutdown`.
+/// `listener` is bound once and served in turn by the follower and the leader; `advertise`
+/// is this coordinator's URL as clients reach it.
+pub async fn serve_on_etcd(
+    cfg: &Config,
+    project: Project,
+    options: Options,
+    listener: std::net::TcpListener,
+    advertise: String,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let client = Client::connect(cfg.etcd.client_config()?)
+        .map_err(|e| Error::Config(format!("etcd: {e}")))?;
+    let prefix = EtcdBackend::prefix_of(&cfg.etcd_name());
+    let key = format!("{prefix}leader");
+    let election = Election::new(
+        client.clone(),
+        key.clone(),
+        advertise.clone(),
+        cfg.etcd.election_ttl,
+    )
+    .map_err(|e| Error::Config(format!("etcd: {e}")))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Error::Internal(format!("cannot use the listener: {e}")))?;
+    let (stop_tx, stop) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    loop {
+        // Follower: answer with the leader's address while campaigning.
+        let (leader_tx, leader_rx) = watch::channel(None::<String>);
+        let poll = cfg.etcd.election_ttl / 4;
+        let watcher = {
+            let client = client.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                loop {
+                    if let Ok(found) = automaton_etcd::leader(&client, key.as_bytes()).await {
+                        let url = found.and_then(|(v, _)| String::from_utf8(v).ok());
+                        leader_tx.send_if_modified(|l| {
+                            let changed = *l != url;
+                            *l = url.clone();
+                            changed
+                        });
+                    }
+                    tokio::time::sleep(poll).await;
+                }
+            })
+        };
+        let (end_follower, follower_ends) = tokio::sync::oneshot::channel::<()>();
+        let follower = tokio::spawn(follow(
+            clone_listener(&listener)?,
+            leader_rx,
+            cfg.tls.clone(),
+            async move {
+                let _ = follower_ends.await;
+            },
+        ));
+        tracing::info!(address = %advertise, key = %key, "following; standing for leader");
+        let elected = tokio::select! {
+            l = election.campaign() => Some(l),
+            _ = stopped(stop.clone()) => None,
+        };
+        let _ = end_follower.send(());
+        watcher.abort();
+        match follower.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "the follower's server failed"),
+            Err(e) => tracing::warn!(error = %e, "the follower's server stopped"),
+        }
+        let Some(leadership) = elected else {
+            return Ok(());
+        };
+        let leadership =
+            Arc::new(leadership.map_err(|e| Error::Config(format!("etcd election: {e}")))?);
+        tracing::info!(
+            address = %advertise,
+            revision = leadership.revision(),
+            "elected leader: rebuilding the task store from etcd"
+        );
+        match lead(
+            cfg,
+            &project,
+            &options,
+            &listener,
+            &client,
+            &prefix,
+            &leadership,
+            stop.clone(),
+        )
+        .await
+        {
+            Ok(()) => {
+                // Stopped on purpose: hand over at once rather than after the lease's TTL.
+                if let Err(e) = leadership.resign().await {
+                    tracing::warn!(error = %e, "cannot resign leadership: it ends with its lease");
+                }
+                return Ok(());
+            }
+            Err(Error::Unavailable(why)) => {
+                tracing::warn!(reason = %why, "stepped down: no longer the leader");
+            }
+            Err(e) => {
+                let _ = leadership.resign().await;
+                return Err(e);
+            }
+        }
+        if *stop.borrow() {
+            return Ok(());
+        }
+    }
+}
+
+fn clone_listener(l: &std::net::TcpListener) -> Result<tokio::net::TcpListener, Error> {
+    l.try_clone()
+        .and_then(tokio::net::TcpListener::from_std)
+        .map_err(|e| Error::Internal(format!("cannot use the listener: {e}")))
+}
+
+/// One term as leader: the view rebuilt from etcd (or etcd seeded from it, the first time),
+/// the coordinator opened over the etcd backend and served until `stop` (`Ok`) or until
+/// leadership is lost (`Unavailable`).
+#[allow(clippy::too_many_arguments)]
+async fn lead(
+    cfg: &Config,
+    project: &Project,
+    options: &Options,
+    listener: &std::net::TcpListener,
+    client: &Client,
+    prefix: &str,
+    leadership: &Arc<automaton_etcd::Leadership>,
+    stop: watch::Receiver<bool>,
+) -> Result<(), Error> {
+    let backend = EtcdBackend::new(client.clone(), leadership.clone(), prefix.to_string());
+    let unavailable = |what: &str, e: String| Error::Unavailable(format!("{what}: {e}"));
+    if backend.seeded().await.map_err(|e| unavailable("etcd", e))? {
+        let files = backend
+            .files()
+            .await
+            .map_err(|e| unavailable("reading the task store from etcd", e))?;
+        let p = project.clone();
+        let (written, removed) = tokio::task::spawn_blocking(move || p.restore_view(&files))
+            .await
+            .map_err(|e| Error::Internal(format!("the view rebuild failed: {e}")))??;
+        tracing::info!(written, removed, "task store rebuilt from etcd");
+    } else {
+        // The first leader of this project in etcd: its own folder is the truth.
+        let p = project.clone();
+        let files = tokio::task::spawn_blocking(move || p.replicated_files())
+            .await
+            .map_err(|e| Error::Internal(format!("reading the task store failed: {e}")))??;
+        let n = files.len();
+        backend
+            .seed(&files)
+            .await
+            .map_err(|e| unavailable("seeding etcd from the task store", e))?;
+        tracing::info!(files = n, "etcd seeded from this coordinator's task store");
+    }
+    let replicated = project.clone().with_replica(backend.replica());
+    let (coord, notes) = Coordinator::open_with(replicated, options.clone(), &backend)?;
+    for n in &notes {
+        tracing::warn!(note = %n, "recovery");
+    }
+    tracing::info!(leases = coord.live_leases(), "leading: serving");
+    let stopped = async move {
+        let mut stop = stop;
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    crate::serve(coord, cfg, clone_listener(listener)?, stopped).await
+}
+
+/// A follower's server: every call, health included (so a load balancer sends nothing
+/// here), is answered `UNAVAILABLE` naming the leader.
+async fn follow(
+    listener: tokio::net::TcpListener,
+    leader: watch::Receiver<Option<String>>,
+    tls: Option<crate::config::Tls>,
+    stop: impl Future<Output = ()>,
+) -> Result<(), Error> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &tls {
+        builder = crate::tls_builder(builder, tls)?;
+    }
+    builder
+        .layer(Follower { leader })
+        .add_routes(tonic::service::Routes::default())
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            stop,
+        )
+        .await
+        .map_err(|e| Error::Internal(format!("the follower's server failed: {e}")))
+}
+
+/// The refusal of a follower, with the leader's URL when one is known.
+pub(crate) fn not_the_leader(leader: Option<&str>) -> tonic::Status {
+    match leader {
+        Some(url) => {
+            let mut s = tonic::Status::unavailable(format!(
+                "this coordinator is a follower; the leader is {url}: send the call there (the CLI and workers given several coordinators follow it on their own)"
+            ));
+            if let Ok(v) = url.parse() {
+                s.metadata_mut().insert(LEADER_METADATA, v);
+            }
+            s
+        }
+        None => tonic::Status::unavailable(
+            "this coordinator is a follower and no leader is elected yet: retry in a few seconds",
+        ),
+    }
+}
+
+#[derive(Clone)]
+struct Follower {
+    leader: watch::Receiver<Option<String>>,
+}
+
+impl<S> tower::Layer<S> for Follower {
+    type Service = FollowerService;
+    fn layer(&self, _inner: S) -> FollowerService {
+        FollowerService {
+            leader: self.leader.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct FollowerService {
+    leader: watch::Receiver<Option<String>>,
+}
+
+impl<B> tower::Service<http::Request<B>> for FollowerService {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _req: http::Request<B>) -> Self::Future {
+        let status = not_the_leader(self.leader.borrow().as_deref());
+        Box::pin(std::future::ready(Ok(status.into_http())))
+    }
+}
+
+/// How long a client waits for a leader across a failover before it gives up.
+pub const FAILOVER_WAIT: Duration = Duration::from_secs(30);

@@ -1,0 +1,225 @@
+//! High availability on etcd (issue 22): real coordinators with `--store etcd` over a real
+//! 3-member etcd cluster on loopback (the harness of `tests/etcd`), real `kill -9` and
+//! `SIGSTOP`. One leader; followers answer `UNAVAILABLE` naming it; a killed leader's
+//! leases and tokens carry over to the next; a stopped leader, woken after another took
+//! over, writes nothing and steps down.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::Code;
+
+use crate::cluster::Cluster;
+use crate::harness::{Api, Coord, Env, connect, signal};
+
+const ELECTION_TTL: &str = "2s";
+
+/// A project folder whose coordinator keeps its state in `cluster` under the name `name`.
+fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
+    let endpoints: Vec<String> = cluster
+        .endpoints()
+        .iter()
+        .map(|e| format!("{e:?}"))
+        .collect();
+    Env::with_config(&format!(
+        "store = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"{name}\"\nelection_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
+        endpoints.join(", ")
+    ))
+}
+
+/// What one coordinator answers now: `Ok` as the leader, or the follower's status.
+async fn ask(url: &str) -> Result<(), tonic::Status> {
+    let mut api = Api::new(connect(url).await, None);
+    api.list().await.map(drop)
+}
+
+/// Waits until exactly one of `coords` leads; returns its index.
+async fn leader_of(coords: &[&Coord], within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut leading = Vec::new();
+        for (i, c) in coords.iter().enumerate() {
+            if ask(&c.url).await.is_ok() {
+                leading.push(i);
+            }
+        }
+        match leading.as_slice() {
+            [one] => return *one,
+            [] => {}
+            many => panic!("more than one coordinator serves as leader: {many:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no leader within {within:?}; stderr:\n{}",
+            coords
+                .iter()
+                .map(|c| c.stderr())
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_one_leader_and_the_follower_names_it() {
+    let cluster = Cluster::three().await;
+    let a = Coord::start(&env_on(&cluster, "ha-names"), &[]);
+    let b = Coord::start(&env_on(&cluster, "ha-names"), &[]);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    // The follower names the leader, in the metadata and in words, until it notices.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        let s = ask(&follower.url).await.expect_err("a follower refuses");
+        if s.metadata().get("automaton-leader").is_some() || Instant::now() > deadline {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(
+        status
+            .metadata()
+            .get("automaton-leader")
+            .and_then(|v| v.to_str().ok()),
+        Some(leader.url.as_str()),
+        "{status:?}"
+    );
+    assert!(status.message().contains(&leader.url), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_kill9_of_the_leader_hands_over_its_leases_and_tokens() {
+    let cluster = Cluster::three().await;
+    let mut a = Coord::start(&env_on(&cluster, "ha-kill"), &[]);
+    let mut b = Coord::start(&env_on(&cluster, "ha-kill"), &[]);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let mut api = Api::new(connect(if l == 0 { &a.url } else { &b.url }).await, None);
+    api.claimable_task("t").await;
+    let held = api.claim("t", "agent-a", 60_000).await.expect("claim");
+    let killed = Instant::now();
+    if l == 0 {
+        a.kill9();
+    } else {
+        b.kill9();
+    }
+    let survivor = if l == 0 { &b } else { &a };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ask(&survivor.url).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the survivor never took over; stderr:\n{}",
+            survivor.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "kill -9 of the leader to the next one serving: {:?}",
+        killed.elapsed()
+    );
+    // The new leader: the lease its predecessor acknowledged is still agent-a's.
+    let mut api = Api::new(connect(&survivor.url).await, None);
+    let lease = api.lease_of("t").await.expect("the lease carried over");
+    assert_eq!(lease.agent, "agent-a");
+    assert_eq!(lease.token, held.token);
+    let refused = api.claim("t", "agent-b", 60_000).await;
+    assert_eq!(
+        refused.expect_err("leased").code(),
+        Code::FailedPrecondition
+    );
+    // Its holder renews it against the new leader and lets it go.
+    api.renew(&held.lease_id, held.token).await.expect("renew");
+    api.release(&held.lease_id, held.token)
+        .await
+        .expect("release");
+    let next = api.claim("t", "agent-b", 60_000).await.expect("claim");
+    assert!(
+        next.token > held.token,
+        "tokens increase across the failover: {} after {}",
+        next.token,
+        held.token
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_stopped_leader_woken_after_another_took_over_writes_nothing_and_steps_down() {
+    let cluster = Cluster::three().await;
+    let a = Coord::start(&env_on(&cluster, "ha-stop"), &[]);
+    let b = Coord::start(&env_on(&cluster, "ha-stop"), &[]);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let (old, new) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    let mut api = Api::new(connect(&old.url).await, None);
+    api.claimable_task("t").await;
+    // A short lease: it lapses while its leader is stopped, so the leader's first act when
+    // woken is to end it — a write it must not make.
+    let held = api.claim("t", "agent-a", 1_000).await.expect("claim");
+    signal(old.pid(), "-STOP");
+    let new_api_url = new.url.clone();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ask(&new_api_url).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "no takeover within 20 s; stderr:\n{}",
+            new.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut api = Api::new(connect(&new.url).await, None);
+    api.claimable_task("u").await;
+    let prefix = "/automaton/ha-stop/";
+    let etcd = cluster.client();
+    let keys = || async {
+        etcd.range_prefix(prefix)
+            .await
+            .expect("range")
+            .into_iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(&kv.key).into_owned(),
+                    String::from_utf8_lossy(&kv.value).into_owned(),
+                    kv.mod_revision,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let before = keys().await;
+    let files_before = old.env.snapshot();
+    signal(old.pid(), "-CONT");
+    // It steps down: a follower naming the new leader.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        match ask(&old.url).await {
+            Err(s) if s.metadata().get("automaton-leader").is_some() => break s,
+            _ if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!(
+                "the woken leader did not step down: {other:?}; stderr:\n{}",
+                old.stderr()
+            ),
+        }
+    };
+    assert_eq!(
+        status
+            .metadata()
+            .get("automaton-leader")
+            .and_then(|v| v.to_str().ok()),
+        Some(new.url.as_str())
+    );
+    assert!(
+        old.wait_stderr("stepped down", Duration::from_secs(5)),
+        "{}",
+        old.stderr()
+    );
+    // It wrote nothing: not to etcd, not to its folder.
+    assert_eq!(keys().await, before, "the deposed leader wrote to etcd");
+    assert_eq!(
+        old.env.snapshot(),
+        files_before,
+        "the deposed leader wrote to its folder"
+    );
+    // The lease it would have ended lapsed under the new leader's clock, not its own.
+    let _ = held;
+    assert_eq!(api.state("u").await, "research");
+}
