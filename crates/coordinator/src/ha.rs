@@ -14,7 +14,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use automaton_backend::EtcdBackend;
 use automaton_etcd::{Client, Election};
@@ -24,8 +23,7 @@ use tonic::codegen::http;
 
 use crate::{Config, Coordinator, Error, Options};
 
-/// The metadata key naming the leader's URL in a follower's answers.
-pub const LEADER_METADATA: &str = "automaton-leader";
+pub use automaton_client::LEADER_METADATA;
 
 /// Serves `project` as one of the coordinators of an etcd-backed fleet until `shutdown`.
 /// `listener` is bound once and served in turn by the follower and the leader; `advertise`
@@ -277,6 +275,3 @@ impl<B> tower::Service<http::Request<B>> for FollowerService {
         Box::pin(std::future::ready(Ok(status.into_http())))
     }
 }
-
-/// How long a client waits for a leader across a failover before it gives up.
-pub const FAILOVER_WAIT: Duration = Duration::from_secs(30);
