@@ -223,3 +223,36 @@ async fn ha_a_stopped_leader_woken_after_another_took_over_writes_nothing_and_st
     let _ = held;
     assert_eq!(api.state("u").await, "research");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
+    let cluster = Cluster::three().await;
+    let a = Coord::start(&env_on(&cluster, "ha-cli"), &[]);
+    let b = Coord::start(&env_on(&cluster, "ha-cli"), &[]);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    let mut api = Api::new(connect(&leader.url).await, None);
+    api.claimable_task("listed").await;
+    // The follower first: the CLI asks it, is told the leader, and goes there.
+    let both = format!("{},{}", follower.url, leader.url);
+    let env = Env::new();
+    let run = env.cli(&["--task", "listed", "--coordinator", &both]);
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("research"), "{run:?}");
+    // Only the follower: refused, naming the leader.
+    let run = env.cli(&["--task", "listed", "--coordinator", &follower.url]);
+    assert_ne!(run.code, 0, "{run:?}");
+    assert!(run.stderr.contains(&leader.url), "{run:?}");
+    // The shim prompts call, with the list in AUTOMATON_COORDINATOR.
+    let shim = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/status.py");
+    let mut c = std::process::Command::new("python3");
+    c.arg(shim)
+        .args(["--task", "listed", "--project"])
+        .arg(env.root())
+        .env("AUTOMATON_BIN", crate::harness::cli_bin())
+        .env("AUTOMATON_COORDINATOR", &both)
+        .env("HOME", env.home.path());
+    let run = crate::harness::run_bounded(c, Duration::from_secs(60));
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(run.stdout.contains("research"), "{run:?}");
+}

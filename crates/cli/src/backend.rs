@@ -202,13 +202,56 @@ fn pb_duration(d: Duration) -> automaton_proto::prost_types::Duration {
     }
 }
 
+/// An endpoint for one coordinator URL, or a usage error that says how to write one.
+pub(crate) fn endpoint_of(address: &str) -> Result<tonic::transport::Endpoint, Failure> {
+    Channel::from_shared(address.to_string()).map_err(|_| {
+        Failure::Usage(format!(
+            "invalid coordinator address '{address}': write e.g. http://127.0.0.1:7070 (several, comma-separated, for coordinators on etcd)"
+        ))
+    })
+}
+
+/// The coordinator to send calls to: `address` itself, or — when it lists several
+/// (`a,b,c`: coordinators sharing a project on etcd) — the one that leads now, waiting out
+/// an election (`AUTOMATON_LEADER_WAIT`, default 30s).
+pub(crate) async fn leader_of(address: &str) -> Result<String, Failure> {
+    let urls = automaton_client::split(address);
+    for u in &urls {
+        endpoint_of(u)?;
+    }
+    let wait = match std::env::var("AUTOMATON_LEADER_WAIT") {
+        Ok(v) if !v.is_empty() => automaton_workflow::parse_duration(&v).ok_or_else(|| {
+            Failure::Usage(format!(
+                "invalid AUTOMATON_LEADER_WAIT '{v}': write a number with a unit, e.g. '30s'"
+            ))
+        })?,
+        _ => automaton_client::DEFAULT_WAIT,
+    };
+    automaton_client::find_leader(&urls, wait, |u| {
+        Channel::from_shared(u.to_string())
+            .map(|e| e.connect_timeout(Duration::from_secs(2)))
+            .map_err(|e| format!("invalid coordinator address '{u}': {e}"))
+    })
+    .await
+    .map_err(|why| Failure::Remote {
+        message: why,
+        kind: ErrorKind::Io.as_str().to_string(),
+    })
+}
+
 impl Backend {
-    /// Talks to `address` (lazily: the first call connects).
+    /// Talks to `address` (lazily: the first call connects); with several addresses, to
+    /// the one that leads.
     pub fn remote(project: Project, address: String) -> Result<Backend, Failure> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| Failure::Usage(format!("cannot start the async runtime: {e}")))?;
+        let address = if address.contains(',') {
+            runtime.block_on(leader_of(&address))?
+        } else {
+            address
+        };
         let endpoint = Channel::from_shared(address.clone())
             .map_err(|_| {
                 Failure::Usage(format!(

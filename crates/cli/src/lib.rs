@@ -146,8 +146,9 @@ pub struct StatusArgs {
     /// The lease id, presented with --transition under a coordinator's lease.
     #[arg(long, value_name = "ID")]
     pub lease: Option<String>,
-    /// Send the request to this coordinator (default: AUTOMATON_COORDINATOR, else the one
-    /// that owns the project, found in .automaton/coordinator.lock). Each call waits at most
+    /// Send the request to this coordinator, or to the leader of several (comma-separated:
+    /// coordinators sharing the project on etcd). Default: AUTOMATON_COORDINATOR, else the
+    /// one that owns the project, found in .automaton/coordinator.lock. Each call waits at most
     /// 60 s for its answer, or AUTOMATON_CALL_TIMEOUT (e.g. 2m).
     #[arg(long, value_name = "URL")]
     pub coordinator: Option<String>,

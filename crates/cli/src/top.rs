@@ -477,7 +477,7 @@ struct Cache {
 
 /// Fetches the workers, and the tasks when `tasks` is set or none were fetched yet.
 async fn fetch(link: &Link, cache: &mut Cache, tasks: bool) -> Result<Snapshot, Failure> {
-    let address = link.address(WHAT)?;
+    let address = link.leader(WHAT).await?;
     let channel = match &cache.channel {
         Some((a, c)) if *a == address => c.clone(),
         _ => {

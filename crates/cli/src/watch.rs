@@ -65,6 +65,11 @@ impl Link {
         })
     }
 
+    /// [`Link::address`], and of several coordinators the one that leads now.
+    pub(crate) async fn leader(&self, what: &str) -> Result<String, Failure> {
+        backend::leader_of(&self.address(what)?).await
+    }
+
     /// A lazily connecting channel (inside a runtime). HTTP/2 keep-alives notice a coordinator
     /// that stopped answering while a stream is quiet.
     pub(crate) fn channel(address: &str) -> Result<Channel, Failure> {
@@ -98,7 +103,7 @@ impl Link {
         &self,
         what: &str,
     ) -> Result<(String, tonic::Streaming<pb::Event>), Failure> {
-        let address = self.address(what)?;
+        let address = self.leader(what).await?;
         let mut client = pb::events_client::EventsClient::new(Link::channel(&address)?);
         let stream = client
             .watch_events(self.request(pb::WatchEventsRequest {}, None))

@@ -15,7 +15,8 @@ pub struct Target {
     /// Project folder (default: the current directory): finds its coordinator.
     #[arg(long, value_name = "PATH")]
     pub project: Option<PathBuf>,
-    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
+    /// The coordinator, or the leader of several (comma-separated). Default:
+    /// AUTOMATON_COORDINATOR, else the one that owns the project.
     #[arg(long, value_name = "URL")]
     pub coordinator: Option<String>,
 }
@@ -27,7 +28,8 @@ pub struct WorkersArgs {
     /// Project folder (default: the current directory): finds its coordinator.
     #[arg(long, value_name = "PATH", global = true)]
     pub project: Option<PathBuf>,
-    /// The coordinator (default: AUTOMATON_COORDINATOR, else the one that owns the project).
+    /// The coordinator, or the leader of several (comma-separated). Default:
+    /// AUTOMATON_COORDINATOR, else the one that owns the project.
     #[arg(long, value_name = "URL", global = true)]
     pub coordinator: Option<String>,
     /// Print JSON instead of a table.

@@ -53,7 +53,8 @@ where
     let deadline = Instant::now() + wait;
     let mut heard: Vec<String> = Vec::new();
     loop {
-        let mut queue: Vec<String> = urls.to_vec();
+        // Asked in the order given; a leader a follower names is asked next.
+        let mut queue: Vec<String> = urls.iter().rev().cloned().collect();
         let mut asked = std::collections::HashSet::new();
         while let Some(url) = queue.pop() {
             if !asked.insert(url.clone()) {
