@@ -112,6 +112,11 @@ pub struct Etcd {
     pub cert: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key: Option<PathBuf>,
+    /// The git remote the coordinators share the task branches through (a bare repository:
+    /// a path, `ssh://…` or `https://…`, with the machine's git credentials). Without it,
+    /// code committed by one leader stays on its machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub git_remote: Option<String>,
     /// etcd authentication: the user, and a file holding its password.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
@@ -125,6 +130,7 @@ impl Default for Etcd {
             endpoints: Vec::new(),
             name: None,
             advertise: None,
+            git_remote: None,
             election_ttl: Duration::from_secs(5),
             timeout: Duration::from_secs(2),
             ca: None,

@@ -164,17 +164,36 @@ async fn lead(
     stop: watch::Receiver<bool>,
 ) -> Result<(), Error> {
     let backend = EtcdBackend::new(client.clone(), leadership.clone(), prefix.to_string());
+    let project = &match &cfg.etcd.git_remote {
+        Some(url) => project.clone().with_git_remote(url.clone()),
+        None => project.clone(),
+    };
     let unavailable = |what: &str, e: String| Error::Unavailable(format!("{what}: {e}"));
     if backend.seeded().await.map_err(|e| unavailable("etcd", e))? {
         let files = backend
             .files()
             .await
             .map_err(|e| unavailable("reading the task store from etcd", e))?;
+        let with_branch = tasks_recording_a_branch(&files);
         let p = project.clone();
         let (written, removed) = tokio::task::spawn_blocking(move || p.restore_view(&files))
             .await
             .map_err(|e| Error::Internal(format!("the view rebuild failed: {e}")))??;
         tracing::info!(written, removed, "task store rebuilt from etcd");
+        // The task branches from the shared remote, at the heads etcd records. Through the
+        // replica: a record corrected here is a fenced write.
+        let p = project.clone().with_replica(backend.replica());
+        let (set, corrected) =
+            tokio::task::spawn_blocking(move || p.sync_task_branches(&with_branch))
+                .await
+                .map_err(|e| Error::Internal(format!("the branch sync failed: {e}")))??;
+        if project.git_remote().is_some() {
+            tracing::info!(
+                set,
+                corrected,
+                "task branches taken from the shared git remote"
+            );
+        }
     } else {
         // The first leader of this project in etcd: its own folder is the truth.
         let p = project.clone();
@@ -182,6 +201,10 @@ async fn lead(
             .await
             .map_err(|e| Error::Internal(format!("reading the task store failed: {e}")))??;
         let n = files.len();
+        let p = project.clone();
+        tokio::task::spawn_blocking(move || p.push_task_branches())
+            .await
+            .map_err(|e| Error::Internal(format!("pushing the task branches failed: {e}")))??;
         backend
             .seed(&files)
             .await
@@ -199,6 +222,24 @@ async fn lead(
         let _ = stop.wait_for(|s| *s).await;
     };
     crate::serve(coord, cfg, clone_listener(listener)?, stopped).await
+}
+
+/// The tasks whose store files record a branch head (`tasks/{t}/.state.branch`,
+/// `tasks/{p}/subtasks/{s}/.state.branch`).
+fn tasks_recording_a_branch(files: &[(String, Vec<u8>)]) -> Vec<automaton_workflow::TaskName> {
+    files
+        .iter()
+        .filter_map(|(path, _)| {
+            let rest = path
+                .strip_prefix("tasks/")?
+                .strip_suffix("/.state.branch")?;
+            let name = match rest.split_once("/subtasks/") {
+                Some((parent, sub)) => format!("{parent}/{sub}"),
+                None => rest.to_string(),
+            };
+            name.parse().ok()
+        })
+        .collect()
 }
 
 /// A follower's server: every call, health included (so a load balancer sends nothing

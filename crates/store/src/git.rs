@@ -401,6 +401,8 @@ impl Project {
             // libgit2 synced each object and its `objects/xx` folder; a new `xx` needs this.
             sync_dir(&repo.commondir().join("objects"))?;
             before_swap(&repo);
+            // With a shared remote: recorded (fenced) and pushed before the branch moves here.
+            self.share_branch_head(task, &branch, &commit.to_string())?;
             match repo.reference_matching(&refname, commit, true, head_id, &log) {
                 Ok(_) => {
                     return Ok(Applied {
@@ -498,7 +500,7 @@ impl Project {
     }
 
     /// The project's repository; `None` when the root is not one.
-    fn repository(&self) -> Result<Option<Repository>, Error> {
+    pub(crate) fn repository(&self) -> Result<Option<Repository>, Error> {
         match Repository::open(&self.root) {
             Ok(repo) => Ok(Some(repo)),
             Err(e) if e.code() == ErrorCode::NotFound => Ok(None),
@@ -589,7 +591,7 @@ impl Project {
 }
 
 /// A full hexadecimal commit id; git2 would read a short one as a zero-padded full one.
-fn parse_commit_id(commit: &str) -> Result<Oid, Error> {
+pub(crate) fn parse_commit_id(commit: &str) -> Result<Oid, Error> {
     let bad = || Error::BadCommit {
         commit: excerpt(commit).escape_debug().to_string(),
     };

@@ -27,6 +27,7 @@ mod replica;
 mod change;
 mod fencing;
 mod git;
+mod git_remote;
 mod layered;
 mod lease_files;
 mod read;
@@ -328,6 +329,14 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "Cannot {action} the shared git remote {remote}: {why}. If another coordinator leads now, this one no longer writes the task branches; otherwise check the remote and retry."
+    )]
+    SharedRemote {
+        action: &'static str,
+        remote: String,
+        why: String,
+    },
     #[error("Cannot store {} in the replica: {detail}. Nothing was written; retry (against the leader, if it changed).", path.display())]
     Replica { path: PathBuf, detail: String },
 }
@@ -388,7 +397,7 @@ impl Error {
             | CorruptFencing { .. }
             | CorruptDispatch { .. }
             | NotUtf8 { .. } => ErrorKind::Corrupt,
-            Io { .. } | Git { .. } | Replica { .. } => ErrorKind::Io,
+            Io { .. } | Git { .. } | Replica { .. } | SharedRemote { .. } => ErrorKind::Io,
             Untracked { .. }
             | Transition(_)
             | Approve(_)

@@ -36,6 +36,8 @@ pub struct Project {
     pub(crate) recorded: Arc<Mutex<HashSet<(TaskName, Phase, AgentId)>>>,
     /// Receives every durable write before the local files (`replica.rs`).
     pub(crate) replica: Option<crate::replica::Attached>,
+    /// The git remote the task branches are shared through (`git_remote.rs`).
+    pub(crate) git_remote: Option<String>,
 }
 
 impl Project {
@@ -59,6 +61,7 @@ impl Project {
             home: home.map(Path::to_path_buf),
             recorded: Arc::default(),
             replica: None,
+            git_remote: None,
         }
     }
 
