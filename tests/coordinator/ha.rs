@@ -64,8 +64,9 @@ async fn leader_of(coords: &[&Coord], within: Duration) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_one_leader_and_the_follower_names_it() {
     let cluster = Cluster::three().await;
-    let a = Coord::start(&env_on(&cluster, "ha-names"), &[]);
-    let b = Coord::start(&env_on(&cluster, "ha-names"), &[]);
+    let metrics = ["--metrics-listen", "127.0.0.1:0"];
+    let a = Coord::start(&env_on(&cluster, "ha-names"), &metrics);
+    let b = Coord::start(&env_on(&cluster, "ha-names"), &metrics);
     let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
     let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
     // The follower names the leader, in the metadata and in words, until it notices.
@@ -87,6 +88,14 @@ async fn ha_one_leader_and_the_follower_names_it() {
         "{status:?}"
     );
     assert!(status.message().contains(&leader.url), "{status:?}");
+    // The dashboard tells them apart: the leader's scrape is its coordinator's, with
+    // automaton_leader 1; the follower's says 0.
+    let scrape = |c: &Coord| crate::metrics::scrape(crate::metrics::metrics_addr(|| c.stderr()));
+    let (l, f) = (scrape(leader), scrape(follower));
+    assert_eq!(l.get("automaton_leader", &[]), Some(1.0));
+    assert_eq!(f.get("automaton_leader", &[]), Some(0.0));
+    assert_eq!(l.get("automaton_leases_held", &[]), Some(0.0));
+    assert_eq!(f.get("automaton_leases_held", &[]), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,7 +21,7 @@ struct Sample {
 
 /// A parsed scrape.
 #[derive(Debug, Default)]
-struct Exposition {
+pub(crate) struct Exposition {
     /// Family name → its `# TYPE`.
     types: HashMap<String, String>,
     samples: Vec<Sample>,
@@ -225,7 +225,7 @@ fn check_histograms(e: &Exposition) -> Result<(), String> {
 
 impl Exposition {
     /// The value of the series `name{labels}` (exactly those labels).
-    fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    pub(crate) fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         let want: BTreeMap<String, String> = labels
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -283,7 +283,7 @@ fn http(addr: SocketAddr, raw: &[u8]) -> (u16, String, String) {
 }
 
 /// Scrapes `addr` and parses the answer strictly.
-fn scrape(addr: SocketAddr) -> Exposition {
+pub(crate) fn scrape(addr: SocketAddr) -> Exposition {
     let (status, head, body) = http(addr, b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n");
     assert_eq!(status, 200, "{head}\n{body}");
     assert!(
@@ -311,7 +311,7 @@ fn scrape_until(addr: SocketAddr, what: &str, ok: impl Fn(&Exposition) -> bool) 
 }
 
 /// The metrics address a process logged (`metrics listening on http://ADDR/metrics`).
-fn metrics_addr(log: impl Fn() -> String) -> SocketAddr {
+pub(crate) fn metrics_addr(log: impl Fn() -> String) -> SocketAddr {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = log();

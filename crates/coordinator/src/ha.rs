@@ -33,9 +33,17 @@ pub async fn serve_on_etcd(
     project: Project,
     options: Options,
     listener: std::net::TcpListener,
+    metrics: Option<tokio::net::TcpListener>,
     advertise: String,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    // `/metrics` through every term: the leader's coordinator while there is one, and
+    // `automaton_leader 0` while following (the dashboard shows who leads).
+    let current: Current = Arc::default();
+    if let Some(listener) = metrics {
+        automaton_telemetry::metrics::spawn(listener, render(current.clone()))
+            .map_err(|e| Error::Internal(format!("cannot read the metrics address: {e}")))?;
+    }
     let client = Client::connect(cfg.etcd.client_config()?)
         .map_err(|e| Error::Config(format!("etcd: {e}")))?;
     let prefix = EtcdBackend::prefix_of(&cfg.etcd_name());
@@ -110,18 +118,16 @@ pub async fn serve_on_etcd(
             revision = leadership.revision(),
             "elected leader: rebuilding the task store from etcd"
         );
-        match lead(
-            cfg,
-            &project,
-            &options,
-            &listener,
-            &client,
-            &prefix,
-            &leadership,
-            stop.clone(),
-        )
-        .await
-        {
+        let term = Term {
+            listener: &listener,
+            client: &client,
+            prefix: &prefix,
+            leadership: &leadership,
+            current: &current,
+        };
+        let led = lead(cfg, &project, &options, term, stop.clone()).await;
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        match led {
             Ok(()) => {
                 // Stopped on purpose: hand over at once rather than after the lease's TTL.
                 if let Err(e) = leadership.resign().await {
@@ -152,17 +158,20 @@ fn clone_listener(l: &std::net::TcpListener) -> Result<tokio::net::TcpListener, 
 /// One term as leader: the view rebuilt from etcd (or etcd seeded from it, the first time),
 /// the coordinator opened over the etcd backend and served until `stop` (`Ok`) or until
 /// leadership is lost (`Unavailable`).
-#[allow(clippy::too_many_arguments)]
 async fn lead(
     cfg: &Config,
     project: &Project,
     options: &Options,
-    listener: &std::net::TcpListener,
-    client: &Client,
-    prefix: &str,
-    leadership: &Arc<automaton_etcd::Leadership>,
+    term: Term<'_>,
     stop: watch::Receiver<bool>,
 ) -> Result<(), Error> {
+    let Term {
+        listener,
+        client,
+        prefix,
+        leadership,
+        current,
+    } = term;
     let backend = EtcdBackend::new(client.clone(), leadership.clone(), prefix.to_string());
     let project = &match &cfg.etcd.git_remote {
         Some(url) => project.clone().with_git_remote(url.clone()),
@@ -217,11 +226,39 @@ async fn lead(
         tracing::warn!(note = %n, "recovery");
     }
     tracing::info!(leases = coord.live_leases(), "leading: serving");
+    *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(coord.clone());
     let stopped = async move {
         let mut stop = stop;
         let _ = stop.wait_for(|s| *s).await;
     };
     crate::serve(coord, cfg, clone_listener(listener)?, stopped).await
+}
+
+/// What one term as leader works with.
+struct Term<'a> {
+    listener: &'a std::net::TcpListener,
+    client: &'a Client,
+    prefix: &'a str,
+    leadership: &'a Arc<automaton_etcd::Leadership>,
+    current: &'a Current,
+}
+
+/// The coordinator of the current term, while this process leads.
+type Current = Arc<std::sync::Mutex<Option<Arc<Coordinator>>>>;
+
+/// `/metrics`: the leading coordinator's, with `automaton_leader 1`; `automaton_leader 0`
+/// alone while following.
+fn render(current: Current) -> automaton_telemetry::metrics::Render {
+    Arc::new(move || {
+        let coord = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Box::pin(async move {
+            const HELP: &str = "# HELP automaton_leader 1 while this coordinator leads its project (store = etcd), 0 while it follows.\n# TYPE automaton_leader gauge\n";
+            match coord {
+                Some(c) => format!("{HELP}automaton_leader 1\n{}", c.metrics_text().await),
+                None => format!("{HELP}automaton_leader 0\n"),
+            }
+        })
+    })
 }
 
 /// The tasks whose store files record a branch head (`tasks/{t}/.state.branch`,

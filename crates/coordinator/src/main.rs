@@ -176,7 +176,7 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
                 .into_std()
                 .context("cannot hand the listener over")?;
             automaton_coordinator::ha::serve_on_etcd(
-                &cfg, project, options, listener, advertise, shutdown,
+                &cfg, project, options, listener, metrics, advertise, shutdown,
             )
             .await?;
             return Ok::<_, anyhow::Error>(ownership);
