@@ -15,7 +15,7 @@ use crate::harness::{Api, Coord, Env, connect, signal};
 const ELECTION_TTL: &str = "2s";
 
 /// A project folder whose coordinator keeps its state in `cluster` under the name `name`.
-fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
+pub(crate) fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
     let endpoints: Vec<String> = cluster
         .endpoints()
         .iter()

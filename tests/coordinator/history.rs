@@ -49,6 +49,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use self::checker::{Answer, Call, History, LeaseInfo, Op, Outcome, Restart, Us};
+use crate::cluster::Cluster;
 use crate::harness::{Api, Coord, Env};
 
 /// How hard a run pushes: how many clients on how many tasks, their TTLs, how often the
@@ -75,6 +76,9 @@ struct Profile {
     transitions: bool,
     /// `AUTOMATON_FAILPOINTS` for the coordinator (a slow disk), or empty.
     failpoints: &'static str,
+    /// Two coordinators over a 3-member etcd cluster (`store = etcd`): each kill is of the
+    /// leader coordinator, and every other round the etcd leader member is killed too.
+    ha: bool,
 }
 
 /// Many clients spread over many tasks: every kind of call, every kind of end.
@@ -90,6 +94,7 @@ const SPREAD: Profile = Profile {
     clients_per_task: None,
     transitions: true,
     failpoints: "",
+    ha: false,
 };
 
 /// What the issue's tester ran (issue 20, finding 1): two clients racing for each of six
@@ -109,7 +114,29 @@ const CONTENTION: Profile = Profile {
     // before the commit instead of from the acknowledgement shows in every grant (rule 6),
     // not only when the machine happens to be slow.
     failpoints: "log-sync-delay-ms=150",
+    ha: false,
 };
+
+/// Issue 22's proof 4: `CONTENTION`'s clients against two coordinators on etcd, the leader
+/// coordinator killed every 4-6 s (a failover costs the election TTL) and the etcd leader
+/// member killed in every other round.
+const HA: Profile = Profile {
+    name: "ha",
+    clients: 12,
+    tasks: 6,
+    agents: 12,
+    min_restarts: 5,
+    short_run: Duration::from_secs(30),
+    kill_every_ms: (4_000, 6_000),
+    short_ttl_ms: (150, 3_000),
+    clients_per_task: Some(2),
+    transitions: false,
+    failpoints: "",
+    ha: true,
+};
+
+/// The last leader a follower named (`automaton-leader`), for the clients to go to.
+static LEADER_HINT: Mutex<Option<String>> = Mutex::new(None);
 
 const GRACE_MS: u64 = 500;
 /// Rule 6: how much of its TTL an acknowledged grant may have spent by the time its answer is
@@ -172,6 +199,8 @@ struct Shared {
     t0: Instant,
     env: Arc<Env>,
     url: String,
+    /// Where the clients send their calls now (the leader's URL, with `ha`).
+    leader: Mutex<String>,
     calls: Mutex<Vec<Call>>,
     restarts: Mutex<Vec<Restart>>,
     /// The tasks clients work on; a task that reaches `implement` is replaced by a new one.
@@ -192,6 +221,17 @@ struct Shared {
 }
 
 impl Shared {
+    /// The URL calls go to now: the last leader a follower named, else the last one known.
+    fn leader_url(&self) -> String {
+        // Only the HA run reads the hint: the other runs in this binary never follow one.
+        if self.profile.ha
+            && let Some(hint) = lock(&LEADER_HINT).take()
+        {
+            *lock(&self.leader) = hint;
+        }
+        lock(&self.leader).clone()
+    }
+
     fn now(&self) -> Us {
         self.t0.elapsed().as_micros() as Us
     }
@@ -301,6 +341,13 @@ impl Shared {
 
 /// A definite refusal (nothing changed) or an ambiguous failure (it may have happened).
 fn failed(s: &Status) -> Outcome {
+    if let Some(l) = s
+        .metadata()
+        .get("automaton-leader")
+        .and_then(|v| v.to_str().ok())
+    {
+        *lock(&LEADER_HINT) = Some(l.to_string());
+    }
     match s.code() {
         Code::InvalidArgument
         | Code::NotFound
@@ -387,6 +434,8 @@ struct Client {
     id: usize,
     sh: Arc<Shared>,
     rng: Rng,
+    /// The coordinator `api` talks to.
+    url: String,
     api: Api,
     held: Vec<LeaseInfo>,
     ka: Option<KeepAlive>,
@@ -395,6 +444,13 @@ struct Client {
 impl Client {
     async fn run(mut self) {
         while !self.sh.stop.load(Ordering::Relaxed) {
+            // With two coordinators: after a failover, to the new leader.
+            let now = self.sh.leader_url();
+            if now != self.url {
+                self.api = Api::new(lazy_channel(&now), None);
+                self.url = now;
+                self.ka = None;
+            }
             let mut roll = self.rng.below(100);
             if !self.sh.profile.transitions && (65..89).contains(&roll) {
                 // No transitions, approvals or reads: a claim, renewal or release instead.
@@ -882,7 +938,10 @@ async fn prepare_task(sh: &Shared, api: &mut Api, name: &str) {
                 let _ = api.transition(name, "research").await;
             }
             "research" => {
-                sh.env.artifact(name, "SPEC.md", "# Spec\nwhat to build\n");
+                // For transitions (none with `ha`, whose folders are the coordinators' own).
+                if !sh.profile.ha {
+                    sh.env.artifact(name, "SPEC.md", "# Spec\nwhat to build\n");
+                }
                 sh.set_state(name, Some("research"));
                 lock(&sh.all_tasks).push(name.to_string());
                 lock(&sh.pool).push(name.to_string());
@@ -894,27 +953,68 @@ async fn prepare_task(sh: &Shared, api: &mut Api, name: &str) {
     panic!("could not prepare task {name} in 50 tries");
 }
 
-/// Kills the coordinator (SIGKILL), restarts it on the same port, records both instants, and
-/// probes a sample of the leases certainly live at the kill with a renewal each.
+/// The coordinators under test: one, or two on etcd (with the cluster).
+struct Fleet {
+    coords: Vec<Coord>,
+    /// Each coordinator's arguments, with the port it listens on (restarts reuse it).
+    args: Vec<Vec<String>>,
+    cluster: Option<Cluster>,
+}
+
+impl Fleet {
+    /// The coordinator serving as leader, waiting up to 30 s for one (always the only one
+    /// without `ha`).
+    async fn leader(&self) -> usize {
+        if self.coords.len() == 1 {
+            return 0;
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            for (i, c) in self.coords.iter().enumerate() {
+                let mut api = Api::new(lazy_channel(&c.url), None);
+                if api.list().await.is_ok() {
+                    return i;
+                }
+            }
+            assert!(Instant::now() < deadline, "no leader within 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn crashed(&mut self, crashes: &mut Vec<String>, when: &str) {
+        for c in &mut self.coords {
+            if let Ok(Some(st)) = c.child.try_wait() {
+                let err = c.stderr();
+                let tail: Vec<&str> = err.lines().rev().take(10).collect();
+                crashes.push(format!(
+                    "a coordinator exited by itself ({st}) {when}; stderr tail:\n  {}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
+                ));
+            }
+        }
+    }
+}
+
+/// Kills the (leader) coordinator (SIGKILL), restarts it on the same port, records both
+/// instants, and probes a sample of the leases certainly live at the kill with a renewal
+/// each — against the new leader, with `ha` (where every other round also kills the etcd
+/// leader member and brings it back).
 async fn restart(
     sh: &Arc<Shared>,
-    mut coord: Coord,
-    args: Vec<String>,
+    fleet: &mut Fleet,
+    round: usize,
     rng: &mut Rng,
     crashes: &mut Vec<String>,
-) -> Coord {
+) {
     let n = lock(&sh.restarts).len() + 1;
-    if let Ok(Some(st)) = coord.child.try_wait() {
-        let err = coord.stderr();
-        let tail: Vec<&str> = err.lines().rev().take(10).collect();
-        crashes.push(format!(
-            "the coordinator exited by itself ({st}) before restart {n}; stderr tail:\n  {}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n  ")
-        ));
-    }
-    let env = sh.env.clone();
+    fleet.crashed(crashes, &format!("before restart {n}"));
+    let l = fleet.leader().await;
+    let env = fleet.coords[l].env.clone();
+    let args = fleet.args[l].clone();
     let t0 = sh.t0;
     let failpoints = sh.profile.failpoints;
+    // A placeholder while the killed one restarts (Coord has no Default): swap it out.
+    let coord = fleet.coords.remove(l);
     let (coord, kill, spawn) = tokio::task::spawn_blocking(move || {
         let mut coord = coord;
         coord.kill9();
@@ -928,7 +1028,22 @@ async fn restart(
     })
     .await
     .unwrap_or_else(|e| panic!("restart {n} failed: {e}"));
-    let listening = coord.started.duration_since(sh.t0).as_micros() as Us;
+    fleet.coords.insert(l, coord);
+    if let Some(cluster) = &mut fleet.cluster
+        && round % 2 == 1
+    {
+        let i = cluster.kill_leader().await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cluster.restart(i);
+    }
+    let serving = fleet.leader().await;
+    let url = fleet.coords[serving].url.clone();
+    *lock(&sh.leader) = url.clone();
+    let listening = if fleet.coords.len() == 1 {
+        fleet.coords[l].started.duration_since(sh.t0).as_micros() as Us
+    } else {
+        sh.now()
+    };
     lock(&sh.restarts).push(Restart {
         kill,
         spawn,
@@ -945,7 +1060,7 @@ async fn restart(
     };
     let mut sample = live;
     sample.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
-    let mut api = Api::new(lazy_channel(&coord.url), None);
+    let mut api = Api::new(lazy_channel(&url), None);
     for _ in 0..PROBES_PER_RESTART.min(sample.len()) {
         let l = sample.swap_remove(rng.below(sample.len() as u64) as usize);
         let start = sh.now();
@@ -971,7 +1086,6 @@ async fn restart(
             false,
         );
     }
-    coord
 }
 
 /// Operations by kind and outcome, restarts, grants, checks and violations.
@@ -1038,6 +1152,15 @@ async fn kill_9_every_1_to_3_s_with_two_clients_per_task_loses_no_acknowledged_g
     run_history(CONTENTION).await;
 }
 
+/// Issue 22, proofs 2 and 4: the same rules over two coordinators on a 3-member etcd
+/// cluster, with kill -9 of the leader coordinator and of the etcd leader member: no two
+/// leases of a task live at once, tokens in order across failovers, nothing ended revived,
+/// and claims granted again after every etcd leader kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_kill_9_of_leader_coordinators_and_etcd_leaders_breaks_no_lease_promise() {
+    run_history(HA).await;
+}
+
 async fn run_history(profile: Profile) {
     let seed = std::env::var("AUTOMATON_HISTORY_SEED")
         .ok()
@@ -1077,14 +1200,47 @@ async fn run_history(profile: Profile) {
         .collect();
     let first: Vec<&str> = args.iter().map(String::as_str).collect();
     let envs = [("AUTOMATON_FAILPOINTS", profile.failpoints)];
-    let coord = tokio::task::block_in_place(|| Coord::start_with_env(&env, &first, &envs));
-    // Every restart listens on the same port, so the clients' channels reconnect by themselves.
-    args.extend(["--listen".to_string(), coord.addr.to_string()]);
+    let mut fleet = if profile.ha {
+        let cluster = Cluster::three().await;
+        let envs_ha = [
+            crate::ha::env_on(&cluster, "history"),
+            crate::ha::env_on(&cluster, "history"),
+        ];
+        let coords: Vec<Coord> = envs_ha
+            .iter()
+            .map(|e| tokio::task::block_in_place(|| Coord::start_with_env(e, &first, &envs)))
+            .collect();
+        Fleet {
+            args: coords
+                .iter()
+                .map(|c| {
+                    let mut a = args.clone();
+                    a.extend(["--listen".to_string(), c.addr.to_string()]);
+                    a
+                })
+                .collect(),
+            coords,
+            cluster: Some(cluster),
+        }
+    } else {
+        let coord = tokio::task::block_in_place(|| Coord::start_with_env(&env, &first, &envs));
+        // Every restart listens on the same port, so the clients' channels reconnect by
+        // themselves.
+        args.extend(["--listen".to_string(), coord.addr.to_string()]);
+        Fleet {
+            coords: vec![coord],
+            args: vec![args.clone()],
+            cluster: None,
+        }
+    };
+    let serving = fleet.leader().await;
+    let url = fleet.coords[serving].url.clone();
     let sh = Arc::new(Shared {
         profile,
         t0: Instant::now(),
         env: env.clone(),
-        url: coord.url.clone(),
+        url: url.clone(),
+        leader: Mutex::new(url.clone()),
         calls: Mutex::new(Vec::new()),
         restarts: Mutex::new(Vec::new()),
         pool: Mutex::new(Vec::new()),
@@ -1098,7 +1254,7 @@ async fn run_history(profile: Profile) {
         setup_calls: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
     });
-    let mut admin = coord.api().await;
+    let mut admin = Api::new(lazy_channel(&url), None);
     for i in 0..profile.tasks {
         prepare_task(&sh, &mut admin, &format!("h{i:04}")).await;
     }
@@ -1109,6 +1265,7 @@ async fn run_history(profile: Profile) {
                 id,
                 sh: sh.clone(),
                 rng: rng.fork(),
+                url: sh.url.clone(),
                 api: Api::new(lazy_channel(&sh.url), None),
                 held: Vec::new(),
                 ka: None,
@@ -1118,12 +1275,28 @@ async fn run_history(profile: Profile) {
         .collect();
 
     let mut crashes = Vec::new();
-    let mut coord = coord;
     let load_until = Instant::now() + run_for;
     let (lo, hi) = profile.kill_every_ms;
+    let mut round = 0;
+    let mut granted_after: Vec<bool> = Vec::new();
     while Instant::now() < load_until || lock(&sh.restarts).len() < profile.min_restarts {
         tokio::time::sleep(Duration::from_millis(rng.range(lo, hi))).await;
-        coord = restart(&sh, coord, args.clone(), &mut rng, &mut crashes).await;
+        if round > 0 {
+            // Claims resumed after the last failover: some grant was answered since.
+            let since = lock(&sh.restarts).last().map_or(0, |r| r.listening);
+            granted_after.push(lock(&sh.calls).iter().any(|c| {
+                c.start >= since
+                    && matches!(
+                        (&c.op, &c.outcome),
+                        (
+                            Op::Claim { .. },
+                            Outcome::Ok(Answer::Lease { renewed: false, .. })
+                        )
+                    )
+            }));
+        }
+        restart(&sh, &mut fleet, round, &mut rng, &mut crashes).await;
+        round += 1;
     }
     sh.stop.store(true, Ordering::Relaxed);
     for c in clients {
@@ -1134,12 +1307,14 @@ async fn run_history(profile: Profile) {
     }
     // A last kill with everything quiet, then every task read once: what was released stays
     // released, what was live is live.
-    coord = restart(&sh, coord, args.clone(), &mut rng, &mut crashes).await;
+    restart(&sh, &mut fleet, round, &mut rng, &mut crashes).await;
+    let serving = fleet.leader().await;
     let mut client = Client {
         id: profile.clients + 1,
         sh: sh.clone(),
         rng: rng.fork(),
-        api: coord.api().await,
+        url: fleet.coords[serving].url.clone(),
+        api: fleet.coords[serving].api().await,
         held: Vec::new(),
         ka: None,
     };
@@ -1150,12 +1325,12 @@ async fn run_history(profile: Profile) {
         let outcome = get_outcome(&task, &r);
         client.record(Op::Get { task }, start, &outcome, false);
     }
-    if let Ok(Some(st)) = coord.child.try_wait() {
-        crashes.push(format!(
-            "the coordinator exited by itself ({st}) at the end"
-        ));
-    }
-    drop(coord);
+    fleet.crashed(&mut crashes, "at the end");
+    drop(fleet);
+    assert!(
+        granted_after.iter().all(|g| *g),
+        "seed {seed}: no claim granted between some failovers: {granted_after:?}"
+    );
 
     let history = History {
         calls: std::mem::take(&mut *lock(&sh.calls)),
