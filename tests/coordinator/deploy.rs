@@ -103,6 +103,12 @@ fn deploy_files_pass_their_validators() {
         "deploy/systemd/automaton-worker.service",
         "deploy/k8s/40-worker.yaml",
         "deploy/coordinator.example.toml",
+        // High availability on etcd.
+        "deploy/compose-ha.yaml",
+        "deploy/k8s/25-etcd.yaml",
+        "deploy/k8s/35-coordinator-ha.yaml",
+        "deploy/systemd/automaton-coordinator.service.d/etcd.conf",
+        "deploy/coordinator-ha.example.toml",
     ] {
         assert!(
             stdout.contains(&format!("ok   {file} ")),
@@ -250,9 +256,17 @@ fn deploy_files_use_only_flags_the_binaries_accept() {
     .into_iter()
     .collect();
     let deploy = deploy_dir();
+    let mut systemd = files(&deploy.join("systemd"), ".service");
+    systemd.extend(files(
+        &deploy.join("systemd/automaton-coordinator.service.d"),
+        ".conf",
+    ));
     let groups: [(&str, Vec<PathBuf>); 4] = [
-        ("compose", vec![deploy.join("compose.yaml")]),
-        ("systemd", files(&deploy.join("systemd"), ".service")),
+        (
+            "compose",
+            vec![deploy.join("compose.yaml"), deploy.join("compose-ha.yaml")],
+        ),
+        ("systemd", systemd),
         ("k8s", files(&deploy.join("k8s"), ".yaml")),
         ("README", vec![deploy.join("README.md")]),
     ];
