@@ -11,6 +11,7 @@ mod deploy;
 mod durable;
 mod faults;
 mod ha;
+mod ha_waves;
 mod harness;
 mod history;
 mod issue14;

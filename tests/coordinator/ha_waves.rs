@@ -1,0 +1,182 @@
+//! Issue 22, proof 1: `kill -9` of the leader coordinator mid-wave of a decomposed task.
+//! Two coordinators on a real 3-member etcd cluster share a bare git remote; two real
+//! workers with the scripted agent are given both. The wave completes on the new leader,
+//! every sub-task reaches `complete`, and the shared remote holds each sub-task's implement
+//! commit exactly once.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::cluster::Cluster;
+use crate::harness::{Api, Coord, Env, connect};
+use crate::waves::spec;
+use crate::work::{FLEET, git_init};
+use crate::workers::Worker;
+
+fn git(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .expect("run git");
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A coordinator's project on `cluster` sharing the task branches through `remote`.
+fn env_with_remote(cluster: &Cluster, remote: &std::path::Path) -> Arc<Env> {
+    let endpoints: Vec<String> = cluster
+        .endpoints()
+        .iter()
+        .map(|e| format!("{e:?}"))
+        .collect();
+    Env::with_config(&format!(
+        "store = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"waves\"\nelection_ttl = \"2s\"\ntimeout = \"500ms\"\ngit_remote = {:?}\n",
+        endpoints.join(", "),
+        remote.display().to_string()
+    ))
+}
+
+/// The coordinator of `coords` that answers as leader, within `within`.
+async fn leading(coords: &[&Coord], within: Duration) -> usize {
+    let deadline = Instant::now() + within;
+    loop {
+        for (i, c) in coords.iter().enumerate() {
+            if Api::new(connect(&c.url).await, None).list().await.is_ok() {
+                return i;
+            }
+        }
+        assert!(Instant::now() < deadline, "no leader within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_kill9_of_the_leader_mid_wave_the_wave_completes_and_each_implement_commit_lands_once()
+{
+    let cluster = Cluster::three().await;
+    // The project's repository, the shared bare remote made from it, and a second clone.
+    let a_env = {
+        let scratch = tempfile::tempdir().expect("tempdir");
+        let remote = scratch.path().join("shared.git");
+        let a = env_with_remote(&cluster, &remote);
+        git_init(&a);
+        git(
+            scratch.path(),
+            &["clone", "-q", "--bare", &a.root().display().to_string(), "shared.git"],
+        );
+        (a, scratch, remote)
+    };
+    let (a_env, scratch, remote) = a_env;
+    let b_env = env_with_remote(&cluster, &remote);
+    git(
+        b_env.root(),
+        &["clone", "-q", &remote.display().to_string(), "."],
+    );
+    let mut a = Coord::start(&a_env, &FLEET);
+    assert_eq!(leading(&[&a], Duration::from_secs(20)).await, 0);
+    let b = Coord::start(&b_env, &FLEET);
+    let both = format!("{},{}", a.url, b.url);
+    let mut api = Api::new(connect(&a.url).await, None);
+    // Three independent sub-tasks in one wave; slow agents, so the kill lands mid-wave.
+    api.create("p").await.expect("create");
+    api.transition("p", "research").await.expect("to research");
+    a_env.artifact(
+        "p",
+        "SPEC.md",
+        &spec(&[("one", "-", 20), ("two", "-", 20), ("three", "-", 20)]),
+    );
+    let slow = [("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=1500")];
+    let args = |name: &'static str| {
+        vec![
+            "--name",
+            name,
+            "--simulate-gpu",
+            "sim:24GiB",
+            "--agent",
+            "scripted",
+            "--kill-grace",
+            "300ms",
+        ]
+    };
+    let _w1 = Worker::start(&both, &args("gpu-a"), &slow);
+    let _w2 = Worker::start(&both, &args("gpu-b"), &slow);
+    // Approve every gate on whichever coordinator leads.
+    let approver = {
+        let urls = [a.url.clone(), b.url.clone()];
+        tokio::spawn(async move {
+            loop {
+                for url in &urls {
+                    let mut api = Api::new(connect(url).await, None);
+                    if let Ok(list) = api.list().await {
+                        let mut all = Vec::new();
+                        for t in list.tasks {
+                            all.extend(t.subtasks.iter().map(|s| (s.task.clone(), s.state.clone())));
+                            all.push((t.task, t.state));
+                        }
+                        for (task, state) in all {
+                            if state.ends_with(":awaiting_approval") {
+                                let _ = api.approve(&task, "ops").await;
+                            }
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    // Mid-wave: a sub-task's implement under way.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let list = api.list().await.expect("list");
+        let implementing = list.tasks.iter().flat_map(|t| t.subtasks.iter()).any(|s| {
+            s.state.starts_with("implement") || s.state.starts_with("code_review")
+        });
+        if implementing {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no sub-task reached implement: {:#?}",
+            list.tasks
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let killed = Instant::now();
+    a.kill9();
+    assert_eq!(leading(&[&b], Duration::from_secs(20)).await, 0);
+    println!("kill -9 mid-wave to the new leader serving: {:?}", killed.elapsed());
+    let mut api = Api::new(connect(&b.url).await, None);
+    let deadline = Instant::now() + Duration::from_secs(150);
+    loop {
+        let state = api.state("p").await;
+        if state == "complete" || state == "human_intervention" {
+            assert_eq!(state, "complete");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "p is still {state}: {:#?}",
+            api.list().await.map(|l| l.tasks)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    approver.abort();
+    println!("kill -9 mid-wave to the parent complete: {:?}", killed.elapsed());
+    for sub in ["one", "two", "three"] {
+        assert_eq!(api.state(&format!("p/{sub}")).await, "complete", "{sub}");
+        // The shared remote: the sub-task's branch with its implement commit once.
+        let log = git(
+            &remote,
+            &["log", "--format=%s", &format!("refs/heads/automaton/p--{sub}")],
+        );
+        let implements = log
+            .lines()
+            .filter(|l| l.contains(": implement by "))
+            .count();
+        assert_eq!(implements, 1, "p/{sub} on the shared remote:\n{log}");
+    }
+    drop(scratch);
+}
