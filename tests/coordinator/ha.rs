@@ -15,7 +15,7 @@ use crate::harness::{Api, Coord, Env, connect, signal};
 const ELECTION_TTL: &str = "2s";
 
 /// A project folder whose coordinator keeps its state in `cluster` under the name `name`.
-fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
+pub(crate) fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
     let endpoints: Vec<String> = cluster
         .endpoints()
         .iter()
@@ -28,13 +28,13 @@ fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
 }
 
 /// What one coordinator answers now: `Ok` as the leader, or the follower's status.
-async fn ask(url: &str) -> Result<(), tonic::Status> {
+pub(crate) async fn ask(url: &str) -> Result<(), tonic::Status> {
     let mut api = Api::new(connect(url).await, None);
     api.list().await.map(drop)
 }
 
 /// Waits until exactly one of `coords` leads; returns its index.
-async fn leader_of(coords: &[&Coord], within: Duration) -> usize {
+pub(crate) async fn leader_of(coords: &[&Coord], within: Duration) -> usize {
     let deadline = Instant::now() + within;
     loop {
         let mut leading = Vec::new();

@@ -11,6 +11,7 @@ mod deploy;
 mod durable;
 mod faults;
 mod ha;
+mod ha_workers;
 mod harness;
 mod history;
 mod issue14;
