@@ -209,7 +209,20 @@ where
     loop {
         // Before the call: a leader found while it fails is tried at once.
         let mut moved = calls.leader.watch();
-        let why = match call().await {
+        let mut moved_during = false;
+        let answer = tokio::select! {
+            biased;
+            a = call() => a,
+            // Moved while the call waits on a leader that is gone or frozen (SIGSTOP: its
+            // connection still open, no answer until the keep-alive gives up): the call is
+            // dropped and sent to the new leader. The old one, deposed, can write nothing
+            // of it, and the new one answers a repeat as the first.
+            Ok(()) = moved.changed() => {
+                moved_during = true;
+                Err(Failed::Unreachable("the leader changed during the call".into(), None))
+            }
+        };
+        let why = match answer {
             Ok(v) => return Ok(v),
             Err(Failed::Unreachable(why, named)) => {
                 if let Some(url) = named {
@@ -230,11 +243,16 @@ where
                 humantime::format_duration(retry_for)
             )));
         }
+        if moved_during {
+            // Already told: the new leader is tried now.
+            tracing::info!(call = what, tries, leader = %calls.leader.url(), "the leader changed during the call: sending it there");
+            continue;
+        }
         tracing::warn!(call = what, tries, error = %why, wait_ms = pause.as_millis() as u64, "the coordinator is unreachable: retrying");
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             // The session found (or a refusal named) another leader: try it now.
-            _ = moved.changed() => {}
+            Ok(()) = moved.changed() => {}
             r = stopped(stop.clone()) => return Err(Failed::Stopped(r)),
         }
         wait = (wait * 2).min(RETRY_MAX_WAIT);
@@ -1045,6 +1063,40 @@ mod tests {
         );
         assert!(calls >= 2, "{calls}");
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_call_hanging_on_a_leader_that_moved_is_sent_to_the_new_one_at_once() {
+        let (_tx, stop) = watch::channel(None);
+        let to = Calls {
+            leader: Leader::new(vec![
+                "http://127.0.0.1:9".into(),
+                "http://127.0.0.1:10".into(),
+            ])
+            .unwrap(),
+        };
+        let leader = to.leader.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            leader.follow_url("http://127.0.0.1:10");
+        });
+        let tries = AtomicU32::new(0);
+        let t = Instant::now();
+        let out = retrying("Test", Duration::from_secs(60), &stop, &to, || {
+            let first = tries.fetch_add(1, Ordering::SeqCst) == 0;
+            let url = to.leader.url();
+            async move {
+                if first {
+                    // A frozen leader: the connection stays open, no answer comes.
+                    std::future::pending::<()>().await;
+                }
+                Ok(url)
+            }
+        })
+        .await;
+        assert_eq!(out.unwrap(), "http://127.0.0.1:10");
+        assert_eq!(tries.load(Ordering::SeqCst), 2);
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     }
 
     #[test]
