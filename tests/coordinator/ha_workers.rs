@@ -2,8 +2,9 @@
 //! GPUs, the built-in scripted agent) given several real coordinators with `--store etcd`
 //! over a real 3-member etcd cluster. A worker finds the leader whatever order it is given
 //! the coordinators in, or follows a follower's `automaton-leader` metadata; a run in flight
-//! when the leader is `kill -9`ed keeps going, its worker resumes on the next leader, and the
-//! run lands there once, under its own lease.
+//! when the leader is `kill -9`ed (or frozen by `SIGSTOP`) keeps going, its worker resumes on
+//! the next leader, its calls follow — retried while nobody leads, or dropped from the frozen
+//! leader — and the run lands there once, under its own lease.
 
 use std::time::{Duration, Instant};
 
@@ -93,7 +94,17 @@ async fn ha_a_worker_given_both_coordinators_joins_the_leader() {
     assert_eq!(refused.code(), tonic::Code::Unavailable);
 }
 
-/// What a research run across a `kill -9` of the leader came to.
+/// How the leader goes away mid-run.
+#[derive(Clone, Copy, Debug)]
+enum Down {
+    /// `kill -9`: its connections are reset at once.
+    Kill9,
+    /// `SIGSTOP`, never woken (SIGKILLed at the end of the test): its connections stay open
+    /// and a call on them waits for an answer that never comes.
+    Frozen,
+}
+
+/// What a research run across the loss of the leader came to.
 struct Failover {
     /// The coordinators (the survivor alive), and the etcd cluster under them, kept to the
     /// end of the test.
@@ -109,10 +120,15 @@ struct Failover {
 }
 
 /// One worker (its scripted agent taking `slow_ms`) runs task `t`'s research under the
-/// leader of two coordinators, which is `kill -9`ed `kill_after_ms` into the run; waits
-/// until the other one has accepted the run (research awaiting its approval) and prints
-/// how long each step took after the kill.
-async fn research_across_kill9(project: &str, slow_ms: u64, kill_after_ms: u64) -> Failover {
+/// leader of two coordinators, which goes `down` `kill_after_ms` into the run; waits until
+/// the other one has accepted the run (research awaiting its approval) and prints how long
+/// each step took after the leader went.
+async fn research_across_failover(
+    project: &str,
+    down: Down,
+    slow_ms: u64,
+    kill_after_ms: u64,
+) -> Failover {
     let cluster = Cluster::three().await;
     let mut args: Vec<&str> = FLEET.to_vec();
     // Recovery gives the dead leader's leases max(TTL, grace) and holds its worker sessions
@@ -152,7 +168,10 @@ async fn research_across_kill9(project: &str, slow_ms: u64, kill_after_ms: u64) 
     .await;
     tokio::time::sleep(Duration::from_millis(kill_after_ms)).await;
     let killed = Instant::now();
-    leader.kill9();
+    match down {
+        Down::Kill9 => leader.kill9(),
+        Down::Frozen => signal(leader.pid(), "-STOP"),
+    }
     let url = survivor.url.clone();
     let deadline = Instant::now() + Duration::from_secs(25);
     while ask(&url).await.is_err() {
@@ -180,7 +199,7 @@ async fn research_across_kill9(project: &str, slow_ms: u64, kill_after_ms: u64) 
     }
     let accepted = killed.elapsed();
     println!(
-        "{project}: agent {slow_ms} ms, leader killed {kill_after_ms} ms into it; after the kill: new leader serving {serving:?}, worker re-registered {registered:?}, run accepted {accepted:?}"
+        "{project}: agent {slow_ms} ms, leader {down:?} {kill_after_ms} ms into it; after that: new leader serving {serving:?}, worker re-registered {registered:?}, run accepted {accepted:?}"
     );
     Failover {
         _cluster: cluster,
@@ -251,7 +270,15 @@ async fn landed_once(f: &mut Failover) {
 async fn ha_a_run_in_flight_survives_kill9_of_the_leader() {
     // The agent takes 5 s: the leader dies 1 s into it, and the next one serves (after the
     // 2 s election TTL) while the agent still runs.
-    let mut f = research_across_kill9("ha-run", 5_000, 1_000).await;
+    let mut f = research_across_failover("ha-run", Down::Kill9, 5_000, 1_000).await;
+    // The worker was back in its session while its agent still ran.
+    let log = f.worker.stderr();
+    let resumed = log.find("session resumed").expect("resumed");
+    let done = log.find("agent stopped").expect("the agent stopped");
+    assert!(
+        resumed < done,
+        "the agent was done before the worker resumed (a slow election?):\n{log}"
+    );
     landed_once(&mut f).await;
 }
 
@@ -259,13 +286,27 @@ async fn ha_a_run_in_flight_survives_kill9_of_the_leader() {
 async fn ha_a_run_finishing_while_no_coordinator_leads_uploads_to_the_new_leader() {
     // The agent is done 0.3 s after the kill, seconds before the next leader serves: its
     // upload is retried while nobody leads and lands on the new leader once it is found.
-    let mut f = research_across_kill9("ha-upload", 1_800, 1_500).await;
+    let mut f = research_across_failover("ha-upload", Down::Kill9, 1_800, 1_500).await;
     let log = f.worker.stderr();
     assert!(
         log.lines()
             .any(|l| l.contains("the coordinator is unreachable: retrying")
                 && (l.contains("UploadArtifact") || l.contains("CompletePhase"))),
         "the upload was not retried:\n{log}"
+    );
+    landed_once(&mut f).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_call_hanging_on_a_frozen_leader_is_sent_to_the_new_one() {
+    // The leader is stopped just before the agent is done: the upload goes to it and waits,
+    // the connection open; once the session (its heartbeats unanswered) finds the next
+    // leader, the call is dropped and sent there instead of waiting out the keep-alive.
+    let mut f = research_across_failover("ha-frozen", Down::Frozen, 1_800, 1_500).await;
+    let log = f.worker.stderr();
+    assert!(
+        log.contains("the leader changed during the call"),
+        "no call was moved off the frozen leader:\n{log}"
     );
     landed_once(&mut f).await;
 }
