@@ -366,18 +366,17 @@ fn read_token_file(path: &Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
-/// `--coordinator a,b,c` as the coordinators to join: each URL checked, one line saying
-/// which is wrong and how to write it.
-fn coordinators(list: &str) -> anyhow::Result<Vec<String>> {
+/// `--coordinator a,b,c` (or the variable, named by `from`) as the coordinators to join:
+/// each URL checked, one line saying which is wrong and how to write it.
+fn coordinators(from: &str, list: &str) -> anyhow::Result<Vec<String>> {
     let urls = automaton_client::split(list);
     if urls.is_empty() {
         anyhow::bail!(
-            "--coordinator is empty: give a URL such as http://127.0.0.1:7070 (several: a comma-separated list)"
+            "{from} is empty: give a URL such as http://127.0.0.1:7070 (several: a comma-separated list)"
         );
     }
     for url in &urls {
-        automaton_worker::leader::check_url(url)
-            .map_err(|e| anyhow::anyhow!("--coordinator: {e}"))?;
+        automaton_worker::leader::check_url(url).map_err(|e| anyhow::anyhow!("{from}: {e}"))?;
     }
     Ok(urls)
 }
@@ -453,8 +452,12 @@ fn credential(
 
 fn serve(cli: Cli) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let coordinators = match cli.coordinator.or_else(|| env("AUTOMATON_COORDINATOR")) {
-        Some(list) => coordinators(&list)?,
+    let given = match cli.coordinator {
+        Some(list) => Some(("--coordinator", list)),
+        None => env("AUTOMATON_COORDINATOR").map(|list| ("AUTOMATON_COORDINATOR", list)),
+    };
+    let coordinators = match given {
+        Some((from, list)) => coordinators(from, &list)?,
         None => anyhow::bail!(
             "no coordinator given: join with --coordinator URL[,URL…] (or AUTOMATON_COORDINATOR), or run `automaton-worker probe`"
         ),
@@ -710,12 +713,12 @@ mod tests {
     #[test]
     fn a_coordinator_list_is_split_and_each_url_checked_with_a_one_line_error() {
         assert_eq!(
-            coordinators("http://a:1").unwrap(),
+            coordinators("--coordinator", "http://a:1").unwrap(),
             ["http://a:1"],
             "one URL is taken as it is"
         );
         assert_eq!(
-            coordinators(" http://a:1, https://b:2 ,,").unwrap(),
+            coordinators("--coordinator", " http://a:1, https://b:2 ,,").unwrap(),
             ["http://a:1", "https://b:2"]
         );
         for (list, says) in [
@@ -724,9 +727,18 @@ mod tests {
             ("http://a:1,b:2", "'b:2'"),
             ("http://a:1,http://", "'http://'"),
         ] {
-            let e = coordinators(list).expect_err(list).to_string();
+            let e = coordinators("--coordinator", list)
+                .expect_err(list)
+                .to_string();
             assert!(e.contains(says) && !e.contains('\n'), "{list}: {e}");
         }
+        let e = coordinators("AUTOMATON_COORDINATOR", "http://a:1,ftp://b")
+            .expect_err("ftp")
+            .to_string();
+        assert!(
+            e.starts_with("AUTOMATON_COORDINATOR: invalid coordinator address 'ftp://b'"),
+            "{e}"
+        );
     }
 
     #[test]
