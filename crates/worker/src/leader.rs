@@ -40,7 +40,7 @@ pub fn check_url(url: &str) -> Result<(), String> {
 }
 
 /// How the worker connects to `url`, for the session and the `Work` calls alike.
-fn endpoint(url: &str) -> Result<Endpoint, String> {
+pub fn endpoint(url: &str) -> Result<Endpoint, String> {
     Endpoint::from_shared(url.to_string())
         .map(|e| {
             e.connect_timeout(Duration::from_secs(5))
@@ -123,11 +123,6 @@ impl Leader {
     /// Tells of the next time the calls are pointed at another coordinator.
     pub fn watch(&self) -> tokio::sync::watch::Receiver<u64> {
         self.inner.moved.subscribe()
-    }
-
-    /// An endpoint for the session's own connection to `url`.
-    pub fn endpoint(&self, url: &str) -> Result<Endpoint, String> {
-        endpoint(url)
     }
 
     /// Whether more than one coordinator was given (a fleet under `store = etcd`).

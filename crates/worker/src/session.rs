@@ -259,9 +259,12 @@ pub async fn run(
         if *stop.borrow() {
             return Ok(());
         }
-        // Racing the stop: a search during an election may take seconds.
-        let connected = tokio::select! {
-            c = connect(&leader) => c,
+        // Racing the stop: a search during an election may take seconds. (One coordinator
+        // is found at once, and `biased` takes it: then, as ever, a stop that comes while
+        // connecting is heard on the stream, which says goodbye.)
+        let found = tokio::select! {
+            biased;
+            f = leader.find(FIND_WAIT) => f,
             _ = stop.changed() => {
                 // No stream to say goodbye on: stop the runs; their leases end with the
                 // session.
@@ -269,7 +272,7 @@ pub async fn run(
                 return Ok(());
             }
         };
-        let ended = match connected {
+        let ended = match connect(found).await {
             Ok((url, channel)) => {
                 session(
                     &channel,
@@ -316,12 +319,11 @@ pub async fn run(
     }
 }
 
-/// Finds the coordinator to hold the session with (the leader, when several were given)
-/// and connects to it.
-async fn connect(leader: &Leader) -> Result<(String, Channel), String> {
-    let url = leader.find(FIND_WAIT).await?;
-    let channel = leader
-        .endpoint(&url)?
+/// Connects to the coordinator found to hold the session with (the leader, when several
+/// were given).
+async fn connect(found: Result<String, String>) -> Result<(String, Channel), String> {
+    let url = found?;
+    let channel = crate::leader::endpoint(&url)?
         .connect()
         .await
         .map_err(|e| format!("cannot connect to {url}: {e}"))?;
