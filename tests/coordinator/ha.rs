@@ -28,13 +28,13 @@ pub(crate) fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
 }
 
 /// What one coordinator answers now: `Ok` as the leader, or the follower's status.
-async fn ask(url: &str) -> Result<(), tonic::Status> {
+pub(crate) async fn ask(url: &str) -> Result<(), tonic::Status> {
     let mut api = Api::new(connect(url).await, None);
     api.list().await.map(drop)
 }
 
 /// Waits until exactly one of `coords` leads; returns its index.
-async fn leader_of(coords: &[&Coord], within: Duration) -> usize {
+pub(crate) async fn leader_of(coords: &[&Coord], within: Duration) -> usize {
     let deadline = Instant::now() + within;
     loop {
         let mut leading = Vec::new();

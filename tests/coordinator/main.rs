@@ -12,6 +12,7 @@ mod durable;
 mod faults;
 mod ha;
 mod ha_waves;
+mod ha_workers;
 mod harness;
 mod history;
 mod issue14;

@@ -1,7 +1,8 @@
 //! The automaton worker: runs on every GPU machine. It owns what the machine can hold —
 //! GPUs through NVML (or `--simulate-gpu` fakes), RAM and CPUs, the model's context window
 //! and the token budget derived from them (`probe`) — the worker's one session with the
-//! coordinator (`session`), and the work it is given: a fresh workspace per assignment
+//! coordinator, the leader among several followed across a failover (`session`, `leader`),
+//! and the work it is given: a fresh workspace per assignment
 //! (`workspace`), the agent run in its own process group under a guard that ends it if the worker dies
 //! (`agent`, `guard`, `scripted`), the artifact
 //! and code reported back under the lease (`work`) — each run one span, joined to the
@@ -16,6 +17,7 @@
 pub mod agent;
 pub mod doctor;
 pub mod guard;
+pub mod leader;
 pub mod meter;
 pub mod metrics;
 pub mod presets;

@@ -21,8 +21,11 @@ use automaton_worker::{guard, probe, scripted, session};
 struct Cli {
     #[command(subcommand)]
     cmd: Option<Cmd>,
-    /// The coordinator to join, e.g. http://10.0.0.5:7070 (also AUTOMATON_COORDINATOR).
-    #[arg(long, value_name = "URL")]
+    /// The coordinator to join, e.g. http://10.0.0.5:7070 (also AUTOMATON_COORDINATOR). Give
+    /// a comma-separated list for a fleet of coordinators on etcd (store = "etcd"), e.g.
+    /// http://c0:7070,http://c1:7070: the worker finds the leader at every (re)connect and
+    /// follows it across a failover.
+    #[arg(long, value_name = "URL[,URL…]")]
     coordinator: Option<String>,
     /// This worker's name (an agent id; with a worker token, the token's name). Default: the
     /// host name, made an agent id.
@@ -363,6 +366,21 @@ fn read_token_file(path: &Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
+/// `--coordinator a,b,c` (or the variable, named by `from`) as the coordinators to join:
+/// each URL checked, one line saying which is wrong and how to write it.
+fn coordinators(from: &str, list: &str) -> anyhow::Result<Vec<String>> {
+    let urls = automaton_client::split(list);
+    if urls.is_empty() {
+        anyhow::bail!(
+            "{from} is empty: give a URL such as http://127.0.0.1:7070 (several: a comma-separated list)"
+        );
+    }
+    for url in &urls {
+        automaton_worker::leader::check_url(url).map_err(|e| anyhow::anyhow!("{from}: {e}"))?;
+    }
+    Ok(urls)
+}
+
 fn check_name(name: &str) -> anyhow::Result<()> {
     if name.parse::<automaton_workflow::AgentId>().is_err() {
         anyhow::bail!(
@@ -434,13 +452,14 @@ fn credential(
 
 fn serve(cli: Cli) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let coordinator = match cli.coordinator.or_else(|| env("AUTOMATON_COORDINATOR")) {
-        Some(url) if url.trim().is_empty() => {
-            anyhow::bail!("--coordinator is empty: give a URL such as http://127.0.0.1:7070")
-        }
-        Some(url) => url,
+    let given = match cli.coordinator {
+        Some(list) => Some(("--coordinator", list)),
+        None => env("AUTOMATON_COORDINATOR").map(|list| ("AUTOMATON_COORDINATOR", list)),
+    };
+    let coordinators = match given {
+        Some((from, list)) => coordinators(from, &list)?,
         None => anyhow::bail!(
-            "no coordinator given: join with --coordinator URL (or AUTOMATON_COORDINATOR), or run `automaton-worker probe`"
+            "no coordinator given: join with --coordinator URL[,URL…] (or AUTOMATON_COORDINATOR), or run `automaton-worker probe`"
         ),
     };
     if cli.capacity == 0 {
@@ -486,7 +505,7 @@ fn serve(cli: Cli) -> anyhow::Result<()> {
     }
     secrets.extend(token.iter().cloned());
     let opts = session::Options {
-        coordinator,
+        coordinators,
         name,
         token: token.clone(),
         capacity: cli.capacity,
@@ -689,6 +708,37 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    #[test]
+    fn a_coordinator_list_is_split_and_each_url_checked_with_a_one_line_error() {
+        assert_eq!(
+            coordinators("--coordinator", "http://a:1").unwrap(),
+            ["http://a:1"],
+            "one URL is taken as it is"
+        );
+        assert_eq!(
+            coordinators("--coordinator", " http://a:1, https://b:2 ,,").unwrap(),
+            ["http://a:1", "https://b:2"]
+        );
+        for (list, says) in [
+            ("", "--coordinator is empty"),
+            (" , ", "--coordinator is empty"),
+            ("http://a:1,b:2", "'b:2'"),
+            ("http://a:1,http://", "'http://'"),
+        ] {
+            let e = coordinators("--coordinator", list)
+                .expect_err(list)
+                .to_string();
+            assert!(e.contains(says) && !e.contains('\n'), "{list}: {e}");
+        }
+        let e = coordinators("AUTOMATON_COORDINATOR", "http://a:1,ftp://b")
+            .expect_err("ftp")
+            .to_string();
+        assert!(
+            e.starts_with("AUTOMATON_COORDINATOR: invalid coordinator address 'ftp://b'"),
+            "{e}"
+        );
     }
 
     #[test]

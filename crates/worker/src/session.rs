@@ -8,6 +8,11 @@
 //! going and those whose `stopped` is not yet sent, so that a restarted coordinator adopts
 //! them), and a session the coordinator no longer knows is replaced by a fresh one, its
 //! leases reported lost. A run whose lease the resume reports lost is stopped.
+//!
+//! Given several coordinators (`store = etcd`), every (re)connect first finds the leader
+//! (`crate::leader`) and the session goes there; the runs' `Work` calls follow the same
+//! handle. Agents keep running while no coordinator leads, and the new leader is resumed
+//! exactly as a restarted coordinator is: it rebuilt the session from the leases it owns.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
@@ -20,9 +25,10 @@ use pb::worker_message::Msg as Out;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::agent::StopReason;
+use crate::leader::Leader;
 use crate::probe::Probe;
 use crate::work::Runner;
 
@@ -33,7 +39,8 @@ pub enum Error {
     /// token, a name that is not its own, an invalid registration).
     #[error("the coordinator refused this worker: {0}")]
     Refused(String),
-    #[error("invalid coordinator address '{0}': write e.g. http://127.0.0.1:7070")]
+    /// A coordinator URL the worker cannot use (the message names it and says what to write).
+    #[error("{0}")]
     Address(String),
     #[error(
         "the worker token holds characters a header cannot carry: check --token or --token-file"
@@ -44,7 +51,8 @@ pub enum Error {
 /// What the worker registers with, and how it connects.
 #[derive(Debug, Clone)]
 pub struct Options {
-    pub coordinator: String,
+    /// The coordinators given (one, or the several of a `store = etcd` fleet).
+    pub coordinators: Vec<String>,
     pub name: String,
     pub token: Option<String>,
     pub capacity: u32,
@@ -59,6 +67,10 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const DEREGISTER_WAIT: Duration = Duration::from_secs(2);
 /// How long the runs may take to stop at shutdown (the agent's grace is within it).
 const RUNS_STOP_WAIT: Duration = Duration::from_secs(10);
+/// How long one search for the leader among several coordinators may take: an election
+/// (the leadership TTL, 5 s by default) may be under way; the reconnect backoff goes around
+/// it, so a longer one is only tried again.
+const FIND_WAIT: Duration = Duration::from_secs(5);
 
 /// What this worker knows of its session.
 #[derive(Debug, Default)]
@@ -106,11 +118,12 @@ impl State {
     }
 }
 
-/// What running work needs: the agent runner (none: this worker takes no work), a channel for
-/// the `Work` calls, and the runs' updates on their way to the session.
+/// What running work needs: the agent runner (none: this worker takes no work), where the
+/// `Work` calls go (the leader, as the session last found it), and the runs' updates on
+/// their way to the session.
 pub struct Work {
     pub runner: Option<Arc<Runner>>,
-    channel: Option<Channel>,
+    leader: Option<Leader>,
     updates_tx: mpsc::UnboundedSender<pb::RunUpdate>,
     updates_rx: mpsc::UnboundedReceiver<pb::RunUpdate>,
 }
@@ -120,7 +133,7 @@ impl Work {
         let (updates_tx, updates_rx) = mpsc::unbounded_channel();
         Work {
             runner,
-            channel: None,
+            leader: None,
             updates_tx,
             updates_rx,
         }
@@ -131,7 +144,8 @@ impl Work {
 enum Ended {
     /// Asked to stop: deregistered (or tried to).
     Shutdown,
-    /// The stream broke or was ended by the coordinator: reconnect.
+    /// The stream broke or was ended by the coordinator (or refused by a follower):
+    /// reconnect.
     Broken(String),
     /// Refused for a reason retrying cannot cure.
     Fatal(String),
@@ -231,28 +245,39 @@ pub async fn run(
     mut work: Work,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Error> {
-    let endpoint = Endpoint::from_shared(opts.coordinator.clone())
-        .map_err(|_| Error::Address(opts.coordinator.clone()))?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_while_idle(true);
+    let leader = Leader::new(opts.coordinators.clone()).map_err(Error::Address)?;
     let bearer: Option<tonic::metadata::AsciiMetadataValue> = match &opts.token {
         Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| Error::Token)?),
         None => None,
     };
-    // The `Work` calls reconnect on their own, across session streams.
-    work.channel = Some(endpoint.connect_lazy());
+    // The `Work` calls go through the same handle: they reconnect on their own across
+    // session streams, and follow the session to each new leader.
+    work.leader = Some(leader.clone());
     let mut state = State::default();
     let mut backoff = FIRST_BACKOFF;
     loop {
         if *stop.borrow() {
             return Ok(());
         }
-        let ended = match endpoint.connect().await {
-            Ok(channel) => {
+        // Racing the stop: a search during an election may take seconds. (One coordinator
+        // is found at once, and `biased` takes it: then, as ever, a stop that comes while
+        // connecting is heard on the stream, which says goodbye.)
+        let found = tokio::select! {
+            biased;
+            f = leader.find(FIND_WAIT) => f,
+            _ = stop.changed() => {
+                // No stream to say goodbye on: stop the runs; their leases end with the
+                // session.
+                state.stop_runs(StopReason::Shutdown, |_| true);
+                return Ok(());
+            }
+        };
+        let ended = match connect(found).await {
+            Ok((url, channel)) => {
                 session(
                     &channel,
+                    &url,
+                    &leader,
                     bearer.as_ref(),
                     &probe,
                     &opts,
@@ -262,7 +287,7 @@ pub async fn run(
                 )
                 .await
             }
-            Err(e) => Ended::Broken(format!("cannot connect to {}: {e}", opts.coordinator)),
+            Err(why) => Ended::Broken(why),
         };
         match ended {
             Ended::Shutdown => return Ok(()),
@@ -273,9 +298,15 @@ pub async fn run(
         if std::mem::take(&mut state.joined) {
             backoff = FIRST_BACKOFF;
         }
-        // Jitter: a fleet cut off at once does not come back at once.
-        let wait = backoff.mul_f64(0.5 + jitter() / 2.0);
-        backoff = (backoff * 2).min(opts.max_backoff);
+        // Jitter: a fleet cut off at once does not come back at once. A follower that named
+        // the leader is no failure: the leader is tried next without the backoff growing.
+        let wait = if leader.named() {
+            FIRST_BACKOFF.mul_f64(0.5 + jitter() / 2.0)
+        } else {
+            let w = backoff.mul_f64(0.5 + jitter() / 2.0);
+            backoff = (backoff * 2).min(opts.max_backoff);
+            w
+        };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = stop.changed() => {
@@ -288,9 +319,23 @@ pub async fn run(
     }
 }
 
-/// One stream: register, then heartbeat until it breaks or the worker stops.
+/// Connects to the coordinator found to hold the session with (the leader, when several
+/// were given).
+async fn connect(found: Result<String, String>) -> Result<(String, Channel), String> {
+    let url = found?;
+    let channel = crate::leader::endpoint(&url)?
+        .connect()
+        .await
+        .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+    Ok((url, channel))
+}
+
+/// One stream to `url`: register, then heartbeat until it breaks or the worker stops.
+#[allow(clippy::too_many_arguments)]
 async fn session(
     channel: &Channel,
+    url: &str,
+    leader: &Leader,
     bearer: Option<&tonic::metadata::AsciiMetadataValue>,
     probe: &Probe,
     opts: &Options,
@@ -298,15 +343,18 @@ async fn session(
     work: &mut Work,
     stop: &mut watch::Receiver<bool>,
 ) -> Ended {
-    let ended = stream(channel, bearer, probe, opts, state, work, stop).await;
+    let ended = stream(channel, url, leader, bearer, probe, opts, state, work, stop).await;
     crate::metrics::METRICS.connected.set(0);
     match ended {
         Ok(e) | Err(e) => e,
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn stream(
     channel: &Channel,
+    url: &str,
+    leader: &Leader,
     bearer: Option<&tonic::metadata::AsciiMetadataValue>,
     probe: &Probe,
     opts: &Options,
@@ -332,7 +380,11 @@ async fn stream(
     let mut inbound = match client.session(req).await {
         Ok(r) => r.into_inner(),
         Err(s) if fatal(&s) => return Err(Ended::Fatal(s.message().to_string())),
-        Err(s) => return Err(Ended::Broken(format!("{:?}: {}", s.code(), s.message()))),
+        Err(s) => {
+            // A follower names the leader: the next connect goes there.
+            leader.follow(&s);
+            return Err(Ended::Broken(format!("{:?}: {}", s.code(), s.message())));
+        }
     };
     let granted = match inbound.next().await {
         Some(Ok(pb::CoordinatorMessage {
@@ -343,7 +395,10 @@ async fn stream(
                 "the coordinator answered out of order".into(),
             ));
         }
-        Some(Err(s)) => return Err(Ended::Broken(s.message().to_string())),
+        Some(Err(s)) => {
+            leader.follow(&s);
+            return Err(Ended::Broken(s.message().to_string()));
+        }
         None => return Err(Ended::Broken("the coordinator closed the stream".into())),
     };
     state.joined = true;
@@ -382,8 +437,8 @@ async fn stream(
         // Their leases are gone with the old session: stop them.
         state.stop_runs(StopReason::LeaseLost, |_| true);
         println!(
-            "joined {} as {} (session {})",
-            opts.coordinator, granted.name, granted.session_id
+            "joined {url} as {} (session {})",
+            granted.name, granted.session_id
         );
     }
     state.draining = granted.draining;
@@ -478,6 +533,8 @@ async fn stream(
                     if fatal(&s) {
                         return Err(Ended::Fatal(s.message().to_string()));
                     }
+                    // A leader that stepped down names its successor.
+                    leader.follow(&s);
                     // A session the coordinator ended cannot be resumed: start afresh. Its
                     // leases are gone with it: any run under them stops.
                     if s.code() == tonic::Code::NotFound || s.code() == tonic::Code::Aborted {
@@ -521,7 +578,7 @@ async fn stream(
                     while let Some(Ok(_)) = inbound.next().await {}
                 })
                 .await;
-                println!("left {} (session {})", opts.coordinator, granted.session_id);
+                println!("left {url} (session {})", granted.session_id);
                 return Ok(Ended::Shutdown);
             }
         }
@@ -540,8 +597,8 @@ fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb
         accepted: false,
         reason: reason.into(),
     };
-    let (Some(runner), Some(channel), Some(lease)) =
-        (work.runner.clone(), work.channel.clone(), a.lease.clone())
+    let (Some(runner), Some(leader), Some(lease)) =
+        (work.runner.clone(), work.leader.clone(), a.lease.clone())
     else {
         return refuse("this worker has no agent (start it with --agent)");
     };
@@ -573,7 +630,7 @@ fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb
     state.leases.insert(lease.lease_id.clone(), lease.token);
     tokio::spawn(crate::work::run(
         runner,
-        channel,
+        leader,
         a,
         stop_rx,
         work.updates_tx.clone(),

@@ -16,6 +16,9 @@
 //! Every `Work` call is retried with backoff while the coordinator is unreachable (a restart,
 //! a network cut: `UNAVAILABLE`, `DEADLINE_EXCEEDED`, a broken connection), for up to
 //! `Runner::retry_for`, and never after the lease is lost; a definite refusal is final.
+//! Each try goes to the leader as the session knows it then (`crate::leader`): a call cut off
+//! by a failover lands on the new leader once it is found, and a follower's refusal naming
+//! the leader points every call there.
 //! The code tree the run works on is pinned in the shared cache from the manifest until the
 //! patch is made; a tree offered as cached but evicted by another worker before it was
 //! pinned (or removed by hand) is fetched again in full, never a failed run.
@@ -34,6 +37,7 @@ use tonic::transport::Channel;
 use tracing::Instrument as _;
 
 use crate::agent::{AgentSpec, Outcome, RunSpec, RunState, Running, StopReason};
+use crate::leader::Leader;
 use crate::meter::Peak;
 use crate::workspace::{Cache, InputFile, Pin, TreeFile, Workspace};
 
@@ -128,7 +132,8 @@ fn clip(s: &str, max: usize) -> String {
 enum Failed {
     LeaseLost(String),
     Stopped(StopReason),
-    Unreachable(String),
+    /// With the leader a follower named, if it named one.
+    Unreachable(String, Option<String>),
     Error(String),
     /// The agent exited well, but what it left fails the run (an implement that changed no
     /// code under `Require code change: yes`): nothing was sent.
@@ -145,7 +150,7 @@ impl From<tonic::Status> for Failed {
             {
                 Failed::LeaseLost(s.message().to_string())
             }
-            _ if transient(&s) => Failed::Unreachable(why),
+            _ if transient(&s) => Failed::Unreachable(why, automaton_client::leader_named(&s)),
             _ => Failed::Error(why),
         }
     }
@@ -184,11 +189,14 @@ fn jitter() -> f64 {
 /// Runs `call` until it succeeds, fails for good, or the run is told to stop; a failure
 /// that only says the coordinator was unreachable is tried again after a jittered wait
 /// (100 ms doubling to 2 s) for up to `retry_for`. Each try sends the whole request again:
-/// the coordinator takes the same upload twice as success.
+/// the coordinator takes the same upload twice as success. A refusal naming the leader
+/// points `calls` there, for the next try and every other call; once `calls` point at
+/// another coordinator the waiting call is tried again at once.
 async fn retrying<T, F, Fut>(
     what: &'static str,
     retry_for: Duration,
     stop: &watch::Receiver<Option<StopReason>>,
+    calls: &Calls,
     mut call: F,
 ) -> Result<T, Failed>
 where
@@ -199,9 +207,29 @@ where
     let mut wait = RETRY_FIRST_WAIT;
     let mut tries = 0u32;
     loop {
-        let why = match call().await {
+        // Before the call: a leader found while it fails is tried at once.
+        let mut moved = calls.leader.watch();
+        let mut moved_during = false;
+        let answer = tokio::select! {
+            biased;
+            a = call() => a,
+            // Moved while the call waits on a leader that is gone or frozen (SIGSTOP: its
+            // connection still open, no answer until the keep-alive gives up): the call is
+            // dropped and sent to the new leader. The old one, deposed, can write nothing
+            // of it, and the new one answers a repeat as the first.
+            Ok(()) = moved.changed() => {
+                moved_during = true;
+                Err(Failed::Unreachable("the leader changed during the call".into(), None))
+            }
+        };
+        let why = match answer {
             Ok(v) => return Ok(v),
-            Err(Failed::Unreachable(why)) => why,
+            Err(Failed::Unreachable(why, named)) => {
+                if let Some(url) = named {
+                    calls.leader.follow_url(&url);
+                }
+                why
+            }
             Err(e) => return Err(e),
         };
         tries += 1;
@@ -215,9 +243,16 @@ where
                 humantime::format_duration(retry_for)
             )));
         }
+        if moved_during {
+            // Already told: the new leader is tried now.
+            tracing::info!(call = what, tries, leader = %calls.leader.url(), "the leader changed during the call: sending it there");
+            continue;
+        }
         tracing::warn!(call = what, tries, error = %why, wait_ms = pause.as_millis() as u64, "the coordinator is unreachable: retrying");
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
+            // The session found (or a refusal named) another leader: try it now.
+            Ok(()) = moved.changed() => {}
             r = stopped(stop.clone()) => return Err(Failed::Stopped(r)),
         }
         wait = (wait * 2).min(RETRY_MAX_WAIT);
@@ -307,7 +342,7 @@ async fn stopped(mut stop: watch::Receiver<Option<StopReason>>) -> StopReason {
 /// trace context; every call to the coordinator carries the run's context on.
 pub async fn run(
     runner: Arc<Runner>,
-    channel: Channel,
+    leader: Leader,
     a: pb::Assignment,
     stop: watch::Receiver<Option<StopReason>>,
     updates: mpsc::UnboundedSender<pb::RunUpdate>,
@@ -351,7 +386,14 @@ pub async fn run(
         metrics.runs_active.add(1);
         let mut notes = Notes::default();
         let (reason, detail, code, peak) = match attempt(
-            &runner, &channel, &a, &lease, stop, &report, &finishing, &mut notes,
+            &runner,
+            &Calls { leader },
+            &a,
+            &lease,
+            stop,
+            &report,
+            &finishing,
+            &mut notes,
         )
         .await
         {
@@ -363,7 +405,7 @@ pub async fn run(
                 None,
                 None,
             ),
-            Err(Failed::Error(why) | Failed::Unreachable(why) | Failed::Judged(why)) => {
+            Err(Failed::Error(why) | Failed::Unreachable(why, _) | Failed::Judged(why)) => {
                 (StopReason::AgentError, why, None, None)
             }
         };
@@ -433,7 +475,7 @@ pub async fn run(
 #[allow(clippy::too_many_arguments)]
 async fn attempt(
     runner: &Arc<Runner>,
-    channel: &Channel,
+    work: &Calls,
     a: &pb::Assignment,
     lease: &pb::Lease,
     stop: watch::Receiver<Option<StopReason>>,
@@ -445,21 +487,21 @@ async fn attempt(
         .phase
         .parse()
         .map_err(|_| Failed::Error(format!("unknown phase '{}'", a.phase)))?;
-    let work = pb::work_client::WorkClient::new(channel.clone()).max_decoding_message_size(8 << 20);
     // The trees offered are not pinned (a worker fetching would keep every tree from
     // eviction): one evicted meanwhile by another worker sharing the cache is fetched again.
     let offered = runner.cache.commits();
-    let (manifest, inputs, code) = retrying("FetchWorkspace", runner.retry_for, &stop, || {
-        fetch(runner, work.clone(), lease, offered.clone())
-    })
-    .await?;
+    let (manifest, inputs, code) =
+        retrying("FetchWorkspace", runner.retry_for, &stop, work, || {
+            fetch(runner, work.client(), lease, offered.clone())
+        })
+        .await?;
     let commit = (!manifest.commit.is_empty()).then_some(manifest.commit.clone());
     // Pinned from here until the patch is made: no worker evicts it meanwhile.
     let mut tree = match (&commit, code) {
         (Some(c), Some(files)) => Some(store(runner, c, files)?),
         (Some(c), None) => match runner.cache.pin(c) {
             Ok(Some(pin)) => Some(pin),
-            _ => Some(fetch_tree(runner, &work, lease, c, &stop, EVICTED_MEANWHILE).await?),
+            _ => Some(fetch_tree(runner, work, lease, c, &stop, EVICTED_MEANWHILE).await?),
         },
         (None, _) => None,
     };
@@ -474,7 +516,7 @@ async fn attempt(
     let ws = match (made, &commit) {
         // Gone all the same (removed by hand): a cache miss, fetched again, never a failure.
         (Err(crate::workspace::Error::NotCached(_)), Some(c)) => {
-            tree = Some(fetch_tree(runner, &work, lease, c, &stop, PINNED_GONE).await?);
+            tree = Some(fetch_tree(runner, work, lease, c, &stop, PINNED_GONE).await?);
             Workspace::create(
                 &runner.work_dir,
                 &name,
@@ -569,7 +611,7 @@ async fn attempt(
             peak,
         ));
     }
-    let result = report_back(runner, &work, a, lease, &ws, tree, &stop, finishing, notes).await;
+    let result = report_back(runner, work, a, lease, &ws, tree, &stop, finishing, notes).await;
     let _ = ws.discard();
     match result {
         Ok(()) => Ok((outcome, peak)),
@@ -590,6 +632,19 @@ type Fetched = (pb::WorkspaceManifest, Vec<InputFile>, Option<Vec<TreeFile>>);
 
 type Client = pb::work_client::WorkClient<Channel>;
 
+/// Where a run's `Work` calls go: the leader as the session knows it at each try.
+struct Calls {
+    leader: Leader,
+}
+
+impl Calls {
+    /// A client on the leader's channel as it is now (a call stays on it; the next try takes
+    /// the leader anew).
+    fn client(&self) -> Client {
+        pb::work_client::WorkClient::new(self.leader.channel()).max_decoding_message_size(8 << 20)
+    }
+}
+
 /// Stores a tree the coordinator sent, pinned.
 fn store(runner: &Runner, commit: &str, files: Vec<TreeFile>) -> Result<Pin, Failed> {
     runner
@@ -608,7 +663,7 @@ const PINNED_GONE: &str = "a pinned tree is gone from the cache";
 /// tree this worker needs but no longer holds. The task's head must still be `commit`.
 async fn fetch_tree(
     runner: &Runner,
-    work: &Client,
+    work: &Calls,
     lease: &pb::Lease,
     commit: &str,
     stop: &watch::Receiver<Option<StopReason>>,
@@ -619,8 +674,8 @@ async fn fetch_tree(
     } else {
         tracing::info!(commit = %commit, "{why}: fetching it in full");
     }
-    let (manifest, _, code) = retrying("FetchWorkspace", runner.retry_for, stop, || {
-        fetch(runner, work.clone(), lease, vec![])
+    let (manifest, _, code) = retrying("FetchWorkspace", runner.retry_for, stop, work, || {
+        fetch(runner, work.client(), lease, vec![])
     })
     .await?;
     match code {
@@ -721,7 +776,7 @@ async fn fetch(
 #[allow(clippy::too_many_arguments)]
 async fn report_back(
     runner: &Runner,
-    work: &Client,
+    work: &Calls,
     a: &pb::Assignment,
     lease: &pb::Lease,
     ws: &Workspace,
@@ -818,8 +873,8 @@ async fn report_back(
     chunks[0].name = a.artifact.clone();
     chunks[0].sha256 = sha;
     chunks[0].size = size;
-    retrying("UploadArtifact", runner.retry_for, stop, || {
-        let mut work = work.clone();
+    retrying("UploadArtifact", runner.retry_for, stop, work, || {
+        let mut work = work.client();
         let chunks = chunks.clone();
         async move {
             work.upload_artifact(runner.req(tokio_stream::iter(chunks)))
@@ -866,8 +921,8 @@ async fn report_back(
         chunks[0].lease_id = lease.lease_id.clone();
         chunks[0].token = lease.token;
         chunks[0].base_commit = base;
-        let out = retrying("UploadPatch", runner.retry_for, stop, || {
-            let mut work = work.clone();
+        let out = retrying("UploadPatch", runner.retry_for, stop, work, || {
+            let mut work = work.client();
             let chunks = chunks.clone();
             async move {
                 Ok(work
@@ -881,8 +936,8 @@ async fn report_back(
     }
     // Completing ends the lease, and the coordinator may offer new work at once.
     finishing.store(true, std::sync::atomic::Ordering::Release);
-    retrying("CompletePhase", runner.retry_for, stop, || {
-        let mut work = work.clone();
+    retrying("CompletePhase", runner.retry_for, stop, work, || {
+        let mut work = work.client();
         async move {
             work.complete_phase(runner.req(pb::CompletePhaseRequest {
                 lease_id: lease.lease_id.clone(),
@@ -912,7 +967,11 @@ mod tests {
         n: u32,
     ) -> (Result<u32, Failed>, u32) {
         let calls = AtomicU32::new(0);
-        let out = retrying("Test", retry_for, stop, || {
+        // Nothing listens there, and nothing is sent: the calls here are `call`'s own.
+        let to = Calls {
+            leader: Leader::new(vec!["http://127.0.0.1:9".into()]).unwrap(),
+        };
+        let out = retrying("Test", retry_for, stop, &to, || {
             let k = calls.fetch_add(1, Ordering::SeqCst) + 1;
             let fail = fail.clone();
             async move { if k <= n { Err(fail.into()) } else { Ok(k) } }
@@ -1004,6 +1063,40 @@ mod tests {
         );
         assert!(calls >= 2, "{calls}");
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    }
+
+    #[tokio::test]
+    async fn a_call_hanging_on_a_leader_that_moved_is_sent_to_the_new_one_at_once() {
+        let (_tx, stop) = watch::channel(None);
+        let to = Calls {
+            leader: Leader::new(vec![
+                "http://127.0.0.1:9".into(),
+                "http://127.0.0.1:10".into(),
+            ])
+            .unwrap(),
+        };
+        let leader = to.leader.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            leader.follow_url("http://127.0.0.1:10");
+        });
+        let tries = AtomicU32::new(0);
+        let t = Instant::now();
+        let out = retrying("Test", Duration::from_secs(60), &stop, &to, || {
+            let first = tries.fetch_add(1, Ordering::SeqCst) == 0;
+            let url = to.leader.url();
+            async move {
+                if first {
+                    // A frozen leader: the connection stays open, no answer comes.
+                    std::future::pending::<()>().await;
+                }
+                Ok(url)
+            }
+        })
+        .await;
+        assert_eq!(out.unwrap(), "http://127.0.0.1:10");
+        assert_eq!(tries.load(Ordering::SeqCst), 2);
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     }
 
     #[test]
