@@ -148,6 +148,9 @@ impl Project {
             }
             Err(e) => return Err(self.git("read HEAD")(e)),
         };
+        // With a shared remote the branch exists there (and in the record) before it exists
+        // here: a later leader then has the branch a worker's changes are based on.
+        self.share_branch_head(task, &branch, &start.to_string())?;
         let log = format!("automaton: branch for task {task}");
         let commit = match repo.reference(&refname, start, false, &log) {
             Ok(_) => start,

@@ -282,6 +282,21 @@ mod tests {
         )
     }
 
+    fn edit_on(p: &Project, base: &str, content: &str) -> Result<crate::Applied, Error> {
+        p.apply_changes(
+            &name("t"),
+            base,
+            &[Change {
+                path: "src/lib.rs".into(),
+                deleted: false,
+                executable: false,
+                content: content.as_bytes().to_vec(),
+            }],
+            "agent-a",
+            "implement t",
+        )
+    }
+
     /// The first coordinator's store files, as the second's view would be rebuilt.
     fn copy_view(from: &Project, to: &Project) {
         let files = from.replicated_files().expect("files");
@@ -320,22 +335,67 @@ mod tests {
     }
 
     #[test]
+    fn a_branch_served_before_any_change_is_on_the_remote_for_the_next_leader() {
+        let (top, first, second, _) = fleet();
+        // A worker fetched the code: the branch exists, no change yet.
+        let head = first
+            .task_branch(&name("t"))
+            .expect("branch")
+            .expect("repo");
+        let remote = top.path().join("shared.git");
+        assert_eq!(
+            sh(&remote, &["rev-parse", "refs/heads/automaton/t"]),
+            head.commit
+        );
+        // The next leader takes the worker's changes on that base.
+        copy_view(&first, &second);
+        second.sync_task_branches(&[name("t")]).expect("sync");
+        let applied = second
+            .apply_changes(
+                &name("t"),
+                &head.commit,
+                &[Change {
+                    path: "src/lib.rs".into(),
+                    deleted: false,
+                    executable: false,
+                    content: b"pub fn f() {}\n".to_vec(),
+                }],
+                "agent-a",
+                "implement t",
+            )
+            .expect("applied on the new leader");
+        assert!(applied.commit.is_some());
+    }
+
+    #[test]
     fn a_writer_behind_the_remote_is_refused_and_moves_nothing() {
         let (top, first, second, _) = fleet();
         second.create_task(&name("t")).expect("create");
         // The second moved the branch on the remote first (it leads now) ...
         second.task_branch(&name("t")).expect("branch");
         edit(&second, "pub fn second() {}\n").expect("applied");
-        // ... so the first, deposed without knowing, cannot move it: not a fast-forward.
-        first.task_branch(&name("t")).expect("branch");
-        let before = sh(first.root(), &["rev-parse", "refs/heads/automaton/t"]);
-        let e = edit(&first, "pub fn first() {}\n").expect_err("refused");
+        // ... so the first, deposed without knowing, cannot start or move it: not a
+        // fast-forward of the remote's.
+        let e = first.task_branch(&name("t")).expect_err("refused");
         assert!(matches!(e, Error::SharedRemote { .. }), "{e}");
         assert!(e.to_string().contains("rejected"), "{e}");
-        assert_eq!(
-            sh(first.root(), &["rev-parse", "refs/heads/automaton/t"]),
-            before,
-            "the refused writer's own branch did not move"
+        assert!(
+            git(
+                first.root(),
+                &["rev-parse", "--verify", "--quiet", "refs/heads/automaton/t"]
+            )
+            .is_err(),
+            "the refused writer has no branch of its own"
+        );
+        let e = edit_on(
+            &first,
+            &sh(second.root(), &["rev-parse", "main"]),
+            "pub fn first() {}\n",
+        )
+        .expect_err("refused");
+        assert!(
+            matches!(e, Error::SharedRemote { .. } | Error::NoBranch { .. }),
+            "{e}"
         );
         let remote = top.path().join("shared.git");
         assert_eq!(
