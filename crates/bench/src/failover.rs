@@ -303,7 +303,11 @@ async fn rounds(
                 nodes[l].url
             );
         }
-        let watch = ha::watch_handover(cluster.client.clone(), old_revision, Duration::from_secs(60));
+        let watch = ha::watch_handover(
+            cluster.client.clone(),
+            old_revision,
+            Duration::from_secs(60),
+        );
         let killed = nodes[l].url.clone();
         let t0 = Instant::now();
         nodes[l].kill9();

@@ -193,7 +193,10 @@ impl Node {
                     self.process = Some(s);
                     return Ok(());
                 }
-                Err(e) if Instant::now() < deadline && format!("{e:#}").contains("cannot listen on") => {
+                Err(e)
+                    if Instant::now() < deadline
+                        && format!("{e:#}").contains("cannot listen on") =>
+                {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) => return Err(e),

@@ -254,8 +254,11 @@ async fn measure(
     eprintln!("coordinator (store = etcd) at {}", n.url);
     let etcd_url = n.url.clone();
     *node = Some(n);
-    ha::leader_of(std::slice::from_ref(node.as_ref().context("no node")?), Duration::from_secs(60))
-        .await?;
+    ha::leader_of(
+        std::slice::from_ref(node.as_ref().context("no node")?),
+        Duration::from_secs(60),
+    )
+    .await?;
     let mut files_url = None;
     if !args.no_files {
         let dir = scratch.join("coordinator-files");
@@ -271,7 +274,10 @@ async fn measure(
     let mut results = Vec::new();
     let mut prepared = Vec::new();
     for &clients in &args.clients {
-        eprintln!("C={clients}: one connection per client, {:?} client", args.client);
+        eprintln!(
+            "C={clients}: one connection per client, {:?} client",
+            args.client
+        );
         prepared.push(prepare(&etcd_url, ETCD_MODE, clients, args).await?);
         if let Some(url) = &files_url {
             prepared.push(prepare(url, FILES, clients, args).await?);

@@ -35,6 +35,7 @@ mod etcd;
 mod failover;
 mod ha;
 mod ha_leases;
+mod ha_workers;
 mod inline;
 mod otlp;
 mod phases;
