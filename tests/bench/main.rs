@@ -702,6 +702,11 @@ fn failover_bench_kills_the_leader_and_claims_through_the_next_every_round() {
         // Polled every 10 ms: the new key may be seen a moment after the claim it allowed.
         assert!(elected <= claim + 0.2, "{round}");
         assert!(claim > 1.0 && claim < 30.0, "{round}");
+        // The new leader's log: serving before it granted the claim.
+        let serving = round["serving_s"]
+            .as_f64()
+            .expect("the new leader's log says serving");
+        assert!(serving <= claim + 0.05, "{round}");
         assert_ne!(round["killed"], round["granted_by"], "{round}");
         assert!(
             round["attempts"].as_u64().expect("attempts") >= 2,
@@ -844,6 +849,13 @@ fn workers_failover_bench_resumes_every_session_with_its_lease() {
     );
     assert!(
         r["resume"]["max_ms"].as_f64() >= r["resume"]["p99_ms"].as_f64(),
+        "{r}"
+    );
+    let serving = r["new_leader_term"]["serving_s"]
+        .as_f64()
+        .expect("the new leader's log says serving");
+    assert!(
+        serving * 1e3 <= r["resume"]["p50_ms"].as_f64().expect("p50") + 50.0,
         "{r}"
     );
     assert_eq!(r["met"], true, "{r}");

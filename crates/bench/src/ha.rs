@@ -358,3 +358,98 @@ pub fn watch_handover(
 pub fn secs_since(t0: Instant, t: Option<Instant>) -> Option<f64> {
     t.map(|t| t.saturating_duration_since(t0).as_secs_f64())
 }
+
+/// When a coordinator's log says it began its term after `since` (wall clock): elected,
+/// its folder rebuilt from etcd, serving — each as seconds after `since`.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Term {
+    pub elected_s: Option<f64>,
+    pub rebuilt_s: Option<f64>,
+    pub serving_s: Option<f64>,
+}
+
+/// Reads [`Term`] from the coordinator log at `log` (its text lines start with an RFC 3339
+/// UTC time, e.g. `2026-12-02T04:52:52.522319Z  INFO …`).
+pub fn term_after(log: &Path, since: std::time::SystemTime) -> Term {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let since = since
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let mut t = Term::default();
+    for line in text.lines() {
+        let Some(at) = line.split_whitespace().next().and_then(unix_seconds) else {
+            continue;
+        };
+        if at < since {
+            continue;
+        }
+        let rel = Some(at - since);
+        if t.elected_s.is_none() && line.contains("elected leader") {
+            t.elected_s = rel;
+        } else if t.elected_s.is_some()
+            && t.rebuilt_s.is_none()
+            && (line.contains("task store rebuilt") || line.contains("etcd seeded"))
+        {
+            t.rebuilt_s = rel;
+        } else if t.elected_s.is_some() && line.contains("leading: serving") {
+            t.serving_s = rel;
+            break;
+        }
+    }
+    t
+}
+
+/// `2026-12-02T04:52:52.522319Z` → seconds since the Unix epoch.
+fn unix_seconds(s: &str) -> Option<f64> {
+    let s = s.strip_suffix('Z')?;
+    let (date, time) = s.split_once('T')?;
+    let mut d = date.split('-').map(|x| x.parse::<i64>());
+    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
+    let mut t = time.split(':');
+    let (hh, mm) = (
+        t.next()?.parse::<i64>().ok()?,
+        t.next()?.parse::<i64>().ok()?,
+    );
+    let ss: f64 = t.next()?.parse().ok()?;
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some((days * 86_400 + hh * 3_600 + mm * 60) as f64 + ss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_log_times() {
+        assert_eq!(unix_seconds("1970-01-01T00:00:00Z"), Some(0.0));
+        assert_eq!(unix_seconds("2000-03-01T00:00:01.5Z"), Some(951_868_801.5));
+        assert_eq!(unix_seconds("2026-12-02T04:52:52Z"), Some(1_796_187_172.0));
+        assert_eq!(unix_seconds("INFO"), None);
+    }
+
+    #[test]
+    fn finds_the_term_after_a_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("c.log");
+        std::fs::write(
+            &log,
+            "2026-12-02T04:52:40.000000Z  INFO x: leading: serving leases=0\n\
+             2026-12-02T04:52:51.000000Z  INFO x: elected leader: rebuilding the task store from etcd\n\
+             2026-12-02T04:52:52.250000Z  INFO x: task store rebuilt from etcd written=2001\n\
+             2026-12-02T04:52:52.500000Z  INFO x: leading: serving leases=1000\n",
+        )
+        .expect("write");
+        let since = std::time::UNIX_EPOCH + Duration::from_secs(1_796_187_170);
+        let t = term_after(&log, since);
+        assert_eq!(t.elected_s, Some(1.0));
+        assert_eq!(t.rebuilt_s, Some(2.25));
+        assert_eq!(t.serving_s, Some(2.5));
+    }
+}

@@ -348,6 +348,8 @@ pub struct FailoverResult {
     /// T0 → the dead leader's key first seen gone / the next leader's key first seen.
     key_gone_s: Option<f64>,
     elected_s: Option<f64>,
+    /// T0 → the new leader's log: elected, its folder rebuilt from etcd, serving.
+    new_leader_term: ha::Term,
     /// Sessions granted again after the kill, and of those: `resumed` (the same session).
     back: usize,
     resumed: usize,
@@ -541,6 +543,7 @@ async fn one_count(
         Duration::from_secs(60),
     );
     let killed = nodes[l].url.clone();
+    let t0_wall = std::time::SystemTime::now();
     let t0 = Instant::now();
     nodes[l].kill9();
     eprintln!("  N={n}: killed the leader {killed} (kill -9)");
@@ -553,6 +556,7 @@ async fn one_count(
         }
     }
     let handover = watch.await.context("the leader-key watch panicked")?;
+    let term = ha::term_after(&nodes[1 - l].log(), t0_wall);
     eprintln!(
         "  N={n}: {back} of {n} sessions back {:.2}s after the kill",
         t0.elapsed().as_secs_f64()
@@ -635,6 +639,7 @@ async fn one_count(
         new_leader,
         key_gone_s: ha::secs_since(t0, handover.gone),
         elected_s: ha::secs_since(t0, handover.elected),
+        new_leader_term: term,
         back: back_n,
         resumed,
         new_sessions,
@@ -657,11 +662,12 @@ fn opt_s(v: Option<f64>) -> String {
 
 fn table(results: &[FailoverResult]) -> String {
     let mut out = format!(
-        "{:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8}  all resumed, 0 lost\n",
+        "{:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8}  all resumed, 0 lost\n",
         "sessions",
         "ttl",
         "key gone",
         "elected",
+        "serving",
         "back",
         "resumed",
         "kept",
@@ -674,11 +680,12 @@ fn table(results: &[FailoverResult]) -> String {
     );
     for r in results {
         out.push_str(&format!(
-            "{:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8}  {}\n",
+            "{:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>9} {:>8} {:>8}  {}\n",
             r.sessions,
             fmt_ms(r.election_ttl_ms as f64),
             opt_s(r.key_gone_s),
             opt_s(r.elected_s),
+            opt_s(r.new_leader_term.serving_s),
             r.back,
             r.resumed,
             r.leases_kept,
