@@ -693,15 +693,16 @@ fn failover_bench_kills_the_leader_and_claims_through_the_next_every_round() {
             .expect("the old key was seen gone");
         let elected = round["elected_s"].as_f64().expect("a new key was seen");
         // A kill -9'd leader resigns nothing: its key lives until its etcd lease expires
-        // (2 s TTL, at least 2/3 of it left). A graceful stop would revoke it at once.
+        // (2 s TTL, about 2/3 of it or more left: a keepalive every 1/3). A graceful stop
+        // revokes it at once (0.01-0.05 s here).
         assert!(
-            gone >= 1.0,
+            gone >= 0.5,
             "the old key went {gone} s after the kill: {round}"
         );
         assert!(gone <= elected + 1e-9, "{round}");
         // Polled every 10 ms: the new key may be seen a moment after the claim it allowed.
         assert!(elected <= claim + 0.2, "{round}");
-        assert!(claim > 1.0 && claim < 30.0, "{round}");
+        assert!(claim > 0.5 && claim < 30.0, "{round}");
         // The new leader's log: serving before it granted the claim.
         let serving = round["serving_s"]
             .as_f64()
