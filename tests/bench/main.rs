@@ -642,3 +642,223 @@ fn dispatch_bench_assigns_every_subtask_to_a_worker_that_fits() {
     assert!(r["create_ms"].as_f64().expect("create_ms") > 0.0, "{r}");
     assert!(run.stdout.contains("best fit"), "{}", run.stdout);
 }
+
+/// The HA benches need etcd 3.4 (`tests/setup` installs Debian's etcd-server): the real one,
+/// never a fake.
+fn etcd_bin() -> String {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("etcd"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!("etcd is not on PATH: run tests/setup (it installs Debian's etcd-server)")
+        })
+        .display()
+        .to_string()
+}
+
+fn report_of(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).expect("report")).expect("JSON")
+}
+
+/// `automaton-bench failover`: every round kills the leading coordinator with SIGKILL and
+/// a claim is granted by the other one, after the dead leader's key outlived it in etcd.
+#[test]
+fn failover_bench_kills_the_leader_and_claims_through_the_next_every_round() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("failover.json");
+    let coordinator = coordinator_bin();
+    let etcd = etcd_bin();
+    let run = bench(&[
+        "failover",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--etcd-bin",
+        &etcd,
+        "--failovers",
+        "3",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let r = report_of(&json);
+    let rounds = r["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 3, "{r}");
+    assert_eq!(r["election_ttl_ms"], 2000, "{r}");
+    let mut killed = Vec::new();
+    for round in rounds {
+        let claim = round["claim_s"].as_f64().expect("claim_s");
+        let gone = round["key_gone_s"]
+            .as_f64()
+            .expect("the old key was seen gone");
+        let elected = round["elected_s"].as_f64().expect("a new key was seen");
+        // A kill -9'd leader resigns nothing: its key lives until its etcd lease expires
+        // (2 s TTL, about 2/3 of it or more left: a keepalive every 1/3). A graceful stop
+        // revokes it at once (0.01-0.05 s here).
+        assert!(
+            gone >= 0.5,
+            "the old key went {gone} s after the kill: {round}"
+        );
+        assert!(gone <= elected + 1e-9, "{round}");
+        // Polled every 10 ms: the new key may be seen a moment after the claim it allowed.
+        assert!(elected <= claim + 0.2, "{round}");
+        assert!(claim > 0.5 && claim < 30.0, "{round}");
+        // The new leader's log: serving before it granted the claim.
+        let serving = round["serving_s"]
+            .as_f64()
+            .expect("the new leader's log says serving");
+        assert!(serving <= claim + 0.05, "{round}");
+        assert_ne!(round["killed"], round["granted_by"], "{round}");
+        assert!(
+            round["attempts"].as_u64().expect("attempts") >= 2,
+            "{round}"
+        );
+        killed.push(round["killed"].as_str().expect("url").to_string());
+    }
+    // The restarted coordinator rejoins and leads again when the other is killed.
+    assert_ne!(killed[0], killed[1], "{r}");
+    assert_eq!(killed[0], killed[2], "{r}");
+    let s = &r["summary"];
+    assert_eq!(s["total"]["count"], 3, "{r}");
+    assert_eq!(s["key_gone"]["count"], 3, "{r}");
+    assert!(
+        s["total"]["p99_ms"].as_f64() >= s["total"]["p50_ms"].as_f64(),
+        "{r}"
+    );
+    assert_eq!(
+        s["target_met"].as_bool().expect("target_met"),
+        s["total"]["p99_ms"].as_f64().expect("p99") <= 3000.0,
+        "{r}"
+    );
+    assert!(
+        run.stdout.contains("kill -9 -> claim granted"),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains("target: p99"), "{}", run.stdout);
+}
+
+/// `automaton-bench ha-leases`: the coordinator in etcd mode, one etcd Txn per call and the
+/// files-mode coordinator, measured in one run on one cluster, every call granted.
+#[test]
+fn ha_leases_bench_measures_etcd_mode_against_one_txn_per_claim() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("ha-leases.json");
+    let coordinator = coordinator_bin();
+    let etcd = etcd_bin();
+    let run = bench(&[
+        "ha-leases",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--etcd-bin",
+        &etcd,
+        "--clients",
+        "2,4",
+        "--duration",
+        "2s",
+        "--slices",
+        "2",
+        "--tasks-per-client",
+        "5",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let r = report_of(&json);
+    let results = r["results"].as_array().expect("results");
+    for clients in [2, 4] {
+        for op in ["claim", "release"] {
+            for system in ["automaton-etcd", "automaton-files", "etcd-txn"] {
+                let row = results
+                    .iter()
+                    .find(|x| x["system"] == system && x["op"] == op && x["clients"] == clients)
+                    .unwrap_or_else(|| panic!("no {system} {op} row at {clients}: {r}"));
+                assert_eq!(row["errors"], 0, "{row}");
+                assert!(row["ops"].as_u64().expect("ops") > 0, "{row}");
+                assert!(row["ops_per_s"].as_f64().expect("ops/s") > 0.0, "{row}");
+            }
+        }
+    }
+    let comparisons = r["comparisons"].as_array().expect("comparisons");
+    assert_eq!(comparisons.len(), 4, "{r}");
+    for k in comparisons {
+        let ratio = k["ratio"].as_f64().expect("ratio");
+        let want = k["automaton_etcd_ops_per_s"].as_f64().expect("a")
+            / k["etcd_txn_ops_per_s"].as_f64().expect("e");
+        assert!((ratio - want).abs() < 1e-9, "{k}");
+        if k["op"] == "claim" {
+            assert_eq!(k["target_ratio"], 3.0, "{k}");
+            assert_eq!(k["target_met"].as_bool(), Some(ratio >= 3.0), "{k}");
+        }
+        assert!(
+            k["files_over_etcd_mode"].as_f64().expect("files") > 0.0,
+            "{k}"
+        );
+    }
+    assert!(
+        run.stdout.contains("automaton-etcd / etcd-txn"),
+        "{}",
+        run.stdout
+    );
+}
+
+/// `automaton-bench workers --failover`: sessions on an HA pair, the leader killed: every
+/// session finds the new leader and resumes with its lease; none is lost.
+#[test]
+fn workers_failover_bench_resumes_every_session_with_its_lease() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("workers-failover.json");
+    let coordinator = coordinator_bin();
+    let etcd = etcd_bin();
+    let run = bench(&[
+        "workers",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--failover",
+        "--etcd-bin",
+        &etcd,
+        "--sessions",
+        "50",
+        "--heartbeat",
+        "200ms",
+        "--duration",
+        "1s",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let report = report_of(&json);
+    let r = &report["results"][0];
+    assert_eq!(r["sessions"], 50, "{r}");
+    assert_eq!(r["back"], 50, "{r}");
+    assert_eq!(
+        r["resumed"], 50,
+        "every session resumed, none started anew: {r}"
+    );
+    assert_eq!(r["new_sessions"], 0, "{r}");
+    assert_eq!(r["leases_kept"], 50, "{r}");
+    assert_eq!(r["leases_lost"], 0, "{r}");
+    assert_eq!(r["leases_on_new_leader"], 50, "{r}");
+    assert_eq!(r["heartbeating_after"], 50, "{r}");
+    assert_eq!(r["session_errors"], 0, "{r}");
+    assert_eq!(r["resume"]["count"], 50, "{r}");
+    assert_ne!(r["killed"], r["new_leader"], "{r}");
+    // No session can be back before the dead leader's key expired (2 s TTL).
+    assert!(
+        r["resume"]["p50_ms"].as_f64().expect("p50") >= 1000.0,
+        "{r}"
+    );
+    assert!(
+        r["resume"]["max_ms"].as_f64() >= r["resume"]["p99_ms"].as_f64(),
+        "{r}"
+    );
+    let serving = r["new_leader_term"]["serving_s"]
+        .as_f64()
+        .expect("the new leader's log says serving");
+    assert!(
+        serving * 1e3 <= r["resume"]["p50_ms"].as_f64().expect("p50") + 50.0,
+        "{r}"
+    );
+    assert_eq!(r["met"], true, "{r}");
+    assert!(run.stdout.contains("all resumed, 0 lost"), "{}", run.stdout);
+}

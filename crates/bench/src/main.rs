@@ -32,6 +32,10 @@ mod coord;
 mod dispatch;
 mod echo;
 mod etcd;
+mod failover;
+mod ha;
+mod ha_leases;
+mod ha_workers;
 mod inline;
 mod otlp;
 mod phases;
@@ -86,6 +90,13 @@ enum Cmd {
     /// Many worker sessions (one connection each) heartbeating one coordinator: its CPU and
     /// memory, the heartbeat round trip, and how soon a silent session's leases end.
     Workers(workers::WorkersArgs),
+    /// kill -9 of the leading coordinator of an HA pair on a 3-member etcd cluster, again and
+    /// again: the time until a claim is granted through whichever coordinator leads.
+    Failover(failover::FailoverArgs),
+    /// Claims and releases per second of the coordinator with `--store etcd` on a spawned
+    /// 3-member cluster, against one etcd `Txn` per claim and per release on the same
+    /// cluster (and the files-mode coordinator), in one run.
+    HaLeases(ha_leases::HaLeasesArgs),
     /// Tasks driven through every phase by `automaton-worker --agent scripted` processes,
     /// gates approved at once: phase turnaround, artifact upload throughput, tasks/minute.
     Phases(phases::PhasesArgs),
@@ -889,6 +900,8 @@ async fn main() -> Result<()> {
         Cmd::Leases(args) => leases(args).await,
         Cmd::Restart(args) => restart::run(args).await,
         Cmd::Workers(args) => workers::run(args).await,
+        Cmd::Failover(args) => failover::run(args).await,
+        Cmd::HaLeases(args) => ha_leases::run(args).await,
         Cmd::Phases(args) => phases::run(args).await,
         Cmd::Dispatch(args) => dispatch::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,

@@ -122,11 +122,24 @@ pub fn coordinator_env(
     extra: &[String],
     envs: &[(&str, String)],
 ) -> Result<Spawned> {
+    coordinator_at(bin, project, scratch, "127.0.0.1:0", extra, envs)
+}
+
+/// As `coordinator_env`, listening on `listen` (a fixed port: a coordinator restarted on the
+/// address its clients were given).
+pub fn coordinator_at(
+    bin: &Path,
+    project: &Path,
+    scratch: &Path,
+    listen: &str,
+    extra: &[String],
+    envs: &[(&str, String)],
+) -> Result<Spawned> {
     let log = scratch.join("coordinator.log");
     let mut cmd = Command::new(bin);
     cmd.arg("--project")
         .arg(project)
-        .args(["--listen", "127.0.0.1:0"])
+        .args(["--listen", listen])
         .args(extra)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -262,7 +275,7 @@ pub fn listening_addr(line: &str) -> Option<String> {
     (!token.is_empty()).then(|| token.to_string())
 }
 
-fn free_port() -> Result<u16> {
+pub fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("find a free port")?;
     Ok(l.local_addr()?.port())
 }
@@ -304,6 +317,75 @@ pub fn etcd(bin: &str, scratch: &Path) -> Result<Spawned> {
         log,
         stopped: false,
     })
+}
+
+/// etcd's raft timing for the HA benches (as tests/etcd): a heartbeat every 100 ms, an
+/// election after 1 s without one.
+pub const RAFT_FLAGS: [&str; 4] = ["--heartbeat-interval", "100", "--election-timeout", "1000"];
+
+/// Starts an `n`-member etcd cluster on 127.0.0.1 with free ports, data and logs under
+/// `scratch/etcd-m{i}`, [`RAFT_FLAGS`], default durability. The caller waits for it to
+/// serve (`ha::Cluster::start` does, and starts again on new ports if a member exits).
+pub fn etcd_cluster(bin: &str, scratch: &Path, n: usize) -> Result<Vec<Spawned>> {
+    let mut ports: Vec<u16> = Vec::new();
+    while ports.len() < 2 * n {
+        let p = free_port()?;
+        if !ports.contains(&p) {
+            ports.push(p);
+        }
+    }
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let token = format!("automaton-bench-{}-{nanos}", std::process::id());
+    let peer = |i: usize| format!("http://127.0.0.1:{}", ports[2 * i + 1]);
+    let initial: Vec<String> = (0..n).map(|i| format!("m{i}={}", peer(i))).collect();
+    let initial = initial.join(",");
+    let mut members = Vec::with_capacity(n);
+    for i in 0..n {
+        let name = format!("m{i}");
+        let client_url = format!("http://127.0.0.1:{}", ports[2 * i]);
+        let log = scratch.join(format!("etcd-{name}.log"));
+        let out = File::create(&log)?;
+        let child = Command::new(bin)
+            .args(["--name", &name])
+            .arg("--data-dir")
+            .arg(scratch.join(format!("etcd-{name}")))
+            .args(["--listen-client-urls", &client_url])
+            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer(i)])
+            .args(["--initial-advertise-peer-urls", &peer(i)])
+            .args(["--initial-cluster", &initial])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", &token])
+            .args(["--logger", "zap", "--log-outputs", "stderr"])
+            .args(["--log-level", "warn"])
+            .args(RAFT_FLAGS)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("start {bin}"))?;
+        members.push(Spawned {
+            name: "etcd member",
+            child,
+            url: client_url,
+            log,
+            stopped: false,
+        });
+    }
+    Ok(members)
+}
+
+/// Whether the process has exited (and how).
+pub fn has_exited(s: &mut Spawned) -> Option<String> {
+    s.exited()
+}
+
+/// The last lines of a log, for an error message.
+pub fn log_tail(path: &Path) -> String {
+    tail(path)
 }
 
 /// Writes `bytes` to `dir/name` the way the store does: a temp file, fsync, rename (the

@@ -42,7 +42,7 @@ use crate::stats::fmt_ms;
 use crate::{coord, parse_duration, spawn};
 
 /// The session timeout a spawned coordinator gets, in heartbeat intervals.
-const TIMEOUT_FACTOR: u32 = 5;
+pub(crate) const TIMEOUT_FACTOR: u32 = 5;
 /// The lease-end target: within the session timeout plus this, at p99.
 const TARGET_EXCESS_MS: f64 = 100.0;
 /// Linux's USER_HZ, the unit of /proc/PID/stat's times.
@@ -53,35 +53,52 @@ pub struct WorkersArgs {
     /// A running coordinator, e.g. http://127.0.0.1:7070 (its own heartbeat interval and
     /// session timeout apply; give --coordinator-pid for its CPU and memory).
     #[arg(long, conflicts_with = "spawn_coordinator")]
-    coordinator: Option<String>,
+    pub(crate) coordinator: Option<String>,
     /// The running coordinator's process id, to read its CPU and memory from /proc.
     #[arg(long, requires = "coordinator")]
-    coordinator_pid: Option<u32>,
+    pub(crate) coordinator_pid: Option<u32>,
     /// Start this coordinator binary on a fresh temp multi-agent project for each session
     /// count, with --heartbeat-interval HEARTBEAT and --session-timeout 5×HEARTBEAT.
     #[arg(long, value_name = "PATH")]
-    spawn_coordinator: Option<PathBuf>,
+    pub(crate) spawn_coordinator: Option<PathBuf>,
     /// Session counts, each measured in turn.
     #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
-    sessions: Vec<usize>,
+    pub(crate) sessions: Vec<usize>,
     /// Heartbeat interval given to a spawned coordinator.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
-    heartbeat: Duration,
+    pub(crate) heartbeat: Duration,
     /// Steady state measured after all sessions are registered.
     #[arg(long, default_value = "20s", value_parser = parse_duration)]
-    duration: Duration,
+    pub(crate) duration: Duration,
     /// Sessions that claim a task and then go silent, for the lease-end latency.
     #[arg(long, default_value_t = 100)]
-    kill: usize,
+    pub(crate) kill: usize,
     /// Sessions connecting and registering at once.
     #[arg(long, default_value_t = 64)]
-    connect_concurrency: usize,
+    pub(crate) connect_concurrency: usize,
     /// Write every figure here as JSON.
     #[arg(long, value_name = "FILE")]
-    json_out: Option<PathBuf>,
+    pub(crate) json_out: Option<PathBuf>,
     /// Keep the temp folders (projects, logs) of spawned coordinators.
     #[arg(long)]
-    keep_temp: bool,
+    pub(crate) keep_temp: bool,
+    /// Across a failover instead: a 3-member etcd cluster and two coordinators with
+    /// `--store etcd` are spawned, every session claims a task in its session, and the
+    /// leader is killed with SIGKILL; each session finds the new leader (following
+    /// `automaton-leader`) and resumes with its lease.
+    #[arg(long, requires = "spawn_coordinator")]
+    pub(crate) failover: bool,
+    /// With --failover: the coordinators' `[etcd] election_ttl`.
+    #[arg(long, default_value = "2s", value_parser = parse_duration, requires = "failover")]
+    pub(crate) election_ttl: Duration,
+    /// With --failover: the etcd binary (3.4).
+    #[arg(
+        long,
+        default_value = "etcd",
+        value_name = "PATH",
+        requires = "failover"
+    )]
+    pub(crate) etcd_bin: String,
 }
 
 #[derive(Serialize, Clone, Default)]
@@ -164,7 +181,7 @@ pub(crate) fn cpu_ticks(pid: &str) -> Option<u64> {
 }
 
 /// A `kB` line of /proc/PID/status (`VmRSS`, `VmHWM`), in MiB.
-fn status_mib(pid: &str, key: &str) -> Option<f64> {
+pub(crate) fn status_mib(pid: &str, key: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with(key))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -229,7 +246,7 @@ struct Registered {
     timeout: Duration,
 }
 
-fn worker_name(i: usize) -> String {
+pub(crate) fn worker_name(i: usize) -> String {
     format!("bench-w{i}")
 }
 
@@ -744,6 +761,11 @@ pub async fn run(args: WorkersArgs) -> Result<()> {
         bail!("--heartbeat must be at least 1ms");
     }
     let max = args.sessions.iter().copied().max().unwrap_or(0) as u64;
+    if args.failover {
+        // A session may hold a connection to each of the two coordinators.
+        ensure_nofile(2 * max + 256)?;
+        return crate::ha_workers::run(&args).await;
+    }
     // Each session holds one socket here and one in a spawned coordinator (same limit).
     ensure_nofile(max + 256)?;
     if args.spawn_coordinator.is_some() {
