@@ -10,10 +10,8 @@ use anyhow::{Result, bail};
 use crate::backend::{Backend, Renewer};
 use crate::rpc::{Client, Stream};
 
-#[allow(clippy::all, clippy::unwrap_used)]
-pub mod pb {
-    include!(concat!(env!("OUT_DIR"), "/etcdserverpb.rs"));
-}
+/// etcd's API types: the ones `automaton-etcd` generates (one copy of etcd's protos).
+pub use automaton_etcd::pb;
 
 use pb::compare::{CompareResult, CompareTarget, TargetUnion};
 use pb::request_op::Request;
