@@ -249,7 +249,16 @@ async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("research"), "{run:?}");
     // Only the follower: refused, naming the leader.
-    let run = env.cli(&["--task", "listed", "--coordinator", &follower.url]);
+    // (A follower learns the leader by reading etcd; on a busy machine that may take a
+    // moment after the election: until then it says no leader is known.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let run = loop {
+        let run = env.cli(&["--task", "listed", "--coordinator", &follower.url]);
+        if run.stderr.contains(&leader.url) || Instant::now() > deadline {
+            break run;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_ne!(run.code, 0, "{run:?}");
     assert!(run.stderr.contains(&leader.url), "{run:?}");
     // The shim prompts call, with the list in AUTOMATON_COORDINATOR.
