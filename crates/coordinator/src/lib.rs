@@ -1,13 +1,15 @@
 //! The automaton coordinator: the one writer of a project's task store while it runs. It
 //! owns the leases (expiry by its own monotonic clock, fencing tokens that strictly increase
 //! across restarts, reviewer ≠ implementer at claim time), makes every acknowledged claim and
-//! release durable through a group-committed log, holds the workers' sessions (a dead
+//! release durable through its backend's log (`automaton-backend`: a group-committed file,
+//! or etcd), holds the workers' sessions (a dead
 //! session's leases end at once), dispatches work to them (waves, best fit by VRAM budget),
 //! takes their artifacts and code under the lease, applies task changes through
 //! `automaton-store`, and streams events — all over gRPC (`automaton.v1`). Each dispatch
 //! decision roots the trace of its phase run; traced callers' requests join their trace
 //! (`layers.rs`); it counts what it does for Prometheus (`metrics.rs`, served by
-//! `automaton-telemetry`; both in `docs/observability.md`).
+//! `automaton-telemetry`; both in `docs/observability.md`). With `store = etcd` several
+//! coordinators serve one project and only the elected leader writes (`ha.rs`).
 //!
 //! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,
 //! `automaton-store` reads and writes the files.

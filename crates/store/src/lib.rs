@@ -2,7 +2,9 @@
 //! `.state` writes, the append-only approvals log, `.state.lock` leases with fencing tokens,
 //! `.state.implementer` and `.state.holders`, the coordinator's `.state.dispatch`, the
 //! completion records that answer a retried completion, the layered lookup of framework
-//! files, and the audit (git2 for unauthorised modifications).
+//! files, the audit (git2 for unauthorised modifications), and — with a coordinator on etcd —
+//! the replica every durable write goes to first (`replica.rs`) and the task branches shared
+//! through a git remote (`git_remote.rs`).
 //!
 //! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
 //! writes the result durably under fs4 writer locks (one per task; the whole project's for
