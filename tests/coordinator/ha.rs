@@ -274,3 +274,48 @@ async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("research"), "{run:?}");
 }
+
+#[test]
+fn ha_bad_etcd_configuration_is_refused_in_one_line_before_anything_binds() {
+    let env = Env::new();
+    let short = Duration::from_secs(20);
+    for (args, says) in [
+        (vec!["--store", "etcd"], "needs its endpoints"),
+        (
+            vec!["--store", "etcd", "--etcd", "ftp://x"],
+            "http:// or https://",
+        ),
+        (
+            vec![
+                "--store",
+                "etcd",
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--listen",
+                "0.0.0.0:0",
+                "--insecure",
+            ],
+            "pass --advertise URL",
+        ),
+        (
+            vec![
+                "--store",
+                "etcd",
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--advertise",
+                "x:1",
+            ],
+            "is not a URL",
+        ),
+    ] {
+        let run = env.run_coordinator(&args, &[], short);
+        assert_eq!(run.code, 2, "{args:?}: {run:?}");
+        assert!(run.stderr.contains(says), "{args:?}: {run:?}");
+        assert_eq!(run.stderr.trim().lines().count(), 1, "{args:?}: {run:?}");
+        assert!(run.stdout.is_empty(), "nothing listened: {run:?}");
+    }
+    let run = env.run_coordinator(&["--store", "bogus"], &[], short);
+    assert_ne!(run.code, 0, "{run:?}");
+    assert!(run.stderr.contains("write files or etcd"), "{run:?}");
+}
