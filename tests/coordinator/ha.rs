@@ -16,13 +16,18 @@ const ELECTION_TTL: &str = "2s";
 
 /// A project folder whose coordinator keeps its state in `cluster` under the name `name`.
 pub(crate) fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
+    env_on_with(cluster, name, "")
+}
+
+/// [`env_on`] with more `[etcd]` keys (`extra`, TOML lines).
+pub(crate) fn env_on_with(cluster: &Cluster, name: &str, extra: &str) -> Arc<Env> {
     let endpoints: Vec<String> = cluster
         .endpoints()
         .iter()
         .map(|e| format!("{e:?}"))
         .collect();
     Env::with_config(&format!(
-        "store = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"{name}\"\nelection_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
+        "store = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"{name}\"\nelection_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n{extra}",
         endpoints.join(", ")
     ))
 }

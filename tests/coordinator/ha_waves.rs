@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cluster::Cluster;
+use crate::ha::{env_on_with, leader_of};
 use crate::harness::{Api, Coord, Env, connect};
 use crate::waves::spec;
-use crate::work::{FLEET, git_init};
-use crate::workers::Worker;
+use crate::work::{FLEET, git_init, scripted_worker_at};
 
 fn git(dir: &std::path::Path, args: &[&str]) -> String {
     let out = Command::new("git")
@@ -27,61 +27,33 @@ fn git(dir: &std::path::Path, args: &[&str]) -> String {
 
 /// A coordinator's project on `cluster` sharing the task branches through `remote`.
 fn env_with_remote(cluster: &Cluster, remote: &std::path::Path) -> Arc<Env> {
-    let endpoints: Vec<String> = cluster
-        .endpoints()
-        .iter()
-        .map(|e| format!("{e:?}"))
-        .collect();
-    Env::with_config(&format!(
-        "store = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"waves\"\nelection_ttl = \"2s\"\ntimeout = \"500ms\"\ngit_remote = {:?}\n",
-        endpoints.join(", "),
-        remote.display().to_string()
-    ))
-}
-
-/// The coordinator of `coords` that answers as leader, within `within`.
-async fn leading(coords: &[&Coord], within: Duration) -> usize {
-    let deadline = Instant::now() + within;
-    loop {
-        for (i, c) in coords.iter().enumerate() {
-            if Api::new(connect(&c.url).await, None).list().await.is_ok() {
-                return i;
-            }
-        }
-        assert!(Instant::now() < deadline, "no leader within {within:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    env_on_with(
+        cluster,
+        "waves",
+        &format!("git_remote = {:?}\n", remote.display().to_string()),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_kill9_of_the_leader_mid_wave_the_wave_completes_and_each_implement_commit_lands_once() {
     let cluster = Cluster::three().await;
     // The project's repository, the shared bare remote made from it, and a second clone.
-    let a_env = {
-        let scratch = tempfile::tempdir().expect("tempdir");
-        let remote = scratch.path().join("shared.git");
-        let a = env_with_remote(&cluster, &remote);
-        git_init(&a);
-        git(
-            scratch.path(),
-            &[
-                "clone",
-                "-q",
-                "--bare",
-                &a.root().display().to_string(),
-                "shared.git",
-            ],
-        );
-        (a, scratch, remote)
-    };
-    let (a_env, scratch, remote) = a_env;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let remote = scratch.path().join("shared.git");
+    let a_env = env_with_remote(&cluster, &remote);
+    git_init(&a_env);
+    let a_root = a_env.root().display().to_string();
+    git(
+        scratch.path(),
+        &["clone", "-q", "--bare", &a_root, "shared.git"],
+    );
     let b_env = env_with_remote(&cluster, &remote);
     git(
         b_env.root(),
         &["clone", "-q", &remote.display().to_string(), "."],
     );
     let mut a = Coord::start(&a_env, &FLEET);
-    assert_eq!(leading(&[&a], Duration::from_secs(20)).await, 0);
+    assert_eq!(leader_of(&[&a], Duration::from_secs(20)).await, 0);
     let b = Coord::start(&b_env, &FLEET);
     let both = format!("{},{}", a.url, b.url);
     let mut api = Api::new(connect(&a.url).await, None);
@@ -94,20 +66,8 @@ async fn ha_kill9_of_the_leader_mid_wave_the_wave_completes_and_each_implement_c
         &spec(&[("one", "-", 20), ("two", "-", 20), ("three", "-", 20)]),
     );
     let slow = [("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=1500")];
-    let args = |name: &'static str| {
-        vec![
-            "--name",
-            name,
-            "--simulate-gpu",
-            "sim:24GiB",
-            "--agent",
-            "scripted",
-            "--kill-grace",
-            "300ms",
-        ]
-    };
-    let _w1 = Worker::start(&both, &args("gpu-a"), &slow);
-    let _w2 = Worker::start(&both, &args("gpu-b"), &slow);
+    let _w1 = scripted_worker_at(&both, "gpu-a", "sim:24GiB", &slow);
+    let _w2 = scripted_worker_at(&both, "gpu-b", "sim:24GiB", &slow);
     // Approve every gate on whichever coordinator leads.
     let approver = {
         let urls = [a.url.clone(), b.url.clone()];
@@ -161,7 +121,7 @@ async fn ha_kill9_of_the_leader_mid_wave_the_wave_completes_and_each_implement_c
     }
     let killed = Instant::now();
     a.kill9();
-    assert_eq!(leading(&[&b], Duration::from_secs(20)).await, 0);
+    assert_eq!(leader_of(&[&b], Duration::from_secs(20)).await, 0);
     println!(
         "kill -9 mid-wave to the new leader serving: {:?}",
         killed.elapsed()

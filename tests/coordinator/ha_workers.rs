@@ -18,20 +18,7 @@ use crate::workers::Worker;
 
 /// A scripted worker on a simulated GPU, given `coordinators` (a comma-separated list).
 fn worker(coordinators: &str, name: &str, envs: &[(&str, &str)]) -> Worker {
-    Worker::start(
-        coordinators,
-        &[
-            "--name",
-            name,
-            "--simulate-gpu",
-            "sim:24GiB",
-            "--agent",
-            "scripted",
-            "--kill-grace",
-            "300ms",
-        ],
-        envs,
-    )
+    crate::work::scripted_worker_at(coordinators, name, "sim:24GiB", envs)
 }
 
 /// The workers `url` lists, as an operator sees them.

@@ -18,15 +18,7 @@ async fn workspace(
     work: &mut WorkClient<tonic::transport::Channel>,
     lease: &pb::Lease,
 ) -> (pb::WorkspaceManifest, BTreeMap<String, Vec<u8>>) {
-    let mut stream = work
-        .fetch_workspace(pb::FetchWorkspaceRequest {
-            lease_id: lease.lease_id.clone(),
-            token: lease.token,
-            cached_commits: vec![],
-        })
-        .await
-        .expect("FetchWorkspace")
-        .into_inner();
+    let mut stream = crate::work::fetch_workspace(work, lease).await;
     let mut manifest = None;
     let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     while let Some(chunk) = stream.message().await.expect("a chunk") {

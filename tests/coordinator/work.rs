@@ -63,8 +63,13 @@ fn worker(coord: &Coord, name: &str, envs: &[(&str, &str)]) -> Worker {
 
 /// A worker running the scripted agent on a simulated GPU `gpu` (e.g. `sim:24GiB`).
 pub fn scripted_worker(coord: &Coord, name: &str, gpu: &str, envs: &[(&str, &str)]) -> Worker {
+    scripted_worker_at(&coord.url, name, gpu, envs)
+}
+
+/// [`scripted_worker`] given coordinator URLs (one, or a comma-separated list).
+pub fn scripted_worker_at(url: &str, name: &str, gpu: &str, envs: &[(&str, &str)]) -> Worker {
     Worker::start(
-        &coord.url,
+        url,
         &[
             "--name",
             name,
@@ -318,21 +323,28 @@ async fn sigstop_a_worker_mid_phase_past_the_timeout_then_sigcont_its_agent_grou
     assert_eq!(lost.stop_reason, "lease_lost", "{runs:#?}");
 }
 
+/// FetchWorkspace under `lease`, offering no cached tree (it creates the task's branch).
+pub async fn fetch_workspace(
+    work: &mut WorkClient<tonic::transport::Channel>,
+    lease: &pb::Lease,
+) -> tonic::Streaming<pb::WorkspaceChunk> {
+    work.fetch_workspace(pb::FetchWorkspaceRequest {
+        lease_id: lease.lease_id.clone(),
+        token: lease.token,
+        cached_commits: vec![],
+    })
+    .await
+    .expect("FetchWorkspace")
+    .into_inner()
+}
+
 /// The workspace manifest for `lease`, from a FetchWorkspace that offers no cached tree
 /// (fetching it creates the task's branch).
 pub async fn manifest(
     work: &mut WorkClient<tonic::transport::Channel>,
     lease: &pb::Lease,
 ) -> pb::WorkspaceManifest {
-    let mut fetch = work
-        .fetch_workspace(pb::FetchWorkspaceRequest {
-            lease_id: lease.lease_id.clone(),
-            token: lease.token,
-            cached_commits: vec![],
-        })
-        .await
-        .expect("fetch")
-        .into_inner();
+    let mut fetch = fetch_workspace(work, lease).await;
     let Some(pb::WorkspaceChunk {
         part: Some(pb::workspace_chunk::Part::Manifest(m)),
     }) = fetch.message().await.expect("manifest")

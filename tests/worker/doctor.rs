@@ -63,6 +63,15 @@ fn doctor(work: &Path, path: Option<&str>, args: &[&str]) -> Run {
     r
 }
 
+/// `doctor --agent AGENT --model-server URL` in `work`, against `server`.
+fn doctor_agent(work: &Path, server: &ModelServer, agent: &str) -> Run {
+    doctor(
+        work,
+        None,
+        &["--agent", agent, "--model-server", &server.url],
+    )
+}
+
 /// The line of check `name`.
 fn line<'a>(r: &'a Run, name: &str) -> &'a str {
     let prefix = |v: &str| format!("{v} {name}: ");
@@ -101,11 +110,7 @@ fn issue21_doctor_passes_on_a_good_setup_and_removes_its_scratch() {
     let server = ModelServer::start(vllm);
     let work = tempfile::tempdir().unwrap();
     let agent = good_agent();
-    let r = doctor(
-        work.path(),
-        None,
-        &["--agent", &agent, "--model-server", &server.url],
-    );
+    let r = doctor_agent(work.path(), &server, &agent);
     r.ok();
     assert_eq!(r.stdout.lines().count(), 5, "{}", r.stdout);
     for name in ["program", "model-server", "metering", "artifact", "code"] {
@@ -166,11 +171,7 @@ fn issue21_doctor_names_a_missing_program_and_how_to_install_it() {
     passes(&r, "model-server");
     // A later program of the template, which only the shell finds missing.
     let agent = format!("{ARTIFACT}; no-such-tool-21 --go");
-    let r = doctor(
-        work.path(),
-        None,
-        &["--agent", &agent, "--model-server", &server.url],
-    );
+    let r = doctor_agent(work.path(), &server, &agent);
     r.code(1);
     fails(&r, "program", &["command not found: no-such-tool-21"]);
     // A preset on a PATH without its program: the preset's install line.
@@ -238,11 +239,7 @@ fn issue21_doctor_names_an_agent_that_bypasses_the_metering_proxy() {
     let work = tempfile::tempdir().unwrap();
     // Straight to the server the worker was given, not the run's proxy.
     let agent = format!("{}; {ARTIFACT}; {CODE}", curl("$AUTOMATON_MODEL_SERVER/v1"));
-    let r = doctor(
-        work.path(),
-        None,
-        &["--agent", &agent, "--model-server", &server.url],
-    );
+    let r = doctor_agent(work.path(), &server, &agent);
     r.code(1);
     fails(
         &r,
@@ -271,11 +268,7 @@ fn issue21_doctor_says_where_a_misplaced_artifact_was_written() {
         "{}; printf '# Implementation\\n' > IMPLEMENTATION.md; {CODE}",
         curl("$OPENAI_BASE_URL")
     );
-    let r = doctor(
-        work.path(),
-        None,
-        &["--agent", &agent, "--model-server", &server.url],
-    );
+    let r = doctor_agent(work.path(), &server, &agent);
     r.code(1);
     fails(
         &r,
@@ -297,11 +290,7 @@ fn issue21_doctor_names_an_agent_that_changed_no_code() {
         "{}; {ARTIFACT}; echo chat > .aider.chat.history.md; echo \"key: $OPENAI_API_KEY\"",
         curl("$OPENAI_BASE_URL")
     );
-    let r = doctor(
-        work.path(),
-        None,
-        &["--agent", &agent, "--model-server", &server.url],
-    );
+    let r = doctor_agent(work.path(), &server, &agent);
     r.code(1);
     fails(
         &r,
@@ -317,11 +306,7 @@ fn issue21_doctor_names_an_agent_that_changed_no_code() {
         "{}; {ARTIFACT}; mkdir -p .automaton-task/src; echo 'pub fn sub() {{}}' > .automaton-task/src/lib.rs",
         curl("$OPENAI_BASE_URL")
     );
-    let r = doctor(
-        work.path(),
-        None,
-        &["--agent", &agent, "--model-server", &server.url],
-    );
+    let r = doctor_agent(work.path(), &server, &agent);
     r.code(1);
     fails(
         &r,

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use automaton_workflow::{AgentId, State, TaskName};
 
-use crate::{Backend, Grant, LeaseLog, Record, holders_in, replay};
+use crate::{Backend, LeaseLog, Record, holders_in, replay};
 
 /// Runs every check against `backend`, which must be empty (nothing was ever stored in it).
 /// Returns the first check that failed, in words.
@@ -57,24 +57,10 @@ fn grant(task: &str, agent: &str, token: u64, session: Option<&str>) -> Result<R
 }
 
 fn queue(log: &dyn LeaseLog, r: &Record) -> Result<crate::Commit, String> {
+    if let Some(g) = r.as_grant() {
+        return log.grant(g);
+    }
     match r {
-        Record::Grant {
-            task,
-            agent,
-            lease_id,
-            token,
-            ttl,
-            state,
-            session,
-        } => log.grant(Grant {
-            task,
-            agent,
-            lease_id,
-            token: *token,
-            ttl: *ttl,
-            state: *state,
-            session: session.as_deref(),
-        }),
         Record::End { lease_id } => log.end(lease_id),
         other => Err(format!(
             "the suite queues grants and ends only, not {other:?}"

@@ -103,9 +103,8 @@ impl Grant<'_> {
 }
 
 impl Record {
-    /// The record as one tab-separated line, newline included: the form every backend
-    /// stores (the file appends it; etcd keeps it as a key's value).
-    pub fn render(&self, out: &mut String) {
+    /// A grant record as the borrowed [`Grant`] a [`LeaseLog`] takes.
+    pub fn as_grant(&self) -> Option<Grant<'_>> {
         match self {
             Record::Grant {
                 task,
@@ -115,7 +114,7 @@ impl Record {
                 ttl,
                 state,
                 session,
-            } => Grant {
+            } => Some(Grant {
                 task,
                 agent,
                 lease_id,
@@ -123,8 +122,20 @@ impl Record {
                 ttl: *ttl,
                 state: *state,
                 session: session.as_deref(),
-            }
-            .render(out),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The record as one tab-separated line, newline included: the form every backend
+    /// stores (the file appends it; etcd keeps it as a key's value).
+    pub fn render(&self, out: &mut String) {
+        if let Some(g) = self.as_grant() {
+            return g.render(out);
+        }
+        match self {
+            // Rendered above, through the borrowed grant.
+            Record::Grant { .. } => {}
             Record::End { lease_id } => render_end(lease_id, out),
             Record::Mark { token } => {
                 let _ = writeln!(out, "M\t{token}");

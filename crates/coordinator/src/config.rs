@@ -362,15 +362,6 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
     automaton_workflow::parse_duration(s)
 }
 
-/// `a,b, c` → `[a, b, c]` (empty items dropped).
-pub fn split_list(s: &str) -> Vec<String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|x| !x.is_empty())
-        .map(str::to_string)
-        .collect()
-}
-
 fn env_var(key: &str) -> Option<String> {
     std::env::var(key).ok().filter(|v| !v.is_empty())
 }
@@ -474,7 +465,7 @@ impl Config {
                 .map_err(|e: String| Error::Config(format!("AUTOMATON_STORE: {e}")))?;
         }
         if let Some(v) = env_var("AUTOMATON_ETCD") {
-            self.etcd.endpoints = split_list(&v);
+            self.etcd.endpoints = automaton_client::split(&v);
         }
         if let Some(v) = env_var("AUTOMATON_ADVERTISE") {
             self.etcd.advertise = Some(v);

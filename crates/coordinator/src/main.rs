@@ -115,7 +115,7 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
         etcd: flags
             .etcd
             .as_deref()
-            .map(automaton_coordinator::config::split_list)
+            .map(automaton_client::split)
             .unwrap_or_default(),
         advertise: flags.advertise,
     })?;

@@ -263,23 +263,13 @@ mod tests {
         (top, first, second, url)
     }
 
+    /// A change to `t`'s branch on top of its head.
     fn edit(p: &Project, content: &str) -> Result<crate::Applied, Error> {
         let head = p
             .task_branch(&name("t"))
             .expect("branch")
             .expect("a repository");
-        p.apply_changes(
-            &name("t"),
-            &head.commit,
-            &[Change {
-                path: "src/lib.rs".into(),
-                deleted: false,
-                executable: false,
-                content: content.as_bytes().to_vec(),
-            }],
-            "agent-a",
-            "implement t",
-        )
+        edit_on(p, &head.commit, content)
     }
 
     fn edit_on(p: &Project, base: &str, content: &str) -> Result<crate::Applied, Error> {
@@ -350,20 +340,8 @@ mod tests {
         // The next leader takes the worker's changes on that base.
         copy_view(&first, &second);
         second.sync_task_branches(&[name("t")]).expect("sync");
-        let applied = second
-            .apply_changes(
-                &name("t"),
-                &head.commit,
-                &[Change {
-                    path: "src/lib.rs".into(),
-                    deleted: false,
-                    executable: false,
-                    content: b"pub fn f() {}\n".to_vec(),
-                }],
-                "agent-a",
-                "implement t",
-            )
-            .expect("applied on the new leader");
+        let applied =
+            edit_on(&second, &head.commit, "pub fn f() {}\n").expect("applied on the new leader");
         assert!(applied.commit.is_some());
     }
 

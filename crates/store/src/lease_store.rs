@@ -1,14 +1,13 @@
-//! One interface for every store of task leases: the files (`Project`, the CLI's local mode),
-//! the coordinator's log-backed table, and next an etcd-backed store. Each applies the same
-//! rules (`automaton_workflow::lease`); [`check_lease_rules`] holds every implementation to
-//! them.
+//! One interface for every store of task leases: the files (`Project`, the CLI's local mode)
+//! and the coordinator (its table over its backend's log, files or etcd:
+//! `automaton-backend`). Each applies the same rules (`automaton_workflow::lease`);
+//! [`check_lease_rules`] holds every implementation to them.
 //!
-//! The shape is what etcd can serve as it is: a claim is a compare-and-swap on the task's key
-//! (put if absent, or if the lease there is the claimant's own), the fencing token is the
-//! key's revision (strictly increasing), a release is a compare-and-delete on that revision,
-//! and expiry is the store's own clock (an etcd lease's TTL), never the reader's. Loss
-//! notices (etcd's watch) stay with each store for now: the coordinator's are its KeepAlive
-//! streams, and the files have none.
+//! A claim grants a live lease or renews the holder's own, a release needs the holder and
+//! its current token, and tokens strictly increase. Expiry is the store's own clock, never the
+//! reader's: the files' wall clock, the coordinator's monotonic one (with etcd too: task
+//! leases are data there, not etcd leases — `docs/backends.md`). Loss notices stay with each
+//! store: the coordinator's are its KeepAlive streams, and the files have none.
 
 use std::future::Future;
 use std::time::{Duration, SystemTime};
