@@ -667,17 +667,22 @@ async fn failing_agents_end_with_their_stop_reason_are_offered_again_and_then_he
             "{}",
             out.stdout
         );
-        // An operator resumes it: it is offered again.
+        // An operator resumes it: it is offered again. A fast-failing agent can take and
+        // end its lease between two polls, so "offered again" is a new run (or a live lease).
+        let runs_before = detail_of.runs.len();
         let mut c = Command::new(cli_bin());
         c.args(["stop", "t", "--resume", "--coordinator", &coord.url])
             .env("HOME", env.home.path());
         assert!(c.output().expect("stop --resume").status.success());
         poll(
             &format!("{behaviour}: offered again"),
-            Duration::from_secs(10),
+            Duration::from_secs(20),
             || {
                 let mut api = api.clone();
-                async move { api.lease_of("t").await.map(|_| ()) }
+                async move {
+                    let d = api.get("t").await.ok()?;
+                    (d.lease.is_some() || d.runs.len() > runs_before).then_some(())
+                }
             },
         )
         .await;
