@@ -23,6 +23,7 @@ mod issue21_prompts;
 mod issue24;
 mod leases;
 mod limits;
+mod logs;
 mod metrics;
 #[path = "../common/model_server.rs"]
 mod model_server;

@@ -35,6 +35,14 @@ fn duration(d: Duration) -> prost_types::Duration {
 #[tonic::async_trait]
 impl pb::workers_server::Workers for FakeCoordinator {
     type SessionStream = Stream_<pb::CoordinatorMessage>;
+    type TailOutputStream = Stream_<pb::OutputEvent>;
+
+    async fn tail_output(
+        &self,
+        _: Request<pb::TailOutputRequest>,
+    ) -> Result<Response<Self::TailOutputStream>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
 
     async fn session(
         &self,
@@ -119,6 +127,13 @@ impl pb::workers_server::Workers for FakeCoordinator {
 #[tonic::async_trait]
 impl pb::work_server::Work for FakeCoordinator {
     type FetchWorkspaceStream = Stream_<pb::WorkspaceChunk>;
+
+    async fn stream_output(
+        &self,
+        _: Request<Streaming<pb::OutputChunk>>,
+    ) -> Result<Response<pb::StreamOutputResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
 
     async fn fetch_workspace(
         &self,

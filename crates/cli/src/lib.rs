@@ -12,6 +12,7 @@ mod backend;
 mod demo;
 mod from_wire;
 mod init;
+mod logs;
 mod render;
 mod top;
 mod watch;
@@ -61,6 +62,8 @@ pub enum Command {
     Tasks(workers::TasksArgs),
     /// The coordinator's events as they happen, one line each (`--json`: one object each).
     Watch(watch::WatchArgs),
+    /// A task's run output as the agent prints it (`-f`: follow it until the run ends).
+    Logs(logs::LogsArgs),
     /// A live dashboard of the fleet and the tasks (needs a terminal; `q` quits).
     Top(top::TopArgs),
     /// The whole product on this machine: a coordinator and three simulated GPU workers take
@@ -234,6 +237,7 @@ pub fn run(cli: Cli) -> i32 {
         Command::Init(args) => init::run(&args),
         Command::Workers(args) => workers::run(&args),
         Command::Stop(args) => workers::stop(&args),
+        Command::Logs(args) => logs::run(&args),
         Command::Run(args) => workers::run_task(&args),
         Command::Approve(args) => {
             let mut argv: Vec<std::ffi::OsString> = vec![

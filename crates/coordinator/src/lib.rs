@@ -31,6 +31,7 @@ mod keepalive;
 mod layers;
 mod lease_ops;
 pub mod metrics;
+pub mod output;
 pub mod owner;
 mod recovery;
 mod service;
@@ -163,6 +164,7 @@ pub async fn serve(
     let svc = service::Service {
         coord: coord.clone(),
         shutdown: stop_rx.clone(),
+        outputs: Arc::default(),
     };
     let limit = cfg.max_message_bytes;
     let tasks = pb::tasks_server::TasksServer::new(svc.clone()).max_decoding_message_size(limit);

@@ -25,6 +25,8 @@ type Res<T> = Result<Response<T>, Status>;
 pub struct Service {
     pub(crate) coord: Arc<Coordinator>,
     pub(crate) shutdown: watch::Receiver<bool>,
+    /// Live agent output (`output.rs`): the edge's, not the engine's: nothing durable.
+    pub(crate) outputs: Arc<crate::output::Outputs>,
 }
 
 fn task_name(s: &str) -> Result<TaskName, Status> {

@@ -263,6 +263,13 @@ impl pb::work_server::Work for Service {
         )
         .await
     }
+
+    async fn stream_output(
+        &self,
+        req: Request<Streaming<pb::OutputChunk>>,
+    ) -> Result<Response<pb::StreamOutputResponse>, Status> {
+        self.stream_output_in(req).await
+    }
 }
 
 impl Service {

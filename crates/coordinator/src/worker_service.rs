@@ -66,6 +66,14 @@ fn msg(m: Out) -> Push {
 #[tonic::async_trait]
 impl pb::workers_server::Workers for Service {
     type SessionStream = Outbound;
+    type TailOutputStream = tokio_stream::wrappers::ReceiverStream<Result<pb::OutputEvent, Status>>;
+
+    async fn tail_output(
+        &self,
+        req: Request<pb::TailOutputRequest>,
+    ) -> Result<Response<Self::TailOutputStream>, Status> {
+        self.tail_output_in(req).await
+    }
 
     async fn session(
         &self,

@@ -146,6 +146,8 @@ pub struct RunSpec {
     /// The worker's own secrets (its token, its pool secret): never handed to the agent, and
     /// replaced by `[redacted]` in the output tail should the agent print one anyway.
     pub secrets: Vec<String>,
+    /// Where a copy of the output goes as it is read (`crate::output`: live output).
+    pub output: Option<crate::output::OutputSink>,
 }
 
 impl RunSpec {
@@ -175,6 +177,7 @@ impl RunSpec {
             log_cap: DEFAULT_LOG_CAP,
             worker_exe: None,
             secrets: Vec::new(),
+            output: None,
         }
     }
 
@@ -396,10 +399,15 @@ struct Log {
     cap: u64,
     truncated: bool,
     tail: std::collections::VecDeque<u8>,
+    /// Live output: a copy of everything read, the log's cap aside.
+    sink: Option<crate::output::OutputSink>,
 }
 
 impl Log {
     fn write(&mut self, buf: &[u8]) {
+        if let Some(sink) = &self.sink {
+            sink.send(buf);
+        }
         let keep = TAIL_BYTES + TAIL_MARGIN;
         let from = buf.len().saturating_sub(keep);
         self.tail.extend(&buf[from..]);
@@ -674,7 +682,11 @@ impl Running {
     ) -> Result<Running, Error> {
         on_state(RunState::Requested);
         on_state(RunState::Starting);
-        match Self::spawn(&spec, agent) {
+        let spawned = Self::spawn(&spec, agent);
+        // The log holds the only sink: the live output ends when the pumps do.
+        let mut spec = spec;
+        spec.output = None;
+        match spawned {
             Ok(Spawned {
                 child,
                 pgid,
@@ -773,6 +785,7 @@ impl Running {
             cap: spec.log_cap,
             truncated: false,
             tail: std::collections::VecDeque::new(),
+            sink: spec.output.clone(),
         }));
         let stderr_head = Arc::new(Mutex::new(Vec::new()));
         let mut pumps = Vec::new();
@@ -876,6 +889,10 @@ impl Running {
             {
                 abort.abort();
             }
+        }
+        // Read to the end: the live output ends here.
+        if let Ok(mut log) = self.log.lock() {
+            log.sink = None;
         }
     }
 

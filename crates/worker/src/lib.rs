@@ -20,6 +20,7 @@ pub mod guard;
 pub mod leader;
 pub mod meter;
 pub mod metrics;
+pub mod output;
 pub mod presets;
 pub mod probe;
 pub mod scripted;

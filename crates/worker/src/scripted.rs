@@ -6,7 +6,8 @@
 //!
 //! `AUTOMATON_SCRIPTED_BEHAVIOUR` picks a failure for tests: `exit-1`, `hang` (sleeps for
 //! ever, ignoring SIGTERM), `no-artifact` (exit 0, nothing written), `slow=<ms>` (sleeps,
-//! then behaves normally), `fail-after=<ms>` (sleeps, then exits 1). The referee's verdict is FAIL when any task input under
+//! then behaves normally, printing a line every 100 ms), `fail-after=<ms>` (sleeps, then exits
+//! 1). It prints what it does on stdout, and `AUTOMATON_SCRIPTED_SAY` verbatim. The referee's verdict is FAIL when any task input under
 //! `.automaton-task/` contains `SCRIPTED: FAIL`, else PASS.
 
 use std::fs;
@@ -110,11 +111,27 @@ pub fn run_from_env() -> Result<u8, Error> {
         Ok(a) if !a.is_empty() => PathBuf::from(a),
         _ => artifact_path(phase, &workspace)?,
     };
+    // What a real agent prints as it works: the live output tests and the demo read it.
+    say(&format!(
+        "scripted agent: {phase} of {task} (token {token})"
+    ));
+    if let Ok(line) = std::env::var("AUTOMATON_SCRIPTED_SAY") {
+        say(&line);
+    }
     match behaviour {
         Behaviour::Exit1 => return Ok(1),
         Behaviour::NoArtifact => return Ok(0),
         Behaviour::Hang => hang()?,
-        Behaviour::Slow(d) => std::thread::sleep(d),
+        Behaviour::Slow(d) => {
+            // A line every 100 ms while it "thinks".
+            let started = std::time::Instant::now();
+            let mut n = 0u32;
+            while started.elapsed() < d {
+                std::thread::sleep(Duration::from_millis(100).min(d - started.elapsed()));
+                n += 1;
+                say(&format!("working on {task}: step {n}"));
+            }
+        }
         Behaviour::FailAfter(d) => {
             std::thread::sleep(d);
             return Ok(1);
@@ -125,6 +142,12 @@ pub fn run_from_env() -> Result<u8, Error> {
     write_to(phase, &workspace, &artifact, &task, token, &inputs)?;
     report_usage(&workspace);
     Ok(0)
+}
+
+/// One line on stdout, flushed (a closed stdout is not the agent's failure).
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
 /// Reports the peak context used (`.automaton-task/usage.json`): the estimate it was given

@@ -546,6 +546,25 @@ async fn attempt(
     spec.base_commit = (!manifest.base_commit.is_empty()).then(|| manifest.base_commit.clone());
     spec.grace = runner.grace;
     spec.secrets = runner.secrets.clone();
+    // Live output: a copy of what the agent prints goes to the coordinator as it runs.
+    let (sink, source) = crate::output::channel();
+    spec.output = Some(sink);
+    let live_output = {
+        let (runner, leader) = (runner.clone(), work.leader.clone());
+        let (lease_id, token) = (lease.lease_id.clone(), lease.token);
+        let secrets = runner.secrets.clone();
+        tokio::spawn(crate::output::stream(
+            move |chunks| {
+                let mut client = pb::work_client::WorkClient::new(leader.channel());
+                let req = runner.req(chunks);
+                async move { client.stream_output(req).await }
+            },
+            lease_id,
+            token,
+            source,
+            secrets,
+        ))
+    };
     let r2 = report.clone();
     let running = match Running::start(spec, move |s| {
         // `starting` was sent already; `stopped` is sent once uploads are done.
@@ -562,6 +581,8 @@ async fn attempt(
     let max =
         crate::session::wire_duration(a.max_phase_time.as_ref()).max(Duration::from_millis(1));
     let mut outcome = running.wait(max, stopped(stop.clone())).await;
+    // Its output has ended; the streamer sends the rest (bounded) before the run reports.
+    let _ = tokio::time::timeout(Duration::from_secs(10), live_output).await;
     notes.tail = std::mem::take(&mut outcome.tail);
     let usage = metered.as_ref().map(|m| m.usage());
     let failures = metered.as_ref().map(|m| m.failures()).unwrap_or_default();
