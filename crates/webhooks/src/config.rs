@@ -1,0 +1,439 @@
+//! `[[webhooks]]`: one receiver each, as the coordinator's TOML holds them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+
+/// The events a receiver can subscribe to, by name (`events = [...]`; `"*"` is all of them).
+pub const EVENTS: &[&str] = &[
+    "awaiting_approval",
+    "human_intervention",
+    "held",
+    "worker_lost",
+    "subtask_too_large",
+];
+
+/// Why a person is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Event {
+    /// A phase waits for a person's sign-off (`X:awaiting_approval`).
+    AwaitingApproval,
+    /// A task stopped for a person: a failed review, the referee's FAIL or NEEDS_REVIEW.
+    HumanIntervention,
+    /// A task is held: nothing offers it until a person lets it go.
+    Held,
+    /// A worker's session ended without it: its leases ended (`worker_lost`).
+    WorkerLost,
+    /// A sub-task is too large for any machine in the fleet (`subtask_too_large`).
+    SubtaskTooLarge,
+}
+
+impl Event {
+    /// Every event, in [`EVENTS`]' order.
+    pub const ALL: [Event; 5] = [
+        Event::AwaitingApproval,
+        Event::HumanIntervention,
+        Event::Held,
+        Event::WorkerLost,
+        Event::SubtaskTooLarge,
+    ];
+
+    /// The name in the config and in the body's `"event"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Event::AwaitingApproval => "awaiting_approval",
+            Event::HumanIntervention => "human_intervention",
+            Event::Held => "held",
+            Event::WorkerLost => "worker_lost",
+            Event::SubtaskTooLarge => "subtask_too_large",
+        }
+    }
+}
+
+impl std::fmt::Display for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Event {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Event::ALL
+            .into_iter()
+            .find(|e| e.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown event '{s}': write one of {}, or \"*\" for all",
+                    EVENTS.join(", ")
+                )
+            })
+    }
+}
+
+/// The body a receiver gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// `{"id","event","task","worker","summary","time","detail","link"}` (`docs/webhooks.md`).
+    #[default]
+    Json,
+    /// `{"text": "..."}`: what a Slack (or Mattermost, Rocket.Chat…) incoming webhook takes.
+    Slack,
+}
+
+/// The longest a configured duration may be: a day is already more than a webhook needs.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+/// The most attempts of one delivery.
+pub const MAX_ATTEMPTS: u32 = 20;
+/// The most notifications one receiver's queue holds.
+pub const MAX_QUEUE: usize = 100_000;
+
+/// The headers a delivery sets itself, which `headers` may not name.
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+];
+
+/// One `[[webhooks]]` receiver.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Webhook {
+    /// `http://host[:port]/path` or `https://…` (no user or password in it).
+    pub url: String,
+    /// The [`EVENTS`] it gets, or `["*"]` for all. At least one.
+    pub events: Vec<String>,
+    /// A file holding the HMAC-SHA256 secret (its surrounding whitespace is not part of it):
+    /// deliveries then carry `X-Automaton-Signature`. Never the secret itself in the config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    /// `json` (the default) or `slack`.
+    #[serde(default)]
+    pub format: Format,
+    /// One attempt: connecting, TLS, sending and the answer's status (default 5s).
+    #[serde(default = "default_timeout", with = "duration")]
+    pub timeout: Duration,
+    /// Attempts of one delivery before it is given up (default 5; 1 is no retry).
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// The wait before the first retry (default 1s), doubled for each next one up to a
+    /// minute (or this, if longer), less a random part of up to half (jitter). A receiver's
+    /// `Retry-After` (seconds, at most a minute) replaces it.
+    #[serde(default = "default_backoff", with = "duration")]
+    pub backoff: Duration,
+    /// Notifications waiting for this receiver, at most (default 1000): past it a new one is
+    /// dropped and counted, never waited for.
+    #[serde(default = "default_queue")]
+    pub queue: usize,
+    /// More headers on every delivery (e.g. a routing key). Not for secrets: the config is
+    /// not a secret store, use `secret_file`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    /// For `https://`: the PEM file of the CA certificates to trust instead of the system's
+    /// bundle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_max_attempts() -> u32 {
+    5
+}
+fn default_backoff() -> Duration {
+    Duration::from_secs(1)
+}
+fn default_queue() -> usize {
+    1000
+}
+
+impl Webhook {
+    /// A receiver of `events` at `url` with every other field its default.
+    pub fn new(url: impl Into<String>, events: &[&str]) -> Webhook {
+        Webhook {
+            url: url.into(),
+            events: events.iter().map(|e| e.to_string()).collect(),
+            secret_file: None,
+            format: Format::Json,
+            timeout: default_timeout(),
+            max_attempts: default_max_attempts(),
+            backoff: default_backoff(),
+            queue: default_queue(),
+            headers: BTreeMap::new(),
+            ca_file: None,
+        }
+    }
+
+    /// Checks everything that can be checked before starting, the secret file's content
+    /// included; the error is one line that says what to write instead.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.check().map_err(|reason| Error::Config {
+            which: redact(&self.url),
+            reason,
+        })?;
+        if let Some(path) = &self.secret_file {
+            read_secret(path).map_err(|reason| Error::Config {
+                which: redact(&self.url),
+                reason,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.target()?;
+        if self.events.is_empty() {
+            return Err(format!(
+                "events is empty: write some of {}, or [\"*\"] for all",
+                EVENTS.join(", ")
+            ));
+        }
+        for e in &self.events {
+            if e != "*" {
+                e.parse::<Event>()?;
+            }
+        }
+        if self.timeout.is_zero() || self.timeout > MAX_DURATION {
+            return Err(format!(
+                "timeout '{}': write a duration above 0 and at most a day, e.g. '5s'",
+                humantime::format_duration(self.timeout)
+            ));
+        }
+        if self.backoff > MAX_DURATION {
+            return Err("backoff: write at most a day, e.g. '1s'".to_string());
+        }
+        if self.max_attempts == 0 || self.max_attempts > MAX_ATTEMPTS {
+            return Err(format!(
+                "max_attempts {}: write 1 (no retry) to {MAX_ATTEMPTS}",
+                self.max_attempts
+            ));
+        }
+        if self.queue == 0 || self.queue > MAX_QUEUE {
+            return Err(format!("queue {}: write 1 to {MAX_QUEUE}", self.queue));
+        }
+        for (name, value) in &self.headers {
+            let lower = name.to_ascii_lowercase();
+            if hyper::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(format!(
+                    "header '{name}' is not a header name: letters, digits and '-'"
+                ));
+            }
+            if RESERVED_HEADERS.contains(&lower.as_str()) || lower.starts_with("x-automaton-") {
+                return Err(format!(
+                    "header '{name}' is set by every delivery itself: leave it out of headers"
+                ));
+            }
+            if hyper::header::HeaderValue::from_str(value).is_err() {
+                return Err(format!(
+                    "header '{name}': its value has a character a header cannot carry (a newline?)"
+                ));
+            }
+        }
+        if let Some(ca) = &self.ca_file {
+            if !self.url.starts_with("https://") {
+                return Err("ca_file is only for https:// urls: leave it out".to_string());
+            }
+            if !ca.is_file() {
+                return Err(format!(
+                    "ca_file {}: no such file: write the path of a PEM file of CA certificates",
+                    ca.display()
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The events this receiver gets.
+    pub fn subscribed(&self) -> Vec<Event> {
+        if self.events.iter().any(|e| e == "*") {
+            return Event::ALL.to_vec();
+        }
+        Event::ALL
+            .into_iter()
+            .filter(|e| self.events.iter().any(|n| n == e.name()))
+            .collect()
+    }
+
+    /// Where deliveries go, from `url`.
+    pub(crate) fn target(&self) -> Result<Target, String> {
+        Target::parse(&self.url)
+    }
+}
+
+/// A parsed receiver URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    pub tls: bool,
+    /// The host to connect to and to name in TLS (IPv6 without its brackets).
+    pub host: String,
+    pub port: u16,
+    /// The `Host` header: the authority as written.
+    pub authority: String,
+    /// Path and query, at least `/`.
+    pub path: String,
+}
+
+impl Target {
+    fn parse(url: &str) -> Result<Target, String> {
+        let tls = if url.starts_with("https://") {
+            true
+        } else if url.starts_with("http://") {
+            false
+        } else {
+            return Err("url: write http://host[:port]/path or https://…".to_string());
+        };
+        let uri: hyper::Uri = url.parse().map_err(|e| {
+            format!("url is not a URL ({e}): write http://host[:port]/path or https://…")
+        })?;
+        let authority = uri
+            .authority()
+            .ok_or_else(|| "url has no host: write http://host[:port]/path".to_string())?;
+        if authority.as_str().contains('@') {
+            return Err(
+                "url carries a user or password: leave them out (sign with secret_file)"
+                    .to_string(),
+            );
+        }
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        if host.is_empty() {
+            return Err("url has no host: write http://host[:port]/path".to_string());
+        }
+        let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        if port == 0 {
+            return Err("url: port 0 cannot be reached: write the receiver's port".to_string());
+        }
+        let path = uri
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .filter(|p| !p.is_empty())
+            .unwrap_or_else(|| "/".to_string());
+        Ok(Target {
+            tls,
+            host: host.to_string(),
+            port,
+            authority: authority.as_str().to_string(),
+            path,
+        })
+    }
+}
+
+/// What a log line or a metric may say of `url`: its scheme, host and port. The path can be
+/// the secret itself (a Slack webhook's is).
+pub fn redact(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, r)) if s == "http" || s == "https" => (s, r),
+        _ => return "(not an http url)".to_string(),
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let authority = authority.rsplit('@').next().unwrap_or("");
+    format!("{scheme}://{authority}")
+}
+
+/// The secret in `path`, less its surrounding whitespace; an error is the reason, in a line.
+pub(crate) fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
+    let bytes = std::fs::read(path).map_err(|e| {
+        format!(
+            "secret_file {}: {e}: write the path of a file that holds the secret",
+            path.display()
+        )
+    })?;
+    let start = bytes.iter().position(|b| !b.is_ascii_whitespace());
+    let end = bytes.iter().rposition(|b| !b.is_ascii_whitespace());
+    match (start, end) {
+        (Some(s), Some(e)) => Ok(bytes[s..=e].to_vec()),
+        _ => Err(format!(
+            "secret_file {} is empty: put the secret in it",
+            path.display()
+        )),
+    }
+}
+
+/// A duration in the config: `500ms`, `5s`, `1m` (humantime), or a bare number of seconds.
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        if d.subsec_millis() == 0 {
+            s.serialize_str(&format!("{}s", d.as_secs()))
+        } else {
+            s.serialize_str(&format!("{}ms", d.as_millis()))
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        let t = text.trim();
+        t.parse::<u64>()
+            .ok()
+            .map(Duration::from_secs)
+            .or_else(|| humantime::parse_duration(t).ok())
+            .ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "'{text}' is not a duration: write e.g. '200ms', '5s', '1m'"
+                ))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_into_targets() {
+        let t = Target::parse("http://127.0.0.1:8080/hook?x=1").expect("parses");
+        assert_eq!(
+            (
+                t.tls,
+                t.host.as_str(),
+                t.port,
+                t.authority.as_str(),
+                t.path.as_str()
+            ),
+            (false, "127.0.0.1", 8080, "127.0.0.1:8080", "/hook?x=1")
+        );
+        let t = Target::parse("https://hooks.example.com").expect("parses");
+        assert_eq!((t.tls, t.port, t.path.as_str()), (true, 443, "/"));
+        let t = Target::parse("http://[::1]:9/").expect("parses");
+        assert_eq!((t.host.as_str(), t.authority.as_str()), ("::1", "[::1]:9"));
+    }
+
+    #[test]
+    fn a_url_is_logged_without_its_path() {
+        assert_eq!(
+            redact("https://hooks.slack.com/services/T0/B0/XXXX"),
+            "https://hooks.slack.com"
+        );
+        assert_eq!(redact("http://u:p@h:1/x"), "http://h:1");
+        assert_eq!(redact("ftp://h/x"), "(not an http url)");
+    }
+
+    #[test]
+    fn star_subscribes_to_everything_and_names_pick() {
+        assert_eq!(
+            Webhook::new("http://h/", &["*"]).subscribed(),
+            Event::ALL.to_vec()
+        );
+        assert_eq!(
+            Webhook::new("http://h/", &["held", "worker_lost"]).subscribed(),
+            vec![Event::Held, Event::WorkerLost]
+        );
+        assert_eq!(EVENTS.len(), Event::ALL.len());
+        for (e, n) in Event::ALL.iter().zip(EVENTS) {
+            assert_eq!(e.name(), *n);
+        }
+    }
+}
