@@ -35,5 +35,6 @@ mod uploads;
 mod usage;
 mod views;
 mod waves;
+mod webhooks;
 mod work;
 mod workers;

@@ -261,6 +261,9 @@ pub struct Config {
     /// Where acknowledged state lives: `files` (default) or `etcd` (then `[etcd]`).
     pub store: StoreKind,
     pub etcd: Etcd,
+    /// Receivers told when a person is needed (`[[webhooks]]`, docs/webhooks.md).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub webhooks: Vec<automaton_webhooks::Webhook>,
 }
 
 impl Default for Config {
@@ -292,6 +295,7 @@ impl Default for Config {
             worker_pools: Vec::new(),
             store: StoreKind::Files,
             etcd: Etcd::default(),
+            webhooks: Vec::new(),
         }
     }
 }
@@ -563,6 +567,16 @@ impl Config {
             return Err(Error::Config(format!(
                 "metrics_listen {m} is the gRPC listen address: give the metrics another port (e.g. 9464)"
             )));
+        }
+        for (i, h) in self.webhooks.iter().enumerate() {
+            h.validate().map_err(|e| match e {
+                automaton_webhooks::Error::Config { reason, .. } => Error::Config(format!(
+                    "[[webhooks]] #{} ({}): {reason}",
+                    i + 1,
+                    automaton_webhooks::redact(&h.url)
+                )),
+                other => Error::Config(format!("[[webhooks]] #{}: {other}", i + 1)),
+            })?;
         }
         for t in &self.tokens {
             // An agent or worker token speaks for the agent it names: the name must be one.

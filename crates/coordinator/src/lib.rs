@@ -27,6 +27,7 @@ mod fencing;
 mod fuzz;
 pub mod ha;
 mod holders;
+mod hooks;
 mod keepalive;
 mod layers;
 mod lease_ops;
@@ -208,6 +209,14 @@ pub async fn serve(
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
     coord.spawn_reconciler();
+    // A bad receiver was refused by `Config::validate` before anything bound.
+    let hooks = if cfg.webhooks.is_empty() {
+        None
+    } else {
+        let w = automaton_webhooks::Webhooks::start(cfg.webhooks.clone())
+            .map_err(|e| Error::Config(e.to_string()))?;
+        Some(hooks::spawn(&coord, w, None, stop_rx.clone()))
+    };
     if cfg.dispatch {
         coord.spawn_dispatcher(stop_rx.clone());
     }
@@ -287,6 +296,10 @@ pub async fn serve(
         .await
         .map_err(|e| Error::Internal(format!("server failed: {e}")));
     sweeper.abort();
+    if let Some(h) = hooks {
+        // Deliveries queued get a few seconds to go out (bounded in `hooks::spawn`).
+        let _ = tokio::time::timeout(Duration::from_secs(7), h).await;
+    }
     result?;
     // A clean stop leaves the task files complete: every holder written (after a crash the
     // next start has them from the log).
