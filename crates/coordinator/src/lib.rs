@@ -27,7 +27,6 @@ mod fencing;
 mod fuzz;
 pub mod ha;
 mod holders;
-mod hooks;
 mod keepalive;
 mod layers;
 mod lease_ops;
@@ -45,6 +44,7 @@ mod views;
 mod wal_fuzz;
 mod watchers;
 mod waves;
+mod webhooks;
 mod work_service;
 mod worker_service;
 
@@ -215,7 +215,7 @@ pub async fn serve(
     } else {
         let w = automaton_webhooks::Webhooks::start(cfg.webhooks.clone())
             .map_err(|e| Error::Config(e.to_string()))?;
-        Some(hooks::spawn(&coord, w, None, stop_rx.clone()))
+        Some(webhooks::spawn(&coord, w, None, stop_rx.clone()))
     };
     if cfg.dispatch {
         coord.spawn_dispatcher(stop_rx.clone());
@@ -297,7 +297,7 @@ pub async fn serve(
         .map_err(|e| Error::Internal(format!("server failed: {e}")));
     sweeper.abort();
     if let Some(h) = hooks {
-        // Deliveries queued get a few seconds to go out (bounded in `hooks::spawn`).
+        // Deliveries queued get a few seconds to go out (bounded in `webhooks::spawn`).
         let _ = tokio::time::timeout(Duration::from_secs(7), h).await;
     }
     result?;

@@ -23,7 +23,7 @@ pub const CHUNK_BYTES: usize = 64 << 10;
 /// Secrets shorter than this are not looked for (as in the run's tail).
 const MIN_SECRET: usize = 8;
 /// How long the end of a stream waits for the coordinator's answer.
-const END_WAIT: Duration = Duration::from_secs(5);
+const END_WAIT: Duration = Duration::from_secs(1);
 /// Before a broken stream is opened again.
 const REOPEN_WAIT: Duration = Duration::from_millis(200);
 
@@ -246,12 +246,15 @@ where
         let Some((tx, _)) = call.as_ref() else {
             continue;
         };
-        if tx.send(msg.clone()).await.is_ok() {
-            return Sent::Yes;
+        // Never waits: a leader that stopped reading (frozen, partitioned) gets a gap, and
+        // the run goes on to its uploads at once.
+        match tx.try_send(msg.clone()) {
+            Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => return Sent::Yes,
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
         }
         // The call ended: why says whether to try again.
         if let Some((_, handle)) = call.take()
-            && let Ok(Err(status)) = handle.await
+            && let Ok(Ok(Err(status))) = tokio::time::timeout(END_WAIT, handle).await
             && refused_for_good(&status)
         {
             tracing::debug!(error = %status.message(), "live output refused: sending no more");

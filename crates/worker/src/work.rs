@@ -582,7 +582,7 @@ async fn attempt(
         crate::session::wire_duration(a.max_phase_time.as_ref()).max(Duration::from_millis(1));
     let mut outcome = running.wait(max, stopped(stop.clone())).await;
     // Its output has ended; the streamer sends the rest (bounded) before the run reports.
-    let _ = tokio::time::timeout(Duration::from_secs(10), live_output).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), live_output).await;
     notes.tail = std::mem::take(&mut outcome.tail);
     let usage = metered.as_ref().map(|m| m.usage());
     let failures = metered.as_ref().map(|m| m.failures()).unwrap_or_default();
