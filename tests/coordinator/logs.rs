@@ -13,8 +13,7 @@ use crate::harness::{
     AGENT_B_TOKEN, AGENT_TOKEN, Coord, Env, OPERATOR_TOKEN, TOKENS_TOML, WORKER_A_TOKEN, bearer,
     cli_bin, poll,
 };
-use crate::work::{FLEET, git_init};
-use crate::workers::Worker;
+use crate::work::{FLEET, git_init, scripted_worker};
 
 /// `automaton logs ARGS` against `coord` as `token`, with its stdout read line by line.
 struct Logs {
@@ -104,19 +103,12 @@ async fn automaton_logs_follow_shows_a_running_agents_output_live_redacted_and_e
     let coord = Coord::start(&env, &FLEET);
     let mut ops = coord.api_as(OPERATOR_TOKEN).await;
     let leaked = format!("the agent printed {WORKER_A_TOKEN} by mistake");
-    let _w = Worker::start(
-        &coord.url,
+    let _w = scripted_worker(
+        &coord,
+        "gpu-a",
+        "sim:24GiB",
         &[
-            "--token",
-            WORKER_A_TOKEN,
-            "--simulate-gpu",
-            "sim:24GiB",
-            "--agent",
-            "scripted",
-            "--kill-grace",
-            "300ms",
-        ],
-        &[
+            ("AUTOMATON_TOKEN", WORKER_A_TOKEN),
             ("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=4000"),
             ("AUTOMATON_SCRIPTED_SAY", &leaked),
         ],

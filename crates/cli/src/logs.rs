@@ -119,19 +119,7 @@ async fn logs(args: &LogsArgs) -> Result<(), Failure> {
 /// Runs `automaton logs`; returns the exit code (0 when the output ended, on Ctrl-C or a
 /// closed stdout).
 pub fn run(args: &LogsArgs) -> i32 {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            return crate::report_failure(
-                Failure::Usage(format!("cannot start the async runtime: {e}")),
-                false,
-            );
-        }
-    };
-    match runtime.block_on(logs(args)) {
+    match crate::watch::block_on(logs(args)) {
         Ok(()) => 0,
         Err(f) => crate::report_failure(f, false),
     }

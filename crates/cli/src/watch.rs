@@ -356,22 +356,21 @@ pub fn run(args: &WatchArgs) -> i32 {
         Ok(f) => f,
         Err(e) => return crate::report_failure(Failure::Store(e.into()), args.json),
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            return crate::report_failure(
-                Failure::Usage(format!("cannot start the async runtime: {e}")),
-                args.json,
-            );
-        }
-    };
-    match runtime.block_on(watch(args, filter.as_ref())) {
+    match block_on(watch(args, filter.as_ref())) {
         Ok(End::Stopped) => 0,
         Err(f) => crate::report_failure(f, args.json),
     }
+}
+
+/// Runs a streaming command's future on a runtime of its own (`watch`, `logs`).
+pub(crate) fn block_on<T>(
+    f: impl std::future::Future<Output = Result<T, Failure>>,
+) -> Result<T, Failure> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Failure::Usage(format!("cannot start the async runtime: {e}")))?
+        .block_on(f)
 }
 
 #[cfg(test)]

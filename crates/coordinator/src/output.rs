@@ -111,6 +111,18 @@ impl RunOutput {
         end
     }
 
+    /// An event of this run at `offset`, with no bytes.
+    fn event_at(&self, offset: u64) -> pb::OutputEvent {
+        pb::OutputEvent {
+            task: self.task.to_string(),
+            lease_id: self.lease_id.clone(),
+            phase: self.phase.clone(),
+            worker: self.worker.clone(),
+            offset,
+            ..Default::default()
+        }
+    }
+
     fn finish(&self, why: &str) {
         let mut t = self.lock();
         if t.ended.is_none() {
@@ -375,15 +387,11 @@ impl Service {
                 if sent_bytes || read.skipped > 0 || ended.is_some() {
                     at = read.offset + read.data.len() as u64;
                     let ev = pb::OutputEvent {
-                        task: run.task.to_string(),
-                        lease_id: run.lease_id.clone(),
-                        phase: run.phase.clone(),
-                        worker: run.worker.clone(),
-                        offset: read.offset,
                         data: read.data,
                         skipped: read.skipped,
                         ended: ended.is_some(),
                         end_reason: ended.clone().unwrap_or_default(),
+                        ..run.event_at(read.offset)
                     };
                     if tx.send(Ok(ev)).await.is_err() || ended.is_some() {
                         return;
@@ -394,16 +402,7 @@ impl Service {
                 }
                 if !r.follow {
                     // What is kept, sent: the reader asked for no more.
-                    let _ = tx
-                        .send(Ok(pb::OutputEvent {
-                            task: run.task.to_string(),
-                            lease_id: run.lease_id.clone(),
-                            phase: run.phase.clone(),
-                            worker: run.worker.clone(),
-                            offset: at,
-                            ..Default::default()
-                        }))
-                        .await;
+                    let _ = tx.send(Ok(run.event_at(at))).await;
                     return;
                 }
                 tokio::select! {
