@@ -75,6 +75,8 @@ pub const SCRUBBED_ENV: &[&str] = &[
     "AUTOMATON_MAX_MESSAGE_BYTES",
     "AUTOMATON_TLS_CERT",
     "AUTOMATON_TLS_KEY",
+    "AUTOMATON_TRACE_URL",
+    "AUTOMATON_WEB_LISTEN",
     "AUTOMATON_OPERATOR_TOKEN",
     "AUTOMATON_AGENT_TOKEN",
     "AUTOMATON_WORKER_TOKEN",
@@ -588,7 +590,10 @@ impl Api {
     }
 
     pub async fn get(&mut self, task: &str) -> R<pb::TaskDetail> {
-        let r = self.req(pb::GetTaskRequest { task: task.into() });
+        let r = self.req(pb::GetTaskRequest {
+            task: task.into(),
+            ..Default::default()
+        });
         self.tasks.get_task(r).await.map(|r| r.into_inner())
     }
 

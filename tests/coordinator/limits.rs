@@ -104,7 +104,10 @@ fn config_file(env: &Env, name: &str, toml: &str) -> String {
 }
 
 fn get_req(task: &str) -> pb::GetTaskRequest {
-    pb::GetTaskRequest { task: task.into() }
+    pb::GetTaskRequest {
+        task: task.into(),
+        ..Default::default()
+    }
 }
 
 /// `%XX`-decodes a `grpc-message` header value.

@@ -7,6 +7,7 @@ mod cli;
 #[path = "../etcd/cluster.rs"]
 #[allow(dead_code)]
 mod cluster;
+mod console;
 mod deploy;
 mod durable;
 mod faults;

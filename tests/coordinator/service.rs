@@ -246,6 +246,7 @@ async fn auth_no_token_unauthenticated_wrong_role_permission_denied() {
     let mut raw = anon.tasks.clone();
     let mut r = tonic::Request::new(pb::GetTaskRequest {
         task: "guarded".into(),
+        with_contents: false,
     });
     r.metadata_mut()
         .insert("authorization", OPERATOR_TOKEN.parse().expect("value"));
@@ -619,7 +620,10 @@ async fn cli_sends_automaton_token() {
     let mut ch = pb::tasks_client::TasksClient::new(connect(&coord.url).await);
     let got = ch
         .get_task(bearer(
-            pb::GetTaskRequest { task: "tok".into() },
+            pb::GetTaskRequest {
+                task: "tok".into(),
+                ..Default::default()
+            },
             AGENT_TOKEN,
         ))
         .await

@@ -198,6 +198,7 @@ pub async fn prepare_one(tasks: &mut TasksClient<Channel>, task: &str) -> Result
         let detail = tasks
             .get_task(GetTaskRequest {
                 task: task.to_string(),
+                with_contents: false,
             })
             .await
             .map_err(status_err)?

@@ -571,7 +571,10 @@ async fn one_count(
     let mut missing = 0;
     for (i, u) in &ups {
         let detail = tasks_client
-            .get_task(pb::GetTaskRequest { task: task(*i) })
+            .get_task(pb::GetTaskRequest {
+                task: task(*i),
+                ..Default::default()
+            })
             .await
             .map_err(crate::rpc::status_err)
             .with_context(|| format!("GetTask {}", task(*i)))?

@@ -338,6 +338,7 @@ impl Backend {
             Backend::Remote(r) => {
                 let req = pb::GetTaskRequest {
                     task: task.to_string(),
+                    with_contents: false,
                 };
                 let d = r.run(r.tasks().get_task(req))?;
                 let (held, next_command) = d
@@ -542,6 +543,7 @@ impl Backend {
             Backend::Remote(r) => {
                 let req = pb::GetTaskRequest {
                     task: task.to_string(),
+                    with_contents: false,
                 };
                 let live = match r.run(r.tasks().get_task(req))?.lease {
                     Some(l) if l.agent == agent.as_str() => l,

@@ -843,6 +843,7 @@ async fn parent_state(api: &mut Api) -> String {
     api.tasks
         .get_task(pb::GetTaskRequest {
             task: PARENT.into(),
+            with_contents: false,
         })
         .await
         .ok()
@@ -1121,6 +1122,7 @@ async fn summary(
             .tasks
             .get_task(pb::GetTaskRequest {
                 task: s.task.clone(),
+                with_contents: false,
             })
             .await
             .map(|d| d.into_inner().runs)

@@ -35,13 +35,22 @@ pub enum Error {
     Serve(String),
 }
 
-/// Serves the console on `listener` until `shutdown` resolves.
+/// Serves the console on `listener` until `shutdown` resolves. For now every page answers
+/// 503: the pages are being built (issue 23); the wiring, sign-in check and options are real.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     opts: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let _ = (listener, opts);
-    shutdown.await;
-    Ok(())
+    let _ = opts;
+    let app = axum::Router::new().fallback(|| async {
+        (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "the console's pages are not built yet: use the CLI (automaton workers, tasks, logs, approve)\n",
+        )
+    });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| Error::Serve(e.to_string()))
 }

@@ -72,6 +72,17 @@ impl Callers {
             })
     }
 
+    /// Whom `token` speaks for: a configured token's caller, or a pool member's.
+    pub fn who(&self, token: &str) -> Option<Caller> {
+        if token.is_empty() {
+            return None;
+        }
+        self.tokens
+            .get(token)
+            .cloned()
+            .or_else(|| self.pool_member(token))
+    }
+
     /// Without tokens everyone is the operator `user` (the server then listens on loopback
     /// only, unless started `--insecure`): `Ok(None)`. With tokens, a request needs
     /// `authorization: Bearer TOKEN`.
@@ -88,10 +99,7 @@ impl Callers {
             ));
         };
         let token = header.strip_prefix("Bearer ").unwrap_or("");
-        if let Some(c) = self.tokens.get(token) {
-            return Ok(Some(c.clone()));
-        }
-        if let Some(c) = self.pool_member(token) {
+        if let Some(c) = self.who(token) {
             return Ok(Some(c));
         }
         Err(Status::unauthenticated(

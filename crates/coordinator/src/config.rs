@@ -204,6 +204,13 @@ pub struct Config {
     /// absent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Where to serve the operator's console (docs/console.md); off when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub web_listen: Option<SocketAddr>,
+    /// A trace UI's URL for one trace, with `{trace_id}` in it (e.g.
+    /// `http://jaeger:16686/trace/{trace_id}`): the console links trace ids there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_url: Option<String>,
     /// Serve a non-loopback address without any token.
     pub insecure: bool,
     /// After a restart every lease lives at least this long, so holders can reconnect.
@@ -272,6 +279,8 @@ impl Default for Config {
             project: PathBuf::from("."),
             listen: SocketAddr::from(([127, 0, 0, 1], 7070)),
             metrics_listen: None,
+            web_listen: None,
+            trace_url: None,
             insecure: false,
             grace_period: Duration::from_secs(30),
             rpc_timeout: Duration::from_secs(30),
@@ -307,6 +316,7 @@ pub struct Overrides {
     pub project: Option<PathBuf>,
     pub listen: Option<SocketAddr>,
     pub metrics_listen: Option<SocketAddr>,
+    pub web_listen: Option<SocketAddr>,
     pub insecure: bool,
     pub grace_period: Option<Duration>,
     pub lease_ttl_min: Option<Duration>,
@@ -391,6 +401,9 @@ impl Config {
         if let Some(l) = flags.metrics_listen {
             cfg.metrics_listen = Some(l);
         }
+        if let Some(l) = flags.web_listen {
+            cfg.web_listen = Some(l);
+        }
         if flags.insecure {
             cfg.insecure = true;
         }
@@ -459,6 +472,15 @@ impl Config {
                     "an address like 127.0.0.1:9464",
                 )
             })?);
+        }
+        if let Some(v) = env_var("AUTOMATON_WEB_LISTEN") {
+            self.web_listen =
+                Some(v.parse().map_err(|_| {
+                    bad("AUTOMATON_WEB_LISTEN", &v, "an address like 127.0.0.1:8080")
+                })?);
+        }
+        if let Some(v) = env_var("AUTOMATON_TRACE_URL") {
+            self.trace_url = Some(v);
         }
         if let Some(v) = env_var("AUTOMATON_INSECURE") {
             self.insecure = matches!(v.as_str(), "1" | "true" | "yes");
@@ -566,6 +588,34 @@ impl Config {
         {
             return Err(Error::Config(format!(
                 "metrics_listen {m} is the gRPC listen address: give the metrics another port (e.g. 9464)"
+            )));
+        }
+        if let Some(w) = self.web_listen {
+            let clash = |other: SocketAddr| {
+                w.port() != 0
+                    && w.port() == other.port()
+                    && (w.ip() == other.ip()
+                        || w.ip().is_unspecified()
+                        || other.ip().is_unspecified())
+            };
+            if clash(self.listen) || self.metrics_listen.is_some_and(clash) {
+                return Err(Error::Config(format!(
+                    "web_listen {w} is already the gRPC or metrics address: give the console another port (e.g. 8080)"
+                )));
+            }
+            // Without tokens the console answers loopback clients only, --insecure or not.
+            if !self.authenticates() && !w.ip().is_loopback() {
+                return Err(Error::Config(format!(
+                    "refusing to serve the console on {w} without authentication: configure [[tokens]] (or AUTOMATON_OPERATOR_TOKEN) so operators sign in, or serve it on 127.0.0.1"
+                )));
+            }
+        }
+        if let Some(u) = &self.trace_url
+            && (!(u.starts_with("http://") || u.starts_with("https://"))
+                || !u.contains("{trace_id}"))
+        {
+            return Err(Error::Config(format!(
+                "trace_url '{u}' must be an http(s) URL with {{trace_id}} in it, e.g. http://jaeger:16686/trace/{{trace_id}}"
             )));
         }
         for (i, h) in self.webhooks.iter().enumerate() {

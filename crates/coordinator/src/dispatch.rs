@@ -597,6 +597,7 @@ fn run_record(r: &pb::Run) -> RunRecord {
         // Durably only the end of it: ten runs stay far below the record's cap.
         output_tail: clip_front(&r.output_tail, automaton_store::MAX_TAIL_KEPT),
         warnings: r.warnings.clone(),
+        trace_id: r.trace_id.clone(),
     }
 }
 
@@ -625,6 +626,7 @@ fn run_pb(r: &RunRecord) -> pb::Run {
             .take(WARNINGS_KEPT)
             .map(|w| clip(w, WARNING_BYTES))
             .collect(),
+        trace_id: clip(&r.trace_id, 32),
     }
 }
 
@@ -1188,6 +1190,7 @@ impl Coordinator {
         {
             r.estimated_tokens = need.unwrap_or(0);
             r.why = why.clone();
+            r.trace_id = automaton_telemetry::trace::trace_id(&span).unwrap_or_default();
         }
         span.record("automaton.lease_id", live.lease_id.as_str());
         span.record("automaton.token", live.token);
@@ -1332,6 +1335,7 @@ impl Coordinator {
                     peak_context_tokens: 0,
                     why: String::new(),
                     peak_context_source: String::new(),
+                    trace_id: String::new(),
                     output_tail: String::new(),
                     warnings: Vec::new(),
                 });
@@ -1594,6 +1598,7 @@ impl Coordinator {
             peak_context_tokens: 0,
             why: "adopted: the run began before the coordinator's restart".into(),
             peak_context_source: String::new(),
+            trace_id: String::new(),
         });
         while runs.len() > RUNS_KEPT {
             runs.pop_front();

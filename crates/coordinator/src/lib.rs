@@ -44,6 +44,7 @@ mod views;
 mod wal_fuzz;
 mod watchers;
 mod waves;
+pub mod web;
 mod webhooks;
 mod work_service;
 mod worker_service;

@@ -30,6 +30,10 @@ struct Flags {
     /// chosen address is logged). Off by default.
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<SocketAddr>,
+    /// Serve the operator's console at http://ADDR/ (port 0 picks a free one; the URL is
+    /// printed: `console on URL`). Off by default.
+    #[arg(long, value_name = "ADDR")]
+    web_listen: Option<SocketAddr>,
     /// TOML configuration file (also AUTOMATON_CONFIG).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
@@ -103,6 +107,7 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
         project: flags.project,
         listen: flags.listen,
         metrics_listen: flags.metrics_listen,
+        web_listen: flags.web_listen,
         insecure: flags.insecure,
         grace_period: flags.grace_period,
         lease_ttl_min: flags.lease_ttl_min,
@@ -146,6 +151,14 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
             ),
             None => None,
         };
+        let web = match cfg.web_listen {
+            Some(w) => Some(
+                tokio::net::TcpListener::bind(w)
+                    .await
+                    .with_context(|| format!("cannot listen for the console on {w}"))?,
+            ),
+            None => None,
+        };
         // Test hooks only: make the lease log's disk fail on purpose (docs/coordinator.md).
         let failpoints = match std::env::var("AUTOMATON_FAILPOINTS") {
             Ok(v) => Failpoints::parse(&v).map_err(anyhow::Error::msg)?,
@@ -170,7 +183,7 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
                 .max_artifact_bytes
                 .min(automaton_backend::etcd::MAX_FILE_BYTES as u64);
             ownership.publish(&advertise)?;
-            let shutdown = shutdown_signal()?;
+            let shutdown = start_console(&cfg, web, addr, &project, shutdown_signal()?)?;
             println!("listening on {addr}");
             let listener = listener
                 .into_std()
@@ -202,8 +215,8 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
         );
         // Installed before the line below: a SIGTERM sent as soon as it is read must drain,
         // not kill the process with the default action.
-        let shutdown = shutdown_signal()?;
-        // The one line on stdout: what a script or test waits for.
+        let shutdown = start_console(&cfg, web, addr, &project, shutdown_signal()?)?;
+        // The line on stdout a script or test waits for (after the console's, if any).
         println!("listening on {addr}");
         serve(coord, &cfg, listener, shutdown).await?;
         Ok::<_, anyhow::Error>(ownership)
@@ -215,6 +228,44 @@ fn serve_until_stopped(flags: Flags) -> anyhow::Result<()> {
     drop(served?);
     tracing::info!("stopped; leases kept on disk for the next start");
     Ok(())
+}
+
+/// Starts the operator's console on `listener` (when `--web-listen` gave one) as a client of
+/// the gRPC API on `addr`, and prints `console on URL`. Returns `shutdown`, which now also
+/// stops the console.
+fn start_console(
+    cfg: &Config,
+    listener: Option<tokio::net::TcpListener>,
+    addr: SocketAddr,
+    project: &Project,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(listener) = listener {
+        let web = listener
+            .local_addr()
+            .context("cannot read the console's address")?;
+        let name = project
+            .root()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "automaton".into());
+        let options = automaton_coordinator::web::console_options(cfg, addr, name)?;
+        let scheme = if cfg.tls.is_some() { "https" } else { "http" };
+        tokio::spawn(async move {
+            let stopped = async move {
+                let _ = stop_rx.changed().await;
+            };
+            if let Err(e) = automaton_console::serve(listener, options, stopped).await {
+                tracing::error!(error = %e, "the console stopped");
+            }
+        });
+        println!("console on {scheme}://{web}/");
+    }
+    Ok(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    })
 }
 
 /// How long the exit waits for work that requests which timed out left running.

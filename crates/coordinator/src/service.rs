@@ -185,6 +185,22 @@ fn approval_pb(a: &automaton_store::ApprovalView) -> pb::ApprovalStatus {
     }
 }
 
+/// The most of one artifact `GetTask` sends with `with_contents`.
+const ARTIFACT_SHOWN: usize = 256 * 1024;
+
+/// At most `max` bytes of `bytes` as text: cut before a character that does not fit whole,
+/// invalid UTF-8 replaced.
+fn text_prefix(bytes: &[u8], max: usize) -> String {
+    let mut end = bytes.len().min(max);
+    if end < bytes.len() {
+        // Back off over continuation bytes to the start of the cut character.
+        while end > 0 && end > bytes.len().min(max).saturating_sub(3) && bytes[end] & 0xC0 == 0x80 {
+            end -= 1;
+        }
+    }
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
 pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
     if c.role == Role::Operator {
         Ok(())
@@ -421,6 +437,34 @@ impl pb::tasks_server::Tasks for Service {
             last_failure: String::new(),
         };
         self.annotate(&mut row);
+        let mut artifacts: Vec<pb::ArtifactFile> = view
+            .artifacts
+            .iter()
+            .map(|a| pb::ArtifactFile {
+                artifact: a.artifact.to_string(),
+                bytes: a.bytes,
+                blank: a.blank,
+                content: String::new(),
+                truncated: false,
+            })
+            .collect();
+        if req.get_ref().with_contents {
+            let (t, which) = (task.clone(), view.artifacts.clone());
+            let texts = self
+                .coord
+                .read(move |p| {
+                    which
+                        .iter()
+                        .map(|a| p.read_artifact(&t, a.artifact))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+                .await?;
+            for (file, text) in artifacts.iter_mut().zip(texts) {
+                let bytes = text.unwrap_or_default();
+                file.truncated = bytes.len() > ARTIFACT_SHOWN;
+                file.content = text_prefix(&bytes, ARTIFACT_SHOWN);
+            }
+        }
         Ok(Response::new(pb::TaskDetail {
             summary: Some(row),
             lease,
@@ -431,15 +475,7 @@ impl pb::tasks_server::Tasks for Service {
                 task: p.to_string(),
                 state: state_str(*s),
             }),
-            artifacts: view
-                .artifacts
-                .iter()
-                .map(|a| pb::ArtifactFile {
-                    artifact: a.artifact.to_string(),
-                    bytes: a.bytes,
-                    blank: a.blank,
-                })
-                .collect(),
+            artifacts,
             approval: view.approval.as_ref().map(approval_pb),
             subtasks: view.subtasks.iter().map(|t| t.to_string()).collect(),
             guidance: view.guidance.as_ref().map(|g| pb::Guidance {
@@ -722,6 +758,15 @@ impl pb::events_server::Events for Service {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_artifacts_text_is_cut_before_a_character_that_does_not_fit() {
+        assert_eq!(text_prefix(b"abc", 10), "abc");
+        assert_eq!(text_prefix("aé".as_bytes(), 2), "a");
+        assert_eq!(text_prefix("aé".as_bytes(), 3), "aé");
+        assert_eq!(text_prefix(b"ab\xffc", 10), "ab\u{fffd}c");
+        assert_eq!(text_prefix(b"", 0), "");
+    }
 
     fn d(seconds: i64, nanos: i32) -> prost_types::Duration {
         prost_types::Duration { seconds, nanos }

@@ -70,6 +70,9 @@ pub struct RunRecord {
     pub output_tail: String,
     /// What a person should know that did not fail the run, one line each.
     pub warnings: Vec<String>,
+    /// The phase run's trace id (empty without trace export).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub trace_id: String,
 }
 
 /// How much of a run's output tail a record keeps.
