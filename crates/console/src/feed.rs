@@ -239,6 +239,27 @@ mod tests {
         assert_eq!(c.finish(), "\u{FFFD}");
     }
 
+    #[tokio::test]
+    async fn a_lagging_page_is_told_to_reload() {
+        use futures_util::StreamExt as _;
+        let opts = crate::Options {
+            channel: tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy(),
+            auth: None,
+            trace_url: None,
+            project: "p".into(),
+            tls: None,
+        };
+        let (_stop_tx, stop) = watch::channel(false);
+        let app = App::new(opts, stop).expect("app");
+        let mut page = std::pin::pin!(subscribe(&app));
+        for i in 0..crate::web::FEED_BUFFER * 2 {
+            let _ = app.events.send(format!("{{\"seq\":{i}}}"));
+        }
+        let first = page.next().await.expect("an event").expect("infallible");
+        assert!(format!("{first:?}").contains("reload"), "{first:?}");
+        assert!(page.next().await.is_none(), "the lagging stream ends");
+    }
+
     #[test]
     fn json_is_escaped() {
         let e = pb::OutputEvent {

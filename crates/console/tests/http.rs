@@ -590,3 +590,125 @@ async fn an_unreachable_coordinator_is_a_503_page() {
     assert_eq!(status(&r), 503, "{r}");
     assert!(r.contains("class=\"error\""));
 }
+
+/// A TLS client that trusts the fixtures' test CA.
+fn tls_client() -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(include_bytes!("fixtures/ca.pem")) {
+        roots.add(c.expect("ca pem")).expect("ca");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+#[tokio::test]
+async fn https_with_a_secure_cookie() {
+    let (fake, _) = fake();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let opts = Options {
+        channel: coordinator(fake).await,
+        auth: Some(Arc::new(Tokens)),
+        trace_url: None,
+        project: "demo".into(),
+        tls: Some((
+            include_bytes!("fixtures/cert.pem").to_vec(),
+            include_bytes!("fixtures/key.pem").to_vec(),
+        )),
+    };
+    let (tx, rx) = oneshot::channel::<()>();
+    let served = tokio::spawn(serve(listener, opts, async move {
+        let _ = rx.await;
+    }));
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let mut tls = tls_client().connect(name, tcp).await.expect("handshake");
+    let body = "token=good";
+    let req = format!(
+        "POST /login HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+    let resp = String::from_utf8_lossy(&out);
+    assert_eq!(status(&resp), 303, "{resp}");
+    assert!(
+        resp.contains("SameSite=Strict; Path=/; Max-Age=43200; Secure"),
+        "{resp}"
+    );
+    // Plain http to an https console gets nowhere.
+    let mut plain = TcpStream::connect(addr).await.expect("connect");
+    plain
+        .write_all(b"GET /login HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), plain.read_to_end(&mut buf)).await;
+    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"));
+    let _ = tx.send(());
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("stops")
+        .expect("join")
+        .expect("served");
+}
+
+#[tokio::test]
+async fn bad_tls_material_is_an_error() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let opts = Options {
+        channel: tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy(),
+        auth: None,
+        trace_url: None,
+        project: "demo".into(),
+        tls: Some((b"junk".to_vec(), b"junk".to_vec())),
+    };
+    let e = serve(listener, opts, async {})
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("console TLS certificate"), "{e}");
+}
+
+#[tokio::test]
+async fn shutdown_ends_open_streams() {
+    let (fake, _) = fake();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let opts = Options {
+        channel: coordinator(fake).await,
+        auth: None,
+        trace_url: None,
+        project: "demo".into(),
+        tls: None,
+    };
+    let (tx, rx) = oneshot::channel::<()>();
+    let served = tokio::spawn(serve(listener, opts, async move {
+        let _ = rx.await;
+    }));
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(format!("GET /events HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("headers")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("text/event-stream"));
+    let _ = tx.send(());
+    tokio::time::timeout(Duration::from_secs(3), served)
+        .await
+        .expect("stops well before the grace period")
+        .expect("join")
+        .expect("served");
+}
