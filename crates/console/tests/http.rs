@@ -672,10 +672,7 @@ async fn bad_tls_material_is_an_error() {
         project: "demo".into(),
         tls: Some((b"junk".to_vec(), b"junk".to_vec())),
     };
-    let e = serve(listener, opts, async {})
-        .await
-        .err()
-        .expect("refused");
+    let e = serve(listener, opts, async {}).await.expect_err("refused");
     assert!(e.to_string().contains("console TLS certificate"), "{e}");
 }
 
