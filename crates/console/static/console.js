@@ -75,6 +75,12 @@
     var src = pre.getAttribute("data-src");
     if (!src) { return; }
     var es = new EventSource(src);
+    var opened = false;
+    // A reconnect tails the run again from what is kept: start the panel afresh.
+    es.addEventListener("open", function () {
+      if (opened) { pre.textContent = ""; }
+      opened = true;
+    });
     var say = function (text) { if (status) { status.textContent = text; } };
     var chunk = function (ev) {
       var m;
