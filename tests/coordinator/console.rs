@@ -1,5 +1,5 @@
 //! Issue 23's console, the coordinator's side: `--web-listen` / `web_listen` and its refusals.
-//! The pages themselves are still being built (the console answers 503 for now).
+//! The pages are `automaton-console`'s; the browser test is still to come.
 
 use std::time::Duration;
 

@@ -1,8 +1,49 @@
 //! The operator's console (issue 23): the web page a coordinator serves with
-//! `--web-listen`. SKELETON — the real crate is being written.
+//! `--web-listen` — the fleet (`/fleet`), the board of tasks by lifecycle phase (`/board`),
+//! a task's page with its artifacts, approvals, runs and live output (`/task/NAME`), and
+//! buttons for the operator's actions (approve, stop, resume, run, drain, undrain).
+//!
+//! What it owns: the HTML (server-rendered by the pure functions of [`render`], with a
+//! little embedded vanilla JavaScript and CSS, no inline script: the CSP forbids it), the
+//! sign-in sessions (in memory, bounded, 12 hours), the CSRF and cross-site checks of every
+//! POST, and two kinds of live stream: one shared `WatchEvents` feed per console fanned out
+//! to every open page as server-sent events, and a task's `TailOutput`.
+//!
+//! What it must not do: decide policy or keep state beyond sessions. It is a client of the
+//! coordinator's own gRPC API (`automaton_proto`): every page is a read the CLI could make,
+//! every button is the call the CLI's command makes, sent with the signed-in operator's
+//! token as `authorization: Bearer …`, so every check (who may approve, what a state
+//! allows) is the coordinator's, and a refusal is shown as the coordinator's one line. It
+//! never shows a token, and never trusts what it renders: task names, reasons and artifacts
+//! are escaped.
+
+mod feed;
+mod grpc;
+mod markdown;
+pub mod render;
+mod session;
+mod tls;
+mod web;
+
+pub use feed::{Utf8Carry, event_json, output_json};
+pub use grpc::http_status;
+pub use render::{
+    BoardFilter, TaskView, escape, render_board, render_fleet, render_markdown, render_task,
+};
+pub use session::{
+    COOKIE, MAX_SESSIONS, SESSION_TTL, Session, Sessions, clear_cookie, constant_time_eq,
+    cookie_id, session_cookie,
+};
+pub use web::{CSP, CSRF_REFUSED, cross_site, csrf_ok, is_loopback, safe_back};
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ConnectInfo;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
 
 /// Checks a token someone signs in with. The coordinator implements it over its own
 /// configured callers, so the console never keeps a second copy of the tokens.
@@ -35,22 +76,102 @@ pub enum Error {
     Serve(String),
 }
 
-/// Serves the console on `listener` until `shutdown` resolves. For now every page answers
-/// 503: the pages are being built (issue 23); the wiring, sign-in check and options are real.
+/// How long connections may finish what they do after `shutdown` before they are cut.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves the console on `listener` until `shutdown` resolves: https when `opts.tls` is
+/// set, else http. Each connection knows its peer's address (the loopback check of no-auth
+/// mode). At shutdown the listener closes, event and output streams end, and connections get
+/// [`SHUTDOWN_GRACE`] to finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     opts: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let _ = opts;
-    let app = axum::Router::new().fallback(|| async {
-        (
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            "the console's pages are not built yet: use the CLI (automaton workers, tasks, logs, approve)\n",
-        )
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| Error::Serve(e.to_string()))
+    let acceptor = match &opts.tls {
+        Some((chain, key)) => Some(tls::acceptor(chain, key).map_err(Error::Serve)?),
+        None => None,
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let app = Arc::new(web::App::new(opts, stop_rx.clone()).map_err(Error::Serve)?);
+    let feed = tokio::spawn(feed::run(app.clone()));
+    let router = web::router(app);
+    let mut conns = JoinSet::new();
+    let shutdown = std::pin::pin!(shutdown);
+    let mut shutdown = shutdown;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    conns.spawn(connection(stream, peer, router.clone(), acceptor.clone(), stop_rx.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a moment, then go on.
+                    tracing::warn!(error = %e, "console: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    let _ = stop_tx.send(true);
+    feed.abort();
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while conns.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        conns.abort_all();
+    }
+    Ok(())
+}
+
+/// One connection: TLS first when configured, then HTTP/1.1 until it closes or shutdown.
+async fn connection(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    router: axum::Router,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+    stop: watch::Receiver<bool>,
+) {
+    match acceptor {
+        None => drive(stream, peer, router, stop).await,
+        Some(acceptor) => {
+            match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => drive(tls, peer, router, stop).await,
+                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "console: TLS handshake failed"),
+                Err(_) => tracing::debug!(%peer, "console: TLS handshake timed out"),
+            }
+        }
+    }
+}
+
+/// Serves HTTP/1.1 on `io`, every request told its peer (`ConnectInfo`).
+async fn drive<I>(io: I, peer: SocketAddr, router: axum::Router, mut stop: watch::Receiver<bool>)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use tower::ServiceExt as _;
+    let service =
+        hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+            req.extensions_mut().insert(ConnectInfo(peer));
+            router.clone().oneshot(req)
+        });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(30))
+        .serve_connection(hyper_util::rt::TokioIo::new(io), service);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(%peer, error = %e, "console: connection ended");
+            }
+        }
+        _ = async { stop.wait_for(|s| *s).await.map(drop) } => {
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        }
+    }
 }

@@ -1,0 +1,734 @@
+//! The routes: who may see a page (a session, or loopback in no-auth mode), the CSRF and
+//! cross-site checks of every POST, and the calls each page and button makes.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use automaton_proto::v1 as pb;
+use axum::Router;
+use axum::extract::{ConnectInfo, Form, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use futures_util::Stream;
+use serde::Deserialize;
+use tokio::sync::{Notify, broadcast, watch};
+
+use crate::grpc::{self, Stamp};
+use crate::render::{self, BoardFilter, TaskView};
+use crate::session::{self, Sessions};
+use crate::{Authenticate, Options};
+
+/// The security headers of every response.
+pub const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'";
+/// What a refused POST says.
+pub const CSRF_REFUSED: &str = "missing or wrong CSRF token: reload the page and try again";
+/// What a non-loopback peer is told in no-auth mode.
+pub const LOOPBACK_ONLY: &str = "the coordinator has no tokens, so its console serves this machine (loopback) only: configure operator tokens to sign in from elsewhere";
+/// How often an idle event stream gets a keep-alive comment.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// How many events the shared feed buffers for slow pages before they are told to reload.
+pub const FEED_BUFFER: usize = 256;
+/// How much of a run's kept output a new output panel starts with.
+pub const OUTPUT_TAIL_BYTES: u64 = 64 * 1024;
+
+/// What every handler shares.
+pub(crate) struct App {
+    pub channel: tonic::transport::Channel,
+    pub auth: Option<Arc<dyn Authenticate>>,
+    pub project: String,
+    /// Mark the cookie `Secure` (https).
+    pub secure: bool,
+    pub sessions: Mutex<Sessions>,
+    /// The CSRF token of every page in no-auth mode (per process).
+    pub csrf_secret: String,
+    /// The shared event feed: JSON of each event, fanned out to every `/events` page.
+    pub events: broadcast::Sender<String>,
+    /// Someone signed in: the feed may have a token to watch with now.
+    pub signed_in: Notify,
+    /// Becomes true at shutdown: streams end.
+    pub stop: watch::Receiver<bool>,
+}
+
+impl App {
+    pub fn new(opts: Options, stop: watch::Receiver<bool>) -> Result<App, String> {
+        let (events, _) = broadcast::channel(FEED_BUFFER);
+        Ok(App {
+            channel: opts.channel,
+            auth: opts.auth,
+            project: opts.project,
+            // `trace_url` waits for a trace id in the API: no run or task message carries
+            // one yet (render::TaskView::trace takes it when one does).
+            secure: opts.tls.is_some(),
+            sessions: Mutex::new(Sessions::new(session::MAX_SESSIONS)),
+            csrf_secret: session::random_hex(32)?,
+            events,
+            signed_in: Notify::new(),
+            stop,
+        })
+    }
+
+    pub fn sessions(&self) -> MutexGuard<'_, Sessions> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Who a request is for: the signed-in operator (or nobody in no-auth mode), the token their
+/// calls carry and the CSRF token their forms carry.
+#[derive(Clone, Debug)]
+pub(crate) struct Caller {
+    pub operator: Option<String>,
+    pub token: Option<String>,
+    pub csrf: String,
+}
+
+impl Caller {
+    fn stamp(&self, deadline: Option<Duration>) -> Result<Stamp, Denied> {
+        Stamp::new(self.token.as_deref(), deadline)
+            .map_err(|e| Denied::Refused(StatusCode::FORBIDDEN, e))
+    }
+}
+
+/// Why a request is not served.
+#[derive(Debug)]
+enum Denied {
+    /// A page without a session: to the sign-in page.
+    SignIn,
+    /// A stream or action without a session.
+    Unauthenticated,
+    /// Anything else, with its one line.
+    Refused(StatusCode, String),
+}
+
+impl IntoResponse for Denied {
+    fn into_response(self) -> Response {
+        match self {
+            Denied::SignIn => Redirect::to("/login").into_response(),
+            Denied::Unauthenticated => plain(StatusCode::UNAUTHORIZED, "sign in first: /login"),
+            Denied::Refused(code, line) => plain(code, &line),
+        }
+    }
+}
+
+/// What a request without a session gets: pages a redirect, the rest a 401.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Want {
+    Page,
+    Api,
+}
+
+/// A peer is on this machine (IPv4-mapped IPv6 included).
+pub fn is_loopback(peer: &SocketAddr) -> bool {
+    peer.ip().to_canonical().is_loopback()
+}
+
+/// The request says it comes from another site: `Sec-Fetch-Site` other than `same-origin`
+/// or `none`, or an `Origin` whose host is not this `Host`.
+pub fn cross_site(headers: &HeaderMap) -> bool {
+    if let Some(site) = headers.get("sec-fetch-site") {
+        match site.to_str() {
+            Ok("same-origin") | Ok("none") => {}
+            _ => return true,
+        }
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let Ok(origin) = origin.to_str() else {
+            return true;
+        };
+        let host = headers
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("");
+        let authority = origin.split_once("://").map(|(_, a)| a).unwrap_or("");
+        if authority.is_empty() || !authority.eq_ignore_ascii_case(host) {
+            return true;
+        }
+    }
+    false
+}
+
+/// A POST may go on: same-site, and its CSRF field is the caller's (constant-time).
+pub fn csrf_ok(headers: &HeaderMap, expected: &str, given: &str) -> bool {
+    !cross_site(headers)
+        && !expected.is_empty()
+        && session::constant_time_eq(expected.as_bytes(), given.as_bytes())
+}
+
+/// A local path to go back to after an action; anything else goes to the board.
+pub fn safe_back(back: &str) -> &str {
+    if back.starts_with('/') && !back.starts_with("//") && !back.contains(['\\', '\r', '\n']) {
+        back
+    } else {
+        "/board"
+    }
+}
+
+fn caller(app: &App, headers: &HeaderMap, peer: &SocketAddr, want: Want) -> Result<Caller, Denied> {
+    let Some(_) = &app.auth else {
+        if !is_loopback(peer) {
+            return Err(Denied::Refused(StatusCode::FORBIDDEN, LOOPBACK_ONLY.into()));
+        }
+        return Ok(Caller {
+            operator: None,
+            token: None,
+            csrf: app.csrf_secret.clone(),
+        });
+    };
+    let session = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find_map(session::cookie_id)
+        .and_then(|id| app.sessions().get(id, Instant::now()));
+    match session {
+        Some(s) => Ok(Caller {
+            operator: Some(s.operator),
+            token: Some(s.token),
+            csrf: s.csrf,
+        }),
+        None if want == Want::Page => Err(Denied::SignIn),
+        None => Err(Denied::Unauthenticated),
+    }
+}
+
+/// The router over `app`, security headers on every response.
+pub(crate) fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/board") }))
+        .route("/login", get(login_page).post(login))
+        .route("/logout", post(logout))
+        .route("/board", get(board))
+        .route("/fleet", get(fleet))
+        .route("/task/{*name}", get(task))
+        .route("/output/{*name}", get(output))
+        .route("/events", get(events))
+        .route("/action/{kind}", post(action))
+        .route("/static/console.js", get(script))
+        .route("/static/console.css", get(style))
+        .fallback(|| async { html(StatusCode::NOT_FOUND, render::render_error("no such page")) })
+        .with_state(app)
+        .layer(axum::middleware::map_response(security_headers))
+}
+
+async fn security_headers(mut r: Response) -> Response {
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    h.entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    r
+}
+
+fn html(status: StatusCode, body: String) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+/// A one-line refusal, as a small page.
+fn plain(status: StatusCode, line: &str) -> Response {
+    html(status, render::render_error(line))
+}
+
+/// A full page for `caller`, or only the refreshable part with `?fragment=1`.
+fn respond(app: &App, c: &Caller, title: &str, fragment: bool, body: String) -> Response {
+    if fragment {
+        return html(StatusCode::OK, body);
+    }
+    html(
+        StatusCode::OK,
+        render::page(
+            &app.project,
+            title,
+            c.operator.as_deref(),
+            Some(&c.csrf),
+            &body,
+        ),
+    )
+}
+
+/// A coordinator's refusal of a page: its one line, with the matching status.
+fn refused(app: &App, c: &Caller, title: &str, status: &tonic::Status) -> Response {
+    let (code, msg) = grpc::http_status(status);
+    let body = render::render_error(&msg);
+    html(
+        code,
+        render::page(
+            &app.project,
+            title,
+            c.operator.as_deref(),
+            Some(&c.csrf),
+            &body,
+        ),
+    )
+}
+
+async fn script() -> Response {
+    static_file(
+        "text/javascript; charset=utf-8",
+        include_str!("../static/console.js"),
+    )
+}
+
+async fn style() -> Response {
+    static_file(
+        "text/css; charset=utf-8",
+        include_str!("../static/console.css"),
+    )
+}
+
+fn static_file(kind: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, kind),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+// --- Sign-in --------------------------------------------------------------------------------
+
+async fn login_page(State(app): State<Arc<App>>) -> Response {
+    if app.auth.is_none() {
+        return Redirect::to("/board").into_response();
+    }
+    html(StatusCode::OK, render::render_login(&app.project, None))
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    #[serde(default)]
+    token: String,
+}
+
+async fn login(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    Form(f): Form<LoginForm>,
+) -> Response {
+    let Some(auth) = &app.auth else {
+        return Redirect::to("/board").into_response();
+    };
+    let refuse = |why: &str| {
+        html(
+            StatusCode::FORBIDDEN,
+            render::render_login(&app.project, Some(why)),
+        )
+    };
+    if cross_site(&headers) {
+        return refuse(CSRF_REFUSED);
+    }
+    let token = f.token.trim();
+    if token.is_empty() {
+        return refuse("enter your operator token");
+    }
+    if let Err(e) = Stamp::new(Some(token), None) {
+        return refuse(&e);
+    }
+    let operator = match auth.operator(token) {
+        Ok(name) => name,
+        Err(why) => return refuse(why.lines().next().unwrap_or("refused")),
+    };
+    let id = match app
+        .sessions()
+        .create(operator, token.to_string(), Instant::now())
+    {
+        Ok(id) => id,
+        Err(e) => return plain(StatusCode::INTERNAL_SERVER_ERROR, &e),
+    };
+    app.signed_in.notify_one();
+    let mut r = Redirect::to("/board").into_response();
+    if let Ok(v) = HeaderValue::from_str(&session::session_cookie(&id, app.secure)) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    r
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    #[serde(default)]
+    csrf: String,
+}
+
+async fn logout(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Form(f): Form<CsrfForm>,
+) -> Response {
+    if app.auth.is_none() {
+        return Redirect::to("/board").into_response();
+    }
+    let c = match caller(&app, &headers, &peer, Want::Page) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    if !csrf_ok(&headers, &c.csrf, &f.csrf) {
+        return plain(StatusCode::FORBIDDEN, CSRF_REFUSED);
+    }
+    if let Some(id) = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find_map(session::cookie_id)
+    {
+        app.sessions().remove(id);
+    }
+    let mut r = Redirect::to("/login").into_response();
+    if let Ok(v) = HeaderValue::from_str(&session::clear_cookie(app.secure)) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    r
+}
+
+// --- Pages ----------------------------------------------------------------------------------
+
+#[derive(Deserialize, Default)]
+struct PageQuery {
+    phase: Option<String>,
+    needs: Option<String>,
+    fragment: Option<String>,
+}
+
+impl PageQuery {
+    fn fragment(&self) -> bool {
+        self.fragment
+            .as_deref()
+            .is_some_and(|f| f == "1" || f == "true")
+    }
+}
+
+async fn board(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Query(q): Query<PageQuery>,
+) -> Response {
+    let c = match caller(&app, &headers, &peer, Want::Page) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
+    let mut tasks = grpc::tasks(&app.channel, stamp.clone());
+    let mut workers = grpc::workers(&app.channel, stamp);
+    let (t, w) = tokio::join!(
+        tasks.list_tasks(pb::ListTasksRequest {}),
+        workers.list_workers(pb::ListWorkersRequest {})
+    );
+    let tasks = match t {
+        Ok(t) => t.into_inner().tasks,
+        Err(s) => return refused(&app, &c, "Board", &s),
+    };
+    // The fleet only adds run ages: a board without them beats no board.
+    let workers = w.map(|w| w.into_inner().workers).unwrap_or_default();
+    let filter = BoardFilter {
+        phase: q.phase.clone().filter(|p| !p.is_empty()),
+        needs_person: q.needs.as_deref() == Some("person"),
+    };
+    let body = render::render_board(&tasks, &workers, &filter, SystemTime::now());
+    respond(&app, &c, "Board", q.fragment(), body)
+}
+
+async fn fleet(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Query(q): Query<PageQuery>,
+) -> Response {
+    let c = match caller(&app, &headers, &peer, Want::Page) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
+    let workers = match grpc::workers(&app.channel, stamp)
+        .list_workers(pb::ListWorkersRequest {})
+        .await
+    {
+        Ok(w) => w.into_inner().workers,
+        Err(s) => return refused(&app, &c, "Fleet", &s),
+    };
+    let body = render::render_fleet(&workers, Some(&c.csrf), SystemTime::now());
+    respond(&app, &c, "Fleet", q.fragment(), body)
+}
+
+async fn task(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    Query(q): Query<PageQuery>,
+) -> Response {
+    let c = match caller(&app, &headers, &peer, Want::Page) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
+    let detail = match grpc::tasks(&app.channel, stamp)
+        .get_task(pb::GetTaskRequest {
+            task: name.clone(),
+            with_contents: false,
+        })
+        .await
+    {
+        Ok(d) => d.into_inner(),
+        Err(s) => return refused(&app, &c, &name, &s),
+    };
+    let view = TaskView {
+        csrf: Some(&c.csrf),
+        artifacts: &[],
+        trace: None,
+        now: SystemTime::now(),
+    };
+    let facts = render::render_task(&detail, &view);
+    if q.fragment() {
+        return html(StatusCode::OK, facts);
+    }
+    let body = format!(
+        "<div id=\"task\">{facts}{}</div>",
+        render::render_output_panel(&name)
+    );
+    respond(&app, &c, &name, false, body)
+}
+
+// --- Actions --------------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+struct ActionForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    task: String,
+    #[serde(default)]
+    worker: String,
+    #[serde(default)]
+    back: String,
+}
+
+async fn action(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Path(kind): Path<String>,
+    Form(f): Form<ActionForm>,
+) -> Response {
+    let c = match caller(&app, &headers, &peer, Want::Api) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let back = safe_back(&f.back).to_string();
+    let fail = |status: StatusCode, msg: &str| {
+        html(
+            status,
+            render::render_action_error(&app.project, msg, &back),
+        )
+    };
+    if !csrf_ok(&headers, &c.csrf, &f.csrf) {
+        return fail(StatusCode::FORBIDDEN, CSRF_REFUSED);
+    }
+    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
+    let done = call_action(&app, stamp, &kind, &f).await;
+    match done {
+        Ok(()) => Redirect::to(&back).into_response(),
+        Err(Refusal::Console(status, msg)) => fail(status, &msg),
+        Err(Refusal::Coordinator(s)) => {
+            let (status, msg) = grpc::http_status(&s);
+            fail(status, &msg)
+        }
+    }
+}
+
+enum Refusal {
+    Console(StatusCode, String),
+    Coordinator(tonic::Status),
+}
+
+/// The call each button makes: the same the CLI makes for that command.
+async fn call_action(app: &App, stamp: Stamp, kind: &str, f: &ActionForm) -> Result<(), Refusal> {
+    let need = |v: &str, what: &str| {
+        if v.is_empty() {
+            Err(Refusal::Console(
+                StatusCode::BAD_REQUEST,
+                format!("no {what} named"),
+            ))
+        } else {
+            Ok(v.to_string())
+        }
+    };
+    let mut workers = grpc::workers(&app.channel, stamp.clone());
+    let r = match kind {
+        // `automaton approve TASK`: the approver defaults to the token's operator.
+        "approve" => grpc::tasks(&app.channel, stamp)
+            .approve(pb::ApproveRequest {
+                task: need(&f.task, "task")?,
+                approver: String::new(),
+            })
+            .await
+            .map(drop),
+        // `automaton stop TASK` / `automaton stop TASK --resume`.
+        "stop" | "resume" => workers
+            .stop_run(pb::StopRunRequest {
+                task: need(&f.task, "task")?,
+                resume: kind == "resume",
+            })
+            .await
+            .map(drop),
+        // `automaton run TASK` (manual mode).
+        "run" => workers
+            .run_task(pb::RunTaskRequest {
+                task: need(&f.task, "task")?,
+            })
+            .await
+            .map(drop),
+        // `automaton workers drain|undrain NAME`.
+        "drain" | "undrain" => workers
+            .drain_worker(pb::DrainWorkerRequest {
+                name: need(&f.worker, "worker")?,
+                undo: kind == "undrain",
+            })
+            .await
+            .map(drop),
+        _ => {
+            return Err(Refusal::Console(
+                StatusCode::NOT_FOUND,
+                format!("no such action: {kind}"),
+            ));
+        }
+    };
+    r.map_err(Refusal::Coordinator)
+}
+
+// --- Streams --------------------------------------------------------------------------------
+
+type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>;
+
+fn sse(stream: EventStream) -> Response {
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
+        .into_response()
+}
+
+async fn events(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = caller(&app, &headers, &peer, Want::Api) {
+        return r.into_response();
+    }
+    sse(Box::pin(crate::feed::subscribe(&app)))
+}
+
+async fn output(
+    State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Response {
+    let c = match caller(&app, &headers, &peer, Want::Api) {
+        Ok(c) => c,
+        Err(r) => return r.into_response(),
+    };
+    let stamp = match c.stamp(None) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
+    let req = pb::TailOutputRequest {
+        task: name,
+        follow: true,
+        lease_id: String::new(),
+        tail_bytes: OUTPUT_TAIL_BYTES,
+    };
+    let stream = match grpc::workers(&app.channel, stamp).tail_output(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            let (_, msg) = grpc::http_status(&s);
+            return sse(Box::pin(futures_util::stream::once(async move {
+                Ok(Event::default().event("error").data(msg))
+            })));
+        }
+    };
+    sse(Box::pin(crate::feed::output(stream, app.stop.clone())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn loopback_check() {
+        let ok = ["127.0.0.1:80", "[::1]:80", "[::ffff:127.0.0.1]:80"];
+        for a in ok {
+            assert!(is_loopback(&a.parse().expect("addr")), "{a}");
+        }
+        for a in ["10.0.0.1:80", "[::ffff:10.0.0.1]:80", "0.0.0.0:80"] {
+            assert!(!is_loopback(&a.parse().expect("addr")), "{a}");
+        }
+    }
+
+    #[test]
+    fn csrf_verification() {
+        let same = headers(&[("host", "console:8080"), ("origin", "http://console:8080")]);
+        assert!(csrf_ok(&same, "secret", "secret"));
+        assert!(!csrf_ok(&same, "secret", "secreT"));
+        assert!(!csrf_ok(&same, "secret", ""));
+        assert!(!csrf_ok(&same, "", ""));
+        let evil = headers(&[("host", "console:8080"), ("origin", "http://evil.example")]);
+        assert!(!csrf_ok(&evil, "secret", "secret"));
+        let null = headers(&[("host", "console:8080"), ("origin", "null")]);
+        assert!(!csrf_ok(&null, "secret", "secret"));
+        let cross = headers(&[("host", "console:8080"), ("sec-fetch-site", "cross-site")]);
+        assert!(!csrf_ok(&cross, "secret", "secret"));
+        let sibling = headers(&[("sec-fetch-site", "same-site")]);
+        assert!(cross_site(&sibling));
+        let fine = headers(&[("sec-fetch-site", "same-origin")]);
+        assert!(csrf_ok(&fine, "secret", "secret"));
+        assert!(csrf_ok(&HeaderMap::new(), "secret", "secret"));
+    }
+
+    #[test]
+    fn back_is_local() {
+        assert_eq!(safe_back("/task/a/b"), "/task/a/b");
+        assert_eq!(safe_back("//evil.example"), "/board");
+        assert_eq!(safe_back("https://evil.example"), "/board");
+        assert_eq!(safe_back("/\\evil"), "/board");
+        assert_eq!(safe_back(""), "/board");
+    }
+}

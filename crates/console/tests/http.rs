@@ -1,0 +1,711 @@
+//! The console over real sockets against a fake coordinator: pages, sign-in, CSRF, actions
+//! (and the token they carry), refusals mapped to HTTP statuses, and both live streams.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use automaton_console::{Authenticate, Options, serve};
+use automaton_proto::v1 as pb;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{broadcast, oneshot};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+type Calls = Arc<Mutex<Vec<String>>>;
+type Boxed<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// A coordinator that answers from fixtures and writes down each call with its bearer.
+#[derive(Clone)]
+struct Fake {
+    calls: Calls,
+    events: broadcast::Sender<pb::Event>,
+}
+
+impl Fake {
+    fn note<T>(&self, what: &str, req: &Request<T>) {
+        let auth = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_string();
+        self.calls
+            .lock()
+            .expect("calls")
+            .push(format!("{what} {auth}"));
+    }
+}
+
+#[tonic::async_trait]
+impl pb::tasks_server::Tasks for Fake {
+    async fn create_task(
+        &self,
+        _: Request<pb::CreateTaskRequest>,
+    ) -> Result<Response<pb::TaskSummary>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+
+    async fn get_task(
+        &self,
+        req: Request<pb::GetTaskRequest>,
+    ) -> Result<Response<pb::TaskDetail>, Status> {
+        self.note("get_task", &req);
+        let name = req.into_inner().task;
+        if name != "shop/api" {
+            return Err(Status::not_found(format!("no task '{name}'")));
+        }
+        Ok(Response::new(pb::TaskDetail {
+            summary: Some(pb::TaskSummary {
+                task: name,
+                state: "design:awaiting_approval".into(),
+                ..Default::default()
+            }),
+            approval: Some(pb::ApprovalStatus {
+                status: "awaiting".into(),
+                artifact: "DESIGN.md".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_tasks(
+        &self,
+        req: Request<pb::ListTasksRequest>,
+    ) -> Result<Response<pb::ListTasksResponse>, Status> {
+        self.note("list_tasks", &req);
+        let shop = pb::TaskSummary {
+            task: "shop".into(),
+            state: "decomposition:approved".into(),
+            subtasks: vec![pb::TaskSummary {
+                task: "shop/api".into(),
+                state: "design:awaiting_approval".into(),
+                wave: 1,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let evil = pb::TaskSummary {
+            task: "<script>alert(1)</script>".into(),
+            state: "new".into(),
+            ..Default::default()
+        };
+        Ok(Response::new(pb::ListTasksResponse {
+            tasks: vec![shop, evil],
+            sizing_ratio: 0.0,
+        }))
+    }
+
+    async fn transition(
+        &self,
+        _: Request<pb::TransitionRequest>,
+    ) -> Result<Response<pb::TransitionResponse>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+
+    async fn approve(
+        &self,
+        req: Request<pb::ApproveRequest>,
+    ) -> Result<Response<pb::ApproveResponse>, Status> {
+        self.note("approve", &req);
+        let r = req.into_inner();
+        if r.task != "shop/api" {
+            return Err(Status::failed_precondition("not awaiting approval"));
+        }
+        Ok(Response::new(pb::ApproveResponse {
+            task: r.task,
+            ..Default::default()
+        }))
+    }
+
+    async fn validate_folder(
+        &self,
+        _: Request<pb::ValidateFolderRequest>,
+    ) -> Result<Response<pb::ValidateFolderResponse>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+
+    async fn audit(
+        &self,
+        _: Request<pb::AuditRequest>,
+    ) -> Result<Response<pb::AuditResponse>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::workers_server::Workers for Fake {
+    type SessionStream = Boxed<pb::CoordinatorMessage>;
+    type TailOutputStream = Boxed<pb::OutputEvent>;
+
+    async fn session(
+        &self,
+        _: Request<tonic::Streaming<pb::WorkerMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        Err(Status::unimplemented("no"))
+    }
+
+    async fn list_workers(
+        &self,
+        req: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        self.note("list_workers", &req);
+        Ok(Response::new(pb::ListWorkersResponse {
+            workers: vec![pb::WorkerInfo {
+                name: "gpu-a".into(),
+                state: "idle".into(),
+                gpus: vec![pb::Gpu {
+                    name: "NVIDIA H200".into(),
+                    total_bytes: 140 << 30,
+                    free_bytes: 139 << 30,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+        }))
+    }
+
+    async fn drain_worker(
+        &self,
+        req: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::WorkerInfo>, Status> {
+        self.note("drain_worker", &req);
+        Err(Status::not_found(format!(
+            "no worker '{}'",
+            req.into_inner().name
+        )))
+    }
+
+    async fn stop_run(
+        &self,
+        req: Request<pb::StopRunRequest>,
+    ) -> Result<Response<pb::StopRunResponse>, Status> {
+        self.note(
+            if req.get_ref().resume {
+                "resume"
+            } else {
+                "stop"
+            },
+            &req,
+        );
+        Err(Status::permission_denied("operators only"))
+    }
+
+    async fn run_task(
+        &self,
+        _: Request<pb::RunTaskRequest>,
+    ) -> Result<Response<pb::RunTaskResponse>, Status> {
+        Err(Status::failed_precondition("autopilot"))
+    }
+
+    async fn tail_output(
+        &self,
+        req: Request<pb::TailOutputRequest>,
+    ) -> Result<Response<Self::TailOutputStream>, Status> {
+        self.note("tail_output", &req);
+        let ev = |data: &[u8], skipped, ended| pb::OutputEvent {
+            task: "shop/api".into(),
+            data: data.to_vec(),
+            skipped,
+            ended,
+            end_reason: if ended {
+                "output closed".into()
+            } else {
+                String::new()
+            },
+            ..Default::default()
+        };
+        let items = vec![
+            Ok(ev(b"hello <b>\n", 0, false)),
+            Ok(ev(b"later", 42, false)),
+            Ok(ev(b"", 0, true)),
+        ];
+        Ok(Response::new(Box::pin(tokio_stream::iter(items))))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::events_server::Events for Fake {
+    type WatchEventsStream = Boxed<pb::Event>;
+
+    async fn watch_events(
+        &self,
+        req: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        self.note("watch_events", &req);
+        let rx = tokio_stream::wrappers::BroadcastStream::new(self.events.subscribe());
+        let s = tokio_stream::StreamExt::filter_map(rx, |e| e.ok().map(Ok));
+        Ok(Response::new(Box::pin(s)))
+    }
+}
+
+/// Starts the fake coordinator; returns its channel.
+async fn coordinator(fake: Fake) -> tonic::transport::Channel {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::tasks_server::TasksServer::new(fake.clone()))
+            .add_service(pb::workers_server::WorkersServer::new(fake.clone()))
+            .add_service(pb::events_server::EventsServer::new(fake))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .expect("url")
+        .connect_lazy()
+}
+
+struct Tokens;
+
+impl Authenticate for Tokens {
+    fn operator(&self, token: &str) -> Result<String, String> {
+        match token {
+            "good" => Ok("ann".into()),
+            "agent" => Err("an agent's token cannot sign in".into()),
+            _ => Err("unknown token".into()),
+        }
+    }
+}
+
+/// Starts a console; returns its address and what stops it.
+async fn console(
+    channel: tonic::transport::Channel,
+    auth: Option<Arc<dyn Authenticate>>,
+) -> (SocketAddr, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = oneshot::channel::<()>();
+    let opts = Options {
+        channel,
+        auth,
+        trace_url: None,
+        project: "demo".into(),
+        tls: None,
+    };
+    tokio::spawn(serve(listener, opts, async move {
+        let _ = rx.await;
+    }));
+    (addr, tx)
+}
+
+/// One HTTP/1.1 request (connection closed after); the whole response as text.
+async fn http(addr: SocketAddr, method: &str, path: &str, headers: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n{headers}\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("response in time")
+        .expect("read");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn form_headers(cookie: &str) -> String {
+    format!("Content-Type: application/x-www-form-urlencoded\r\n{cookie}")
+}
+
+/// Reads a streaming response until `needle` shows up.
+async fn stream_until(addr: SocketAddr, path: &str, headers: &str, needle: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !seen.contains(needle) {
+        let n = tokio::time::timeout_at(deadline, s.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("no {needle:?} in {seen}"))
+            .expect("read");
+        if n == 0 {
+            break;
+        }
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    seen
+}
+
+fn status(resp: &str) -> u16 {
+    resp.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+fn csrf(page: &str) -> String {
+    let at = page.find("name=\"csrf\" value=\"").expect("csrf field") + 19;
+    page[at..].split('"').next().expect("value").to_string()
+}
+
+fn fake() -> (Fake, Calls) {
+    let calls = Calls::default();
+    let (events, _) = broadcast::channel(16);
+    (
+        Fake {
+            calls: calls.clone(),
+            events,
+        },
+        calls,
+    )
+}
+
+#[tokio::test]
+async fn no_auth_pages_actions_and_streams() {
+    let (fake, calls) = fake();
+    let events = fake.events.clone();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+
+    let board = http(addr, "GET", "/board", "", "").await;
+    assert_eq!(status(&board), 200, "{board}");
+    for h in [
+        "content-security-policy: default-src 'self'; script-src 'self'",
+        "x-content-type-options: nosniff",
+        "referrer-policy: same-origin",
+        "cache-control: no-store",
+    ] {
+        assert!(board.to_ascii_lowercase().contains(h), "{h}: {board}");
+    }
+    assert!(!board.contains("<script>alert"), "{board}");
+    assert!(board.contains("data-task=\"&lt;script&gt;alert(1)&lt;/script&gt;\""));
+    assert!(board.contains("<div class=\"wave\" data-wave=\"1\">"));
+    assert!(board.contains("data-task=\"shop/api\" data-phase=\"design\""));
+
+    let fragment = http(addr, "GET", "/board?needs=person&fragment=1", "", "").await;
+    assert!(fragment.contains("<section id=\"board\""));
+    assert!(!fragment.contains("<html"));
+
+    let fleet = http(addr, "GET", "/fleet", "", "").await;
+    assert!(
+        fleet.contains("class=\"worker\" data-name=\"gpu-a\""),
+        "{fleet}"
+    );
+    assert!(fleet.contains("class=\"gpu\""));
+
+    let page = http(addr, "GET", "/task/shop/api", "", "").await;
+    assert_eq!(status(&page), 200, "{page}");
+    assert!(page.contains("id=\"approve\""));
+    assert!(page.contains("<pre id=\"output\" data-src=\"/output/shop/api\">"));
+    let token = csrf(&page);
+
+    let missing = http(addr, "GET", "/task/nope", "", "").await;
+    assert_eq!(status(&missing), 404, "{missing}");
+    assert!(missing.contains("no task &#39;nope&#39;"));
+
+    // No CSRF token, a wrong one, or another site: refused before any call.
+    let before = calls.lock().expect("calls").len();
+    for (body, extra) in [
+        ("task=shop%2Fapi".to_string(), ""),
+        ("task=shop%2Fapi&csrf=wrong".to_string(), ""),
+        (
+            format!("task=shop%2Fapi&csrf={token}"),
+            "Origin: http://evil.example\r\n",
+        ),
+    ] {
+        let r = http(addr, "POST", "/action/approve", &form_headers(extra), &body).await;
+        assert_eq!(status(&r), 403, "{r}");
+        assert!(r.contains("missing or wrong CSRF token"), "{r}");
+    }
+    assert_eq!(calls.lock().expect("calls").len(), before);
+
+    let body = format!("task=shop%2Fapi&csrf={token}&back=%2Ftask%2Fshop%2Fapi");
+    let r = http(addr, "POST", "/action/approve", &form_headers(""), &body).await;
+    assert_eq!(status(&r), 303, "{r}");
+    assert!(
+        r.to_ascii_lowercase().contains("location: /task/shop/api"),
+        "{r}"
+    );
+    assert!(
+        calls
+            .lock()
+            .expect("calls")
+            .contains(&"approve -".to_string())
+    );
+
+    let body = format!("worker=gpu-z&csrf={token}&back=%2Ffleet");
+    let r = http(addr, "POST", "/action/drain", &form_headers(""), &body).await;
+    assert_eq!(status(&r), 404, "{r}");
+    assert!(
+        r.contains("<p id=\"action-error\" class=\"error\">no worker &#39;gpu-z&#39;</p>"),
+        "{r}"
+    );
+    let body = format!("task=shop%2Fapi&csrf={token}");
+    let r = http(addr, "POST", "/action/stop", &form_headers(""), &body).await;
+    assert_eq!(status(&r), 403, "{r}");
+    assert!(r.contains("operators only"));
+    let r = http(addr, "POST", "/action/run", &form_headers(""), &body).await;
+    assert_eq!(status(&r), 409, "{r}");
+
+    let out = stream_until(addr, "/output/shop/api", "", "event: ended").await;
+    assert!(out.contains("text/event-stream"), "{out}");
+    assert!(out.contains(r#""text":"hello <b>\n""#), "{out}");
+    assert!(out.contains(r#""skipped":42"#), "{out}");
+
+    let js = http(addr, "GET", "/static/console.js", "", "").await;
+    assert!(js.contains("text/javascript"));
+    assert!(js.contains("EventSource"));
+
+    // One shared feed: a change reaches an open /events page.
+    let sender = events.clone();
+    tokio::spawn(async move {
+        for seq in 0..50 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = sender.send(pb::Event {
+                seq,
+                kind: "transitioned".into(),
+                task: "shop".into(),
+                token: 777,
+                ..Default::default()
+            });
+        }
+    });
+    let feed = stream_until(addr, "/events", "", "\"kind\":\"transitioned\"").await;
+    assert!(feed.contains("event: change"), "{feed}");
+    assert!(
+        !feed.contains("777"),
+        "no fencing token on the page: {feed}"
+    );
+}
+
+#[tokio::test]
+async fn sign_in_sessions_and_tokens() {
+    let (fake, calls) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let (addr, stop) = console(coordinator(fake).await, Some(auth)).await;
+
+    let r = http(addr, "GET", "/board", "", "").await;
+    assert_eq!(status(&r), 303, "{r}");
+    assert!(r.to_ascii_lowercase().contains("location: /login"));
+    assert_eq!(status(&http(addr, "GET", "/events", "", "").await), 401);
+    assert_eq!(
+        status(&http(addr, "GET", "/output/shop/api", "", "").await),
+        401
+    );
+    assert_eq!(
+        status(&http(addr, "GET", "/static/console.css", "", "").await),
+        200
+    );
+
+    let login = http(addr, "GET", "/login", "", "").await;
+    assert!(login.contains("name=\"token\""));
+    let r = http(addr, "POST", "/login", &form_headers(""), "token=agent").await;
+    assert_eq!(status(&r), 403);
+    assert!(
+        r.contains("<p id=\"login-error\" class=\"error\">an agent&#39;s token cannot sign in</p>"),
+        "{r}"
+    );
+
+    let r = http(addr, "POST", "/login", &form_headers(""), "token=good").await;
+    assert_eq!(status(&r), 303, "{r}");
+    let cookie_line = r
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("set-cookie:"))
+        .expect("cookie")
+        .to_string();
+    assert!(cookie_line.contains("HttpOnly; SameSite=Strict; Path=/"));
+    assert!(!cookie_line.contains("Secure"));
+    let id = cookie_line
+        .split_once("automaton_console=")
+        .and_then(|(_, v)| v.split(';').next())
+        .expect("id");
+    assert_eq!(id.len(), 64);
+    let cookie = format!("Cookie: automaton_console={id}\r\n");
+
+    let board = http(addr, "GET", "/board", &cookie, "").await;
+    assert_eq!(status(&board), 200, "{board}");
+    assert!(board.contains("<span class=\"operator\">ann</span>"));
+    assert!(
+        calls
+            .lock()
+            .expect("calls")
+            .contains(&"list_tasks Bearer good".to_string())
+    );
+    // The shared feed watches with a signed-in operator's token.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !calls
+        .lock()
+        .expect("calls")
+        .contains(&"watch_events Bearer good".to_string())
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no feed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let page = http(addr, "GET", "/task/shop/api", &cookie, "").await;
+    let token = csrf(&page);
+    let body = format!("task=shop%2Fapi&csrf={token}");
+    let r = http(
+        addr,
+        "POST",
+        "/action/approve",
+        &form_headers(&cookie),
+        &body,
+    )
+    .await;
+    assert_eq!(status(&r), 303, "{r}");
+    assert!(
+        calls
+            .lock()
+            .expect("calls")
+            .contains(&"approve Bearer good".to_string())
+    );
+    // Another session's CSRF token does not do.
+    let r = http(addr, "POST", "/action/approve", &form_headers(""), &body).await;
+    assert_eq!(status(&r), 401, "{r}");
+
+    let r = http(
+        addr,
+        "POST",
+        "/logout",
+        &form_headers(&cookie),
+        "csrf=wrong",
+    )
+    .await;
+    assert_eq!(status(&r), 403, "{r}");
+    let r = http(
+        addr,
+        "POST",
+        "/logout",
+        &form_headers(&cookie),
+        &format!("csrf={token}"),
+    )
+    .await;
+    assert_eq!(status(&r), 303, "{r}");
+    assert!(r.contains("Max-Age=0"));
+    assert_eq!(status(&http(addr, "GET", "/board", &cookie, "").await), 303);
+    let _ = stop.send(());
+}
+
+#[tokio::test]
+async fn an_unreachable_coordinator_is_a_503_page() {
+    let channel = tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy();
+    let (addr, _stop) = console(channel, None).await;
+    let r = http(addr, "GET", "/board", "", "").await;
+    assert_eq!(status(&r), 503, "{r}");
+    assert!(r.contains("class=\"error\""));
+}
+
+/// A TLS client that trusts the fixtures' test CA.
+fn tls_client() -> tokio_rustls::TlsConnector {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(include_bytes!("fixtures/ca.pem")) {
+        roots.add(c.expect("ca pem")).expect("ca");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+#[tokio::test]
+async fn https_with_a_secure_cookie() {
+    let (fake, _) = fake();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let opts = Options {
+        channel: coordinator(fake).await,
+        auth: Some(Arc::new(Tokens)),
+        trace_url: None,
+        project: "demo".into(),
+        tls: Some((
+            include_bytes!("fixtures/cert.pem").to_vec(),
+            include_bytes!("fixtures/key.pem").to_vec(),
+        )),
+    };
+    let (tx, rx) = oneshot::channel::<()>();
+    let served = tokio::spawn(serve(listener, opts, async move {
+        let _ = rx.await;
+    }));
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let mut tls = tls_client().connect(name, tcp).await.expect("handshake");
+    let body = "token=good";
+    let req = format!(
+        "POST /login HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+    let resp = String::from_utf8_lossy(&out);
+    assert_eq!(status(&resp), 303, "{resp}");
+    assert!(
+        resp.contains("SameSite=Strict; Path=/; Max-Age=43200; Secure"),
+        "{resp}"
+    );
+    // Plain http to an https console gets nowhere.
+    let mut plain = TcpStream::connect(addr).await.expect("connect");
+    plain
+        .write_all(b"GET /login HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), plain.read_to_end(&mut buf)).await;
+    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"));
+    let _ = tx.send(());
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("stops")
+        .expect("join")
+        .expect("served");
+}
+
+#[tokio::test]
+async fn bad_tls_material_is_an_error() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let opts = Options {
+        channel: tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy(),
+        auth: None,
+        trace_url: None,
+        project: "demo".into(),
+        tls: Some((b"junk".to_vec(), b"junk".to_vec())),
+    };
+    let e = serve(listener, opts, async {}).await.expect_err("refused");
+    assert!(e.to_string().contains("console TLS certificate"), "{e}");
+}
+
+#[tokio::test]
+async fn shutdown_ends_open_streams() {
+    let (fake, _) = fake();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let opts = Options {
+        channel: coordinator(fake).await,
+        auth: None,
+        trace_url: None,
+        project: "demo".into(),
+        tls: None,
+    };
+    let (tx, rx) = oneshot::channel::<()>();
+    let served = tokio::spawn(serve(listener, opts, async move {
+        let _ = rx.await;
+    }));
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(format!("GET /events HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("headers")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("text/event-stream"));
+    let _ = tx.send(());
+    tokio::time::timeout(Duration::from_secs(3), served)
+        .await
+        .expect("stops well before the grace period")
+        .expect("join")
+        .expect("served");
+}
