@@ -981,3 +981,19 @@ pub fn live_processes() -> Vec<Process> {
         })
         .collect()
 }
+
+/// A coordinator started with the config `toml` exits non-zero before it listens, with one
+/// line on stderr that contains `says`.
+pub fn refused_before_binding(toml: &str, says: &str) {
+    let env = Env::with_config(toml);
+    let run = env.run_coordinator(&[], &[], Duration::from_secs(20));
+    assert_ne!(run.code, 0, "{toml}: {run:?}");
+    assert!(run.stderr.contains(says), "{toml}: {}", run.stderr);
+    assert!(!run.stdout.contains("listening"), "{toml}: {run:?}");
+    assert_eq!(
+        run.stderr.trim().lines().count(),
+        1,
+        "{toml}: {}",
+        run.stderr
+    );
+}

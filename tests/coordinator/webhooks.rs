@@ -188,16 +188,6 @@ fn bad_webhooks_config_is_refused_in_one_line_before_anything_binds() {
             "secret",
         ),
     ] {
-        let env = Env::with_config(toml);
-        let run = env.run_coordinator(&[], &[], Duration::from_secs(20));
-        assert_ne!(run.code, 0, "{toml}: {run:?}");
-        assert!(run.stderr.contains(says), "{toml}: {}", run.stderr);
-        assert!(!run.stdout.contains("listening"), "{toml}: {run:?}");
-        assert_eq!(
-            run.stderr.trim().lines().count(),
-            1,
-            "{toml}: {}",
-            run.stderr
-        );
+        crate::harness::refused_before_binding(toml, says);
     }
 }

@@ -26,22 +26,10 @@ use automaton_proto::v1 as pb;
 
 pub use crate::markdown::escape;
 
-/// The board's columns, in lifecycle order.
-pub const PHASES: &[&str] = &[
-    "new",
-    "research",
-    "decomposition",
-    "design",
-    "test_design",
-    "implement",
-    "code_review",
-    "bug_find",
-    "adversarial_bug_find",
-    "doc_review",
-    "referee",
-    "complete",
-    "human_intervention",
-];
+/// The board's columns, in lifecycle order: the workflow's own phases.
+pub fn phases() -> impl Iterator<Item = &'static str> {
+    automaton_workflow::Phase::ALL.into_iter().map(|p| p.name())
+}
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -316,7 +304,7 @@ pub fn render_board(
     );
     out.push_str(&filters(filter));
     out.push_str("<div class=\"columns\">");
-    let known: Vec<&str> = PHASES.to_vec();
+    let known: Vec<&str> = phases().collect();
     let extra: Vec<&str> = columns
         .keys()
         .copied()
@@ -367,11 +355,11 @@ fn filters(filter: &BoardFilter) -> String {
         },
         &mut out,
     );
-    for p in PHASES {
+    for p in phases() {
         link(
             p,
             BoardFilter {
-                phase: Some((*p).to_string()),
+                phase: Some(p.to_string()),
                 needs_person: false,
             },
             &mut out,
@@ -1000,7 +988,7 @@ mod tests {
         ];
         let tasks = vec![shop, task("docs", "design:awaiting_approval")];
         let html = render_board(&tasks, &[], &BoardFilter::default(), now());
-        for p in PHASES {
+        for p in phases() {
             assert!(
                 html.contains(&format!("class=\"column\" data-phase=\"{p}\"")),
                 "{p}"

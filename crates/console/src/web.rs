@@ -166,6 +166,19 @@ pub fn safe_back(back: &str) -> &str {
     }
 }
 
+/// [`caller`] and the stamp its gRPC calls carry (`deadline` on each unary call).
+fn calling(
+    app: &App,
+    headers: &HeaderMap,
+    peer: &SocketAddr,
+    want: Want,
+    deadline: Option<Duration>,
+) -> Result<(Caller, Stamp), Denied> {
+    let c = caller(app, headers, peer, want)?;
+    let stamp = c.stamp(deadline)?;
+    Ok((c, stamp))
+}
+
 fn caller(app: &App, headers: &HeaderMap, peer: &SocketAddr, want: Want) -> Result<Caller, Denied> {
     let Some(_) = &app.auth else {
         if !is_loopback(peer) {
@@ -422,12 +435,8 @@ async fn board(
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    let c = match caller(&app, &headers, &peer, Want::Page) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
-    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
-        Ok(s) => s,
+    let (c, stamp) = match calling(&app, &headers, &peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
+        Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
     let mut tasks = grpc::tasks(&app.channel, stamp.clone());
@@ -456,12 +465,8 @@ async fn fleet(
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    let c = match caller(&app, &headers, &peer, Want::Page) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
-    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
-        Ok(s) => s,
+    let (c, stamp) = match calling(&app, &headers, &peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
+        Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
     let workers = match grpc::workers(&app.channel, stamp)
@@ -482,12 +487,8 @@ async fn task(
     Path(name): Path<String>,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    let c = match caller(&app, &headers, &peer, Want::Page) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
-    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
-        Ok(s) => s,
+    let (c, stamp) = match calling(&app, &headers, &peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
+        Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
     let detail = match grpc::tasks(&app.channel, stamp)
@@ -654,12 +655,8 @@ async fn output(
     headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Response {
-    let c = match caller(&app, &headers, &peer, Want::Api) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
-    let stamp = match c.stamp(None) {
-        Ok(s) => s,
+    let (_, stamp) = match calling(&app, &headers, &peer, Want::Api, None) {
+        Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
     let req = pb::TailOutputRequest {
