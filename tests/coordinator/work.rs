@@ -741,6 +741,78 @@ async fn automaton_stop_kills_the_run_with_operator_stopped_and_holds_the_task()
     assert!(d.lease.is_none(), "held: not dispatched again");
 }
 
+/// With two workers, implement re-run after a stop goes back to the worker that implemented
+/// it, not to the other one: otherwise both would be implementers and nobody could review the
+/// code (reviewer ≠ implementer), and the task would wait for ever. (A leader's failover or a
+/// restart that loses a just-granted implement run ends the same way: `ha_waves` found it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rerun_of_implement_goes_to_its_past_implementer_so_a_reviewer_is_left() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    // Only gpu-b at first: it takes research to implement (slowly, so the stop lands).
+    let _b = worker(
+        &coord,
+        "gpu-b",
+        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=2000")],
+    );
+    api.create("t").await.expect("create");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let state = api.state("t").await;
+        if state.ends_with(":awaiting_approval") {
+            let _ = api.approve("t", "ops").await;
+        } else if state.starts_with("implement")
+            && api.get("t").await.is_ok_and(|d| {
+                d.runs
+                    .iter()
+                    .any(|r| r.phase == "implement" && r.state == "active")
+            })
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "t never reached implement: {state}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stop = |extra: &[&str]| {
+        let out = Command::new(cli_bin())
+            .args(["stop", "t", "--coordinator", &coord.url])
+            .args(extra)
+            .env("HOME", env.home.path())
+            .output()
+            .expect("automaton stop");
+        assert!(out.status.success(), "{out:?}");
+    };
+    stop(&[]);
+    poll("the implement run stopped", Duration::from_secs(10), || {
+        let mut api = api.clone();
+        async move {
+            let d = api.get("t").await.ok()?;
+            (d.lease.is_none() && d.runs.iter().all(|r| r.state == "stopped")).then_some(())
+        }
+    })
+    .await;
+    // gpu-a joins (first by name among equals), then the operator resumes the task.
+    let _a = worker(&coord, "gpu-a", &[]);
+    stop(&["--resume"]);
+    assert_eq!(to_the_end(&mut api, "t").await, "complete");
+    let d = api.get("t").await.expect("GetTask");
+    assert_eq!(d.implementers, ["gpu-b"], "runs: {:#?}", d.runs);
+    let by = |phase: &str| -> Vec<String> {
+        d.runs
+            .iter()
+            .filter(|r| r.phase == phase && r.stop_reason == "completed")
+            .map(|r| r.worker.clone())
+            .collect()
+    };
+    assert_eq!(by("implement"), ["gpu-b"]);
+    assert_eq!(by("code_review"), ["gpu-a"]);
+}
+
 /// Why the task is held from dispatch ("" when it is not).
 fn held(d: &pb::TaskDetail) -> &str {
     d.summary.as_ref().map_or("", |s| s.held.as_str())

@@ -650,6 +650,55 @@ pub(crate) fn choose(need: Option<u64>, idle: &[Slot]) -> Vec<usize> {
     order
 }
 
+/// The order in which the idle workers are offered a phase: [`choose`]'s, less `excluded`
+/// (reviewer ≠ implementer), with `preferred` first and `failed` (the worker whose run just
+/// failed) last — stable sorts, so the rest keep their order. Implement is offered to the
+/// task's past implementers first: a run on anyone else would bar one more worker from
+/// reviewing it (with two workers, a re-run of implement on the other one — after a lost
+/// run, a stop, a failover — would leave nobody to review it).
+pub(crate) fn offer_order(
+    need: Option<u64>,
+    idle: &[Slot],
+    excluded: &[AgentId],
+    preferred: &[AgentId],
+    failed: Option<&AgentId>,
+) -> Vec<usize> {
+    let mut order: Vec<usize> = choose(need, idle)
+        .into_iter()
+        .filter(|&i| !excluded.contains(&idle[i].name))
+        .collect();
+    order.sort_by_key(|&i| !preferred.contains(&idle[i].name));
+    if let Some(failed) = failed {
+        order.sort_by_key(|&i| &idle[i].name == failed);
+    }
+    order
+}
+
+/// Whether implement may run on `worker`, given the task's past `implementers` and the live
+/// workers that take work: a past implementer may, and so may any worker while another one
+/// that has not implemented the task is left to review it. (The first implement may run
+/// anywhere: any other worker can review it.)
+pub(crate) fn leaves_a_reviewer(
+    worker: &AgentId,
+    implementers: &[AgentId],
+    live: &[AgentId],
+) -> bool {
+    implementers.is_empty()
+        || implementers.contains(worker)
+        || live
+            .iter()
+            .any(|w| w != worker && !implementers.contains(w))
+}
+
+/// `a, b, c`.
+fn names(agents: &[AgentId]) -> String {
+    agents
+        .iter()
+        .map(AgentId::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Why a phase needing `need` tokens waits, given the idle workers and the fleet's largest
 /// budget: e.g. `needs 90k tokens; largest idle worker holds 38k (gpu-b, 24 GiB)`.
 pub(crate) fn waiting_reason(
@@ -893,19 +942,38 @@ impl Coordinator {
             }
             // The implementer never gets a separated phase (the grant refuses it too; leaving
             // it out here lets the round give the phase to someone else at once).
-            let excluded = if self.policy.separated.contains(&work.phase) {
+            let separated = self.policy.separated.contains(&work.phase);
+            let implementers = if separated || work.phase == automaton_workflow::Phase::Implement {
                 self.implementers_now(&task).await
             } else {
                 Vec::new()
             };
-            let mut order: Vec<usize> = choose(sizing.need, &idle)
-                .into_iter()
-                .filter(|&i| !excluded.contains(&idle[i].name))
-                .collect();
-            // The worker whose run just failed is tried last (a stable sort keeps the rest
-            // in their order of preference).
-            if let Some((_, failed, _)) = &retry {
-                order.sort_by_key(|&i| &idle[i].name == failed);
+            let (excluded, preferred): (&[AgentId], &[AgentId]) = if separated {
+                (&implementers, &[])
+            } else {
+                (&[], &implementers)
+            };
+            let mut order = offer_order(
+                sizing.need,
+                &idle,
+                excluded,
+                preferred,
+                retry.as_ref().map(|(_, failed, _)| failed),
+            );
+            // Implement never takes the last worker that could review it.
+            if !preferred.is_empty() && !order.is_empty() {
+                let live = self.sessions.working_names();
+                order.retain(|&i| leaves_a_reviewer(&idle[i].name, preferred, &live));
+                if order.is_empty() {
+                    waiting.insert(
+                        task.clone(),
+                        format!(
+                            "waiting: implement stays with the workers that implemented it ({}): on any other idle worker, no worker would be left to review it (reviewer ≠ implementer)",
+                            names(preferred)
+                        ),
+                    );
+                    continue;
+                }
             }
             let Some(&first) = order.first() else {
                 let reason = if excluded.is_empty() {
@@ -917,11 +985,7 @@ impl Coordinator {
                     } else {
                         format!(
                             "waiting: the only idle worker that fits implemented it ({}): reviewer ≠ implementer",
-                            excluded
-                                .iter()
-                                .map(AgentId::as_str)
-                                .collect::<Vec<_>>()
-                                .join(", ")
+                            names(excluded)
                         )
                     }
                 };

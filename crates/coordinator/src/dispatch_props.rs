@@ -1,5 +1,6 @@
 //! Properties of the dispatcher's decisions, over random fleets and random decompositions:
-//! `dispatch::choose` (which idle worker), `dispatch::waiting_reason` (why none) and
+//! `dispatch::choose` (which idle worker), `dispatch::offer_order` (in which order, given
+//! who implemented the task and whose run failed), `dispatch::waiting_reason` (why none) and
 //! `waves::ready` (whether a sub-task's wave may start), as pure functions.
 //!
 //! Seeded (splitmix64 from `fuzz.rs`), so a failure names a case that reproduces:
@@ -11,7 +12,7 @@ use std::sync::Arc;
 
 use automaton_workflow::{AgentId, Decomposition, parse_decomposition};
 
-use crate::dispatch::{Slot, choose, waiting_reason};
+use crate::dispatch::{Slot, choose, leaves_a_reviewer, offer_order, waiting_reason};
 use crate::fuzz::{Rng, iterations};
 use crate::waves::{Dep, ready};
 
@@ -384,5 +385,78 @@ fn dispatch_never_gives_the_review_to_the_implementer() {
             }
             idle.retain(|s| s.free > 0);
         }
+    });
+}
+
+/// (d) `offer_order`: the workers `choose` gives, less the excluded, each once; every
+/// preferred worker before every other (so a re-run of implement stays with its past
+/// implementers and leaves the rest free to review it); the failed worker last.
+#[test]
+fn implement_goes_to_a_past_implementer_first_and_a_failed_worker_last() {
+    cases("offer order", |rng| {
+        let fleet = fleet(rng);
+        let need = need(rng, &fleet);
+        let some = |rng: &mut Rng| -> Vec<AgentId> {
+            fleet
+                .iter()
+                .filter(|_| rng.below(3) == 0)
+                .map(|s| s.name.clone())
+                .collect()
+        };
+        let excluded = some(rng);
+        let preferred = some(rng);
+        let failed = (rng.below(2) == 0).then(|| rng.pick(&fleet).name.clone());
+        let order = offer_order(need, &fleet, &excluded, &preferred, failed.as_ref());
+        let mut expected: Vec<usize> = choose(need, &fleet)
+            .into_iter()
+            .filter(|&i| !excluded.contains(&fleet[i].name))
+            .collect();
+        let mut got = order.clone();
+        expected.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, expected, "{order:?}");
+        let rank = |i: usize| {
+            let name = &fleet[i].name;
+            if Some(name) == failed.as_ref() {
+                2
+            } else if preferred.contains(name) {
+                0
+            } else {
+                1
+            }
+        };
+        assert!(
+            order.windows(2).all(|w| rank(w[0]) <= rank(w[1])),
+            "preferred {preferred:?}, failed {failed:?}: {:?}",
+            order.iter().map(|&i| &fleet[i].name).collect::<Vec<_>>()
+        );
+    });
+}
+
+/// (e) `leaves_a_reviewer`: implement may run on a worker iff it implemented the task before,
+/// or the task has no implementer yet, or some other live worker has not implemented it — so
+/// after the run, someone is left to review it whenever someone was.
+#[test]
+fn implement_never_takes_the_last_worker_that_could_review_it() {
+    cases("reviewer left", |rng| {
+        let fleet = fleet(rng);
+        let live: Vec<AgentId> = fleet.iter().map(|s| s.name.clone()).collect();
+        let implementers: Vec<AgentId> =
+            live.iter().filter(|_| rng.below(3) == 0).cloned().collect();
+        let worker = rng.pick(&live).clone();
+        let may = leaves_a_reviewer(&worker, &implementers, &live);
+        let mut after = implementers.clone();
+        if !after.contains(&worker) {
+            after.push(worker.clone());
+        }
+        let reviewers_after = live.iter().filter(|w| !after.contains(w)).count();
+        let reviewers_before = live.iter().filter(|w| !implementers.contains(w)).count();
+        let expected = implementers.is_empty()
+            || implementers.contains(&worker)
+            || (reviewers_before > 0 && reviewers_after > 0);
+        assert_eq!(
+            may, expected,
+            "{worker} with implementers {implementers:?} of {live:?}"
+        );
     });
 }

@@ -460,6 +460,17 @@ impl Sessions {
         }
     }
 
+    /// The names of the live workers that take work (busy or not; not drained).
+    pub(crate) fn working_names(&self) -> Vec<AgentId> {
+        let inner = self.inner();
+        inner
+            .by_id
+            .values()
+            .filter(|s| s.reg.capacity > 0 && !s.awaiting && !inner.drained.contains(&s.name))
+            .map(|s| s.name.clone())
+            .collect()
+    }
+
     /// The largest budget among the live workers that take work (busy or not): its tokens,
     /// the worker and its GPU memory.
     pub(crate) fn largest_budget(&self) -> Option<(u64, AgentId, String)> {
