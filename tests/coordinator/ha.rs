@@ -324,3 +324,57 @@ fn ha_bad_etcd_configuration_is_refused_in_one_line_before_anything_binds() {
     assert_ne!(run.code, 0, "{run:?}");
     assert!(run.stderr.contains("write files or etcd"), "{run:?}");
 }
+
+/// `[etcd]` with `ca`, `cert` and `key` over an etcd that serves TLS only and requires client
+/// certificates: the coordinator is elected and serves. With another CA it never leads,
+/// refuses calls as a follower, and says why (the certificate) in its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_over_tls_to_etcd_a_coordinator_leads_and_a_wrong_ca_is_named_in_its_log() {
+    let cluster = Cluster::start_tls(1).await;
+    let tls = cluster.tls.clone().expect("a TLS cluster");
+    let keys = |ca: &std::path::Path| {
+        format!(
+            "ca = {:?}\ncert = {:?}\nkey = {:?}\n",
+            ca.display().to_string(),
+            tls.cert.as_ref().expect("cert").display().to_string(),
+            tls.key.as_ref().expect("key").display().to_string()
+        )
+    };
+    let env = env_on_with(&cluster, "ha-tls", &keys(&tls.ca));
+    let a = Coord::start(&env, &[]);
+    assert_eq!(leader_of(&[&a], Duration::from_secs(20)).await, 0);
+    let mut api = Api::new(connect(&a.url).await, None);
+    api.create("t").await.expect("create over TLS to etcd");
+    let lease = api.claim("t", "agent-1", 30_000).await.expect("claim");
+    assert!(lease.token > 0);
+    // The task's state is in etcd, under the project's name.
+    let stored = cluster
+        .client()
+        .range_prefix("/automaton/ha-tls/")
+        .await
+        .expect("read etcd over TLS");
+    assert!(
+        stored
+            .iter()
+            .any(|kv| String::from_utf8_lossy(&kv.key).contains("/t/")),
+        "{:?}",
+        stored
+            .iter()
+            .map(|kv| String::from_utf8_lossy(&kv.key).into_owned())
+            .collect::<Vec<_>>()
+    );
+
+    let wrong = env_on_with(
+        &cluster,
+        "ha-tls-wrong",
+        &keys(&crate::cluster::fixture("other-ca.crt")),
+    );
+    let b = Coord::start(&wrong, &[]);
+    assert!(
+        b.wait_stderr("UnknownIssuer", Duration::from_secs(20)),
+        "the certificate problem is not in the log:\n{}",
+        b.stderr()
+    );
+    let s = ask(&b.url).await.expect_err("never leads");
+    assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+}

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use automaton_etcd::{Client, Config};
+use automaton_etcd::{Client, Config, TlsConfig};
 
 /// Raft timing as the brief asks: elections settle in about a second.
 const RAFT_FLAGS: [&str; 4] = ["--heartbeat-interval", "100", "--election-timeout", "1000"];
@@ -30,6 +30,8 @@ pub struct Member {
 
 pub struct Cluster {
     pub members: Vec<Member>,
+    /// With [`Cluster::start_tls`]: what a client needs (the CA and a client certificate).
+    pub tls: Option<TlsConfig>,
     // Dropped after the members (declared later): the data outlives the processes.
     dir: tempfile::TempDir,
 }
@@ -43,6 +45,13 @@ fn etcd_binary() -> PathBuf {
         .unwrap_or_else(|| {
             panic!("etcd is not on PATH: run tests/setup (it installs Debian's etcd-server)")
         })
+}
+
+/// A file of `tests/etcd/fixtures` (test-only TLS material).
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/etcd/fixtures")
+        .join(name)
 }
 
 /// A port nothing listens on now. Another process may take it before etcd binds it; the
@@ -65,10 +74,21 @@ impl Cluster {
 
     /// `n` members, each with `extra` flags too; ready when every member answers and one leads.
     pub async fn start(n: usize, extra: &[&str]) -> Cluster {
+        Cluster::start_with(n, extra, false).await
+    }
+
+    /// `n` members serving clients over TLS only (`https://`, the certificates of
+    /// `tests/etcd/fixtures`), and requiring a client certificate signed by its CA.
+    #[allow(dead_code)]
+    pub async fn start_tls(n: usize) -> Cluster {
+        Cluster::start_with(n, &[], true).await
+    }
+
+    async fn start_with(n: usize, extra: &[&str], tls: bool) -> Cluster {
         let binary = etcd_binary();
         let mut last = String::new();
         for _ in 0..3 {
-            let mut cluster = Cluster::spawn(&binary, n, extra);
+            let mut cluster = Cluster::spawn(&binary, n, extra, tls);
             match cluster.wait_ready().await {
                 Ok(()) => return cluster,
                 // Most likely a port taken between free_port and etcd's bind: new ports.
@@ -78,7 +98,7 @@ impl Cluster {
         panic!("etcd cluster of {n} did not start three times; last: {last}");
     }
 
-    fn spawn(binary: &Path, n: usize, extra: &[&str]) -> Cluster {
+    fn spawn(binary: &Path, n: usize, extra: &[&str], tls: bool) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -98,7 +118,8 @@ impl Cluster {
         let mut members = Vec::new();
         for (i, (client, peer)) in ports.iter().enumerate() {
             let name = format!("m{i}");
-            let client_url = format!("http://127.0.0.1:{client}");
+            let scheme = if tls { "https" } else { "http" };
+            let client_url = format!("{scheme}://127.0.0.1:{client}");
             let peer_url = format!("http://127.0.0.1:{peer}");
             let mut args: Vec<String> = [
                 "--name",
@@ -131,6 +152,17 @@ impl Cluster {
             .collect();
             args.extend(RAFT_FLAGS.iter().map(|s| s.to_string()));
             args.extend(extra.iter().map(|s| s.to_string()));
+            if tls {
+                for (flag, file) in [
+                    ("--cert-file", "member.crt"),
+                    ("--key-file", "member.key"),
+                    ("--trusted-ca-file", "ca.crt"),
+                ] {
+                    args.push(flag.into());
+                    args.push(fixture(file).to_string_lossy().into_owned());
+                }
+                args.push("--client-cert-auth".into());
+            }
             let log = dir.path().join(format!("{name}.log"));
             let mut member = Member {
                 name,
@@ -142,7 +174,12 @@ impl Cluster {
             member.spawn(binary);
             members.push(member);
         }
-        Cluster { members, dir }
+        let tls = tls.then(|| TlsConfig {
+            ca: fixture("ca.crt"),
+            cert: Some(fixture("client.crt")),
+            key: Some(fixture("client.key")),
+        });
+        Cluster { members, tls, dir }
     }
 
     async fn wait_ready(&mut self) -> Result<(), String> {
@@ -186,6 +223,7 @@ impl Cluster {
     pub fn client_on(&self, endpoints: &[String]) -> Client {
         let mut cfg = Config::new(endpoints.iter().cloned());
         cfg.timeout = Duration::from_millis(500);
+        cfg.tls.clone_from(&self.tls);
         Client::connect(cfg).expect("client")
     }
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use automaton_etcd::pb::auth_client::AuthClient;
 use automaton_etcd::pb::{AuthEnableRequest, AuthUserAddRequest, AuthUserGrantRoleRequest};
 use automaton_etcd::{
-    Client, Cmp, Compare, Config, Election, Error, Leadership, MAX_TXN_OPS, Op, OpResponse, Txn,
-    leader,
+    Client, Cmp, Compare, Config, Election, Error, Leadership, MAX_TXN_OPS, Op, OpResponse,
+    TlsConfig, Txn, leader,
 };
 use cluster::Cluster;
 use tokio::sync::Mutex;
@@ -321,6 +321,86 @@ async fn auth_tokens_are_sent_and_renewed_when_etcd_expires_them() {
         "{e:?}"
     );
     println!("{e}");
+}
+
+/// TLS to etcd (`https://` endpoints, `[etcd] ca`/`cert`/`key`): with etcd's CA and a client
+/// certificate the client reads and writes; without the client certificate, with another CA,
+/// or with no TLS at all it is refused in one line that says what to check, and nothing is
+/// written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_etcd_works_with_its_ca_and_a_client_certificate_and_anything_else_is_refused() {
+    let cluster = Cluster::start_tls(1).await;
+    let url = cluster.endpoints()[0].clone();
+    assert!(url.starts_with("https://"), "{url}");
+    let with = |tls: Option<TlsConfig>| {
+        let mut cfg = Config::new([url.clone()]);
+        cfg.timeout = Duration::from_millis(500);
+        cfg.tls = tls;
+        Client::connect(cfg)
+    };
+    let good = cluster.tls.clone().expect("TLS cluster");
+    let c = with(Some(good.clone())).expect("client");
+    c.put("/tls/a", "1", None).await.expect("put over TLS");
+    assert_eq!(
+        c.get("/tls/a").await.expect("get").expect("present").value,
+        b"1"
+    );
+
+    // No client certificate: etcd's --client-cert-auth refuses the handshake.
+    let no_cert = TlsConfig {
+        cert: None,
+        key: None,
+        ..good.clone()
+    };
+    let other_ca = TlsConfig {
+        ca: cluster::fixture("other-ca.crt"),
+        ..good.clone()
+    };
+    for (what, tls, says) in [
+        (
+            "no client certificate",
+            no_cert,
+            "give tls.cert and tls.key",
+        ),
+        ("another CA", other_ca, "UnknownIssuer"),
+    ] {
+        let e = match with(Some(tls)) {
+            Ok(c) => c.put("/tls/b", "x", None).await.expect_err(what),
+            Err(e) => e,
+        };
+        let line = e.to_string();
+        println!("{what}: {line}");
+        assert!(!line.contains('\n'), "{what}: not one line: {line}");
+        assert!(matches!(e, Error::Unavailable(_)), "{what}: {e:?}");
+        assert!(line.contains(says), "{what}: {line}");
+    }
+    // https without TLS configured, and a certificate without its key: refused before
+    // connecting.
+    let e = with(None).err().expect("https without TLS is refused");
+    assert!(e.to_string().contains("no TLS is configured"), "{e}");
+    let half = TlsConfig {
+        key: None,
+        ..good.clone()
+    };
+    let e = with(Some(half))
+        .err()
+        .expect("a certificate without its key");
+    assert!(
+        e.to_string()
+            .contains("both a client certificate and its key"),
+        "{e}"
+    );
+    let missing = TlsConfig {
+        ca: cluster::fixture("no-such-ca.crt"),
+        ..good
+    };
+    let e = with(Some(missing)).err().expect("a missing CA file");
+    assert!(e.to_string().contains("cannot read the TLS CA"), "{e}");
+    assert_eq!(
+        c.get("/tls/b").await.expect("get"),
+        None,
+        "nothing was written"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

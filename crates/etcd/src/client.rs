@@ -58,6 +58,8 @@ struct Inner {
     budget: Duration,
     user: Option<(String, String)>,
     token: Mutex<Token>,
+    /// What to check when no endpoint answers (it depends on TLS).
+    advice: &'static str,
 }
 
 struct Member {
@@ -133,10 +135,16 @@ impl Client {
             let channel = endpoint.connect_lazy();
             members.push(Member { url, channel });
         }
+        let advice = match &cfg.tls {
+            None => ADVICE,
+            Some(t) if t.cert.is_none() => ADVICE_TLS,
+            Some(_) => ADVICE_MUTUAL_TLS,
+        };
         Ok(Client {
             inner: Arc::new(Inner {
                 members,
                 next: AtomicUsize::new(0),
+                advice,
                 timeout: cfg.timeout,
                 budget: cfg.retry_budget(),
                 user: cfg.user,
@@ -196,7 +204,7 @@ impl Client {
             let now = Instant::now();
             let left = route.until.saturating_duration_since(now);
             if left < Duration::from_millis(1) {
-                return Err(unavailable(what, started, &failures));
+                return Err(unavailable(what, started, &failures, inner.advice));
             }
             let per = inner.timeout.min(left);
             let one = async {
@@ -663,7 +671,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn unavailable(what: &str, started: Instant, failures: &[String]) -> Error {
+/// What to check when no endpoint answered.
+const ADVICE: &str = "check that etcd is running, reachable and has a leader";
+const ADVICE_TLS: &str = "check that etcd is running, reachable and has a leader, that tls.ca signed its certificate, and — if etcd requires client certificates (--client-cert-auth) — give tls.cert and tls.key";
+const ADVICE_MUTUAL_TLS: &str = "check that etcd is running, reachable and has a leader, that tls.ca signed its certificate, and that etcd trusts tls.cert";
+
+fn unavailable(what: &str, started: Instant, failures: &[String], advice: &str) -> Error {
     // The last failure per endpoint is enough to say what happened.
     let mut last: Vec<&str> = Vec::new();
     for f in failures.iter().rev() {
@@ -679,7 +692,7 @@ fn unavailable(what: &str, started: Instant, failures: &[String]) -> Error {
         last.join("; ")
     };
     Error::Unavailable(format!(
-        "{what}: no etcd endpoint answered in {:.1?} ({tried}); check that etcd is running, reachable and has a leader",
+        "{what}: no etcd endpoint answered in {:.1?} ({tried}); {advice}",
         started.elapsed()
     ))
 }
@@ -722,7 +735,7 @@ mod tests {
             "http://b:2: no leader".to_string(),
             "http://a:1: timed out".to_string(),
         ];
-        let e = unavailable("Put", Instant::now(), &failures).to_string();
+        let e = unavailable("Put", Instant::now(), &failures, ADVICE).to_string();
         assert!(
             e.contains("http://b:2: no leader; http://a:1: timed out"),
             "{e}"
