@@ -44,9 +44,9 @@ use tokio::sync::{Notify, watch};
 use tracing::Instrument as _;
 
 use crate::Error;
-use crate::lease_ops::Presented;
 use crate::state::Coordinator;
-use crate::table::Live;
+use automaton_engine::Live;
+use automaton_engine::Presented;
 
 /// Decisions of one round carried out at once.
 const ROUND_CONCURRENCY: usize = 64;
@@ -717,6 +717,7 @@ impl Coordinator {
             Result<Option<DispatchRecord>, automaton_store::Error>,
         );
         let found: Vec<Found> = self
+            .engine
             .read(move |p| {
                 let mut out = Vec::new();
                 for e in p.list(now)? {
@@ -739,10 +740,10 @@ impl Coordinator {
 
     /// Takes in a record read for `task` (see [`Work::take_in`]); a hold it causes is an event.
     fn take_in(&self, task: &TaskName, read: Result<Option<DispatchRecord>, String>) {
-        let live = self.live_of(task).map(|l| l.token);
+        let live = self.engine.live_of(task).map(|l| l.token);
         if let Some(why) = self.work.take_in(task, read, live) {
             tracing::warn!(task = %task, why = %why, "task held from dispatch");
-            self.emit("task_held", &task.to_string(), "", 0, why);
+            self.engine.emit("task_held", &task.to_string(), "", 0, why);
         }
     }
 
@@ -753,7 +754,7 @@ impl Coordinator {
             return;
         }
         let t = task.clone();
-        let read = self.read(move |p| p.read_dispatch(&t)).await;
+        let read = self.engine.read(move |p| p.read_dispatch(&t)).await;
         self.take_in(task, read.map_err(|e| e.to_string()));
     }
 
@@ -774,7 +775,7 @@ impl Coordinator {
                 return Ok(());
             }
             let (t, r) = (task.clone(), record.clone());
-            me.read(move |p| p.write_dispatch(&t, &r)).await?;
+            me.engine.read(move |p| p.write_dispatch(&t, &r)).await?;
             *written = Some(record);
             Ok(())
         })
@@ -785,7 +786,7 @@ impl Coordinator {
     /// The idle workers now.
     fn idle_slots(&self) -> Vec<Slot> {
         let now = Instant::now();
-        let mut slots = self.sessions.slots(&self.table(), now);
+        let mut slots = self.sessions.slots(&self.engine.table(), now);
         {
             let mut inner = self.work.inner();
             inner.paused.retain(|_, until| *until > now);
@@ -820,7 +821,7 @@ impl Coordinator {
         let mut plans: Vec<Planned> = Vec::new();
         let mut parents: Vec<TaskName> = Vec::new();
         for (_, task) in tasks {
-            if self.live_of(&task).is_some() {
+            if self.engine.live_of(&task).is_some() {
                 continue;
             }
             let state = match self.state_now(&task).await {
@@ -875,7 +876,7 @@ impl Coordinator {
                 }
             };
             // Manual mode (seed 002): nothing runs on its own; an operator runs each phase.
-            if !self.policy.autopilot && !self.work.requested(&task) {
+            if !self.engine.policy().autopilot && !self.work.requested(&task) {
                 waiting.insert(task.clone(), manual_waiting(&task, work));
                 continue;
             }
@@ -893,7 +894,7 @@ impl Coordinator {
             }
             // The implementer never gets a separated phase (the grant refuses it too; leaving
             // it out here lets the round give the phase to someone else at once).
-            let excluded = if self.policy.separated.contains(&work.phase) {
+            let excluded = if self.engine.policy().separated.contains(&work.phase) {
                 self.implementers_now(&task).await
             } else {
                 Vec::new()
@@ -972,10 +973,11 @@ impl Coordinator {
     async fn implementers_now(&self, task: &TaskName) -> Vec<AgentId> {
         let t = task.clone();
         let mut v = self
+            .engine
             .read(move |p| p.implementers_of(&t))
             .await
             .unwrap_or_default();
-        self.implementers(task, &mut v);
+        self.engine.implementers(task, &mut v);
         v
     }
 
@@ -1020,11 +1022,11 @@ impl Coordinator {
 
     /// The task's state as the coordinator knows it (read once from `.state`).
     async fn state_now(&self, task: &TaskName) -> Result<State, Error> {
-        if let Some(s) = self.states().get(task) {
+        if let Some(s) = self.engine.states().get(task) {
             return Ok(*s);
         }
-        let _guard = self.guard(task).await;
-        self.touch(task).await
+        let _guard = self.engine.guard(task).await;
+        self.engine.touch(task).await
     }
 
     /// The state whose work a worker would do next on `task`: an open phase with a
@@ -1043,7 +1045,9 @@ impl Coordinator {
                     // Through the store: never a link, a FIFO or a file without end.
                     Some(a) => {
                         let t = task.clone();
-                        self.read(move |p| p.read_artifact_text(&t, a)).await?
+                        self.engine
+                            .read(move |p| p.read_artifact_text(&t, a))
+                            .await?
                     }
                     None => None,
                 };
@@ -1057,9 +1061,13 @@ impl Coordinator {
     /// Moves `task` from `state` to `target` where no agent is needed (a start, an approved
     /// gate). Whether it moved (someone else may have moved it meanwhile).
     async fn move_on(self: &Arc<Self>, task: &TaskName, state: State, target: State) -> bool {
-        match self.transition(task, target, &Presented::default()).await {
+        match self
+            .engine
+            .transition(task, target, &Presented::default())
+            .await
+        {
             Ok(_) => {
-                self.emit(
+                self.engine.emit(
                     "dispatched",
                     &task.to_string(),
                     "",
@@ -1103,6 +1111,7 @@ impl Coordinator {
             automaton.ttl_ms = tracing::field::Empty,
         );
         let claimed = self
+            .engine
             .claim_in(task, &slot.name, None, Some(&slot.session))
             .instrument(grant.clone())
             .await;
@@ -1210,7 +1219,7 @@ impl Coordinator {
                     .map(|a| a.file_name().to_string())
                     .unwrap_or_default(),
                 can_edit: state.phase.allows_code_edits(),
-                require_code_change: self.policy.require_code_change,
+                require_code_change: self.engine.policy().require_code_change,
                 max_phase_time: Some(crate::service::duration(self.work.max_phase_time)),
                 attempt,
                 why: why.clone(),
@@ -1221,7 +1230,7 @@ impl Coordinator {
         );
         self.metrics.assigned(state.phase, found.elapsed());
         tracing::info!(task = %task, worker = %slot.name, token = live.token, phase = %state, why = %why, "assigned");
-        self.emit(
+        self.engine.emit(
             "assigned",
             &task.to_string(),
             slot.name.as_str(),
@@ -1246,7 +1255,7 @@ impl Coordinator {
             let taken = self.work.inner().offers.remove(&id);
             if let Some(o) = taken {
                 tracing::warn!(task = %o.task, worker = %o.name, "offer not answered in time: taken back");
-                if let Some(l) = self.live_of(&o.task).filter(|l| l.lease_id == id) {
+                if let Some(l) = self.engine.live_of(&o.task).filter(|l| l.lease_id == id) {
                     self.record_run(
                         &o.task,
                         &o.name,
@@ -1258,7 +1267,7 @@ impl Coordinator {
                         -1,
                     );
                 }
-                let _ = self.release(&id, None, None).await;
+                let _ = self.engine.release(&id, None, None).await;
             }
         }
     }
@@ -1280,7 +1289,11 @@ impl Coordinator {
             return;
         }
         tracing::info!(task = %o.task, worker = %worker, reason = %a.reason, "offer refused");
-        if let Some(l) = self.live_of(&o.task).filter(|l| l.lease_id == a.lease_id) {
+        if let Some(l) = self
+            .engine
+            .live_of(&o.task)
+            .filter(|l| l.lease_id == a.lease_id)
+        {
             let reason = format!("refused: {}", automaton_workflow::excerpt(&a.reason));
             self.record_run(
                 &o.task, worker, l.state, l.token, "stopped", &reason, "", -1,
@@ -1290,7 +1303,7 @@ impl Coordinator {
             .inner()
             .paused
             .insert(worker.clone(), Instant::now() + REFUSAL_PAUSE);
-        let _ = self.release(&a.lease_id, None, Some(worker)).await;
+        let _ = self.engine.release(&a.lease_id, None, Some(worker)).await;
         self.work.poke();
     }
 
@@ -1372,7 +1385,7 @@ impl Coordinator {
             }
             Some(_) => {}
             None => {
-                let lease = self.live_of(&task).filter(|l| {
+                let lease = self.engine.live_of(&task).filter(|l| {
                     l.lease_id == u.lease_id
                         && l.token == u.token
                         && &l.agent == worker
@@ -1399,7 +1412,7 @@ impl Coordinator {
             u.exit_code,
         );
         match u.state.as_str() {
-            "active" => self.emit(
+            "active" => self.engine.emit(
                 "run_started",
                 &task.to_string(),
                 worker.as_str(),
@@ -1431,7 +1444,7 @@ impl Coordinator {
                         .map(|w| clip(w, WARNING_BYTES))
                         .unwrap_or_else(|| "implement changed no code".into());
                     tracing::warn!(task = %task, worker = %worker, token = u.token, "{warning}");
-                    self.emit(
+                    self.engine.emit(
                         "no_code_change",
                         &task.to_string(),
                         worker.as_str(),
@@ -1457,7 +1470,7 @@ impl Coordinator {
                         self.learned(&task, estimate, u.peak_context_tokens);
                     }
                 }
-                self.emit(
+                self.engine.emit(
                     "run_stopped",
                     &task.to_string(),
                     worker.as_str(),
@@ -1550,10 +1563,14 @@ impl Coordinator {
         // could be offered again).
         self.save_or_warn(task).await;
         if self
+            .engine
             .live_of(task)
             .is_some_and(|l| l.lease_id == lease_id && l.token == token)
         {
-            let _ = self.release(lease_id, Some(token), Some(worker)).await;
+            let _ = self
+                .engine
+                .release(lease_id, Some(token), Some(worker))
+                .await;
         }
         self.work.poke();
     }
@@ -1616,7 +1633,7 @@ impl Coordinator {
         if inner.offers.contains_key(&l.lease_id) {
             return false;
         }
-        l.token <= self.log_mark
+        l.token <= self.engine.log_mark()
             || inner
                 .runs
                 .get(&l.task)
@@ -1636,7 +1653,7 @@ impl Coordinator {
             self.load_dispatch(&l.task).await;
             if self.adopt_run(&l, &state) {
                 tracing::info!(task = %l.task, worker = %worker, token = l.token, "run adopted after a restart");
-                self.emit(
+                self.engine.emit(
                     "run_adopted",
                     &l.task.to_string(),
                     worker.as_str(),
@@ -1651,7 +1668,7 @@ impl Coordinator {
         for ending in lost {
             let l = ending.0.clone();
             self.load_dispatch(&l.task).await;
-            if let Err(e) = self.end(ending, "run_lost").await {
+            if let Err(e) = self.engine.end(ending, "run_lost").await {
                 tracing::warn!(task = %l.task, error = %e, "cannot end a lease whose run was lost");
                 continue;
             }
@@ -1672,7 +1689,7 @@ impl Coordinator {
             self.record_run(
                 &l.task, worker, l.state, l.token, "stopped", "run_lost", WHY, -1,
             );
-            self.emit(
+            self.engine.emit(
                 "run_stopped",
                 &l.task.to_string(),
                 worker.as_str(),
@@ -1716,26 +1733,27 @@ impl Coordinator {
             return;
         }
         // Through the store (never a link): what a follow-up starts with is served to agents.
-        let read = |a| self.project.read_artifact(task, a).ok().flatten();
+        let read = |a| self.engine.project().read_artifact(task, a).ok().flatten();
         let verdict = read(Artifact::Verdict)
             .and_then(|v| String::from_utf8(v).ok())
             .unwrap_or_default();
         // Seed 002's line, with the reason the files give.
         let line = {
             let t = task.clone();
-            self.read(move |p| {
-                let standing = p.parent_standing(&t, Some(state))?;
-                Ok(p.attention(&t, Some(state), standing.as_ref()))
-            })
-            .await
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| {
-                automaton_store::human_intervention_line("a person decides how to go on")
-            })
+            self.engine
+                .read(move |p| {
+                    let standing = p.parent_standing(&t, Some(state))?;
+                    Ok(p.attention(&t, Some(state), standing.as_ref()))
+                })
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| {
+                    automaton_store::human_intervention_line("a person decides how to go on")
+                })
         };
-        if self.policy.autopilot {
-            self.emit(
+        if self.engine.policy().autopilot {
+            self.engine.emit(
                 "human_intervention",
                 &task.to_string(),
                 "",
@@ -1744,7 +1762,7 @@ impl Coordinator {
             );
             return;
         }
-        self.emit(
+        self.engine.emit(
             "human_intervention",
             &task.to_string(),
             "",
@@ -1753,7 +1771,7 @@ impl Coordinator {
         );
         let parent = task.parent();
         for f in automaton_workflow::follow_up_tasks(task, &verdict, parent.as_ref()) {
-            if self.project.task_dir(&f.name).exists() {
+            if self.engine.project().task_dir(&f.name).exists() {
                 continue;
             }
             let mut files: Vec<(&str, Vec<u8>)> = f
@@ -1766,12 +1784,13 @@ impl Coordinator {
             }
             let (name, start) = (f.name.clone(), State::open(f.start_phase));
             match self
+                .engine
                 .read(move |p| p.create_follow_up(&name, start, &files).map(|_| ()))
                 .await
             {
                 Ok(()) => {
                     self.work.task_created(&f.name);
-                    self.emit(
+                    self.engine.emit(
                         "follow_up_created",
                         &f.name.to_string(),
                         "",
@@ -1819,7 +1838,8 @@ impl Coordinator {
             } else {
                 why
             };
-            self.emit("task_held", &task.to_string(), "", 0, detail);
+            self.engine
+                .emit("task_held", &task.to_string(), "", 0, detail);
         }
         new
     }
@@ -1827,12 +1847,12 @@ impl Coordinator {
     /// `automaton run TASK` (manual mode): asks for `task`'s next phase to run, once; durable
     /// before it is acknowledged. Returns the state whose work runs.
     pub(crate) async fn run_task(&self, task: &TaskName, by: &str) -> Result<State, Error> {
-        if self.policy.autopilot {
+        if self.engine.policy().autopilot {
             return Err(Error::Refused(format!(
                 "autopilot is on: dispatch runs {task} on its own; `automaton run` is for manual mode (write 'Autopilot: Disabled' in .agent.md and restart the coordinator)"
             )));
         }
-        if !self.project.task_dir(task).is_dir() {
+        if !self.engine.project().task_dir(task).is_dir() {
             return Err(Error::Store(automaton_store::Error::TaskNotFound {
                 task: task.clone(),
                 tasks: String::new(),
@@ -1844,7 +1864,7 @@ impl Coordinator {
                 "{task} is held ({why}): `automaton stop {task} --resume` first"
             )));
         }
-        if let Some(l) = self.live_of(task) {
+        if let Some(l) = self.engine.live_of(task) {
             return Err(Error::Refused(format!(
                 "{task} is running {} on {} already: wait for it, or `automaton stop {task}`",
                 l.state, l.agent
@@ -1881,7 +1901,7 @@ impl Coordinator {
             };
             return Err(e);
         }
-        self.emit(
+        self.engine.emit(
             "run_requested",
             &task.to_string(),
             "",
@@ -1900,7 +1920,7 @@ impl Coordinator {
         resume: bool,
         by: &str,
     ) -> Result<(Option<AgentId>, bool), Error> {
-        if !self.project.task_dir(task).is_dir() {
+        if !self.engine.project().task_dir(task).is_dir() {
             return Err(Error::Store(automaton_store::Error::TaskNotFound {
                 task: task.clone(),
                 tasks: String::new(),
@@ -1919,7 +1939,8 @@ impl Coordinator {
                 inner.first_offered.remove(task);
             }
             self.save_dispatch(task).await?;
-            self.emit("task_resumed", &task.to_string(), "", 0, format!("by {by}"));
+            self.engine
+                .emit("task_resumed", &task.to_string(), "", 0, format!("by {by}"));
             self.work.poke();
             return Ok((None, false));
         }
@@ -1938,7 +1959,7 @@ impl Coordinator {
             }
             return Err(e);
         }
-        let Some(l) = self.live_of(task) else {
+        let Some(l) = self.engine.live_of(task) else {
             return Ok((None, true));
         };
         if let Some(s) = &l.session {
@@ -1951,7 +1972,9 @@ impl Coordinator {
                 }),
             );
         }
-        self.release(&l.lease_id, Some(l.token), None).await?;
+        self.engine
+            .release(&l.lease_id, Some(l.token), None)
+            .await?;
         Ok((Some(l.agent), true))
     }
 }

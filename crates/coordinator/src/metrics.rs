@@ -9,15 +9,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use automaton_telemetry::metrics::{
-    Counter, Histogram, Kind, LATENCY_BUCKETS, PHASE_BUCKETS, Render, Text,
-};
+use automaton_telemetry::metrics::{Counter, Histogram, Kind, LATENCY_BUCKETS, Render, Text};
 use automaton_workflow::Phase;
 
-use crate::Error;
 use crate::state::Coordinator;
+use automaton_engine::{END_REASONS, Error, Refusal, phase_index};
 
 const PHASES: usize = Phase::ALL.len();
 
@@ -25,97 +23,6 @@ const PHASES: usize = Phase::ALL.len();
 /// reads the store again.
 pub(crate) const DERIVED_TTL: Duration = Duration::from_secs(5);
 
-/// Why a lease ended: the reasons `after_end` is given.
-const END_REASONS: [&str; 5] = [
-    "released",
-    "transitioned",
-    "expired",
-    "session_expired",
-    "session_replaced",
-];
-
-/// Why a claim or renewal was refused (a small fixed set: the label's values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Refusal {
-    /// Another agent holds the task.
-    Held,
-    /// The fencing token is not the lease's.
-    StaleToken,
-    /// Separation of duties: the implementer may not take a review phase.
-    ReviewerIsImplementer,
-    /// The task's phase cannot be claimed (awaiting approval, terminal, …).
-    Illegal,
-    /// No such task, or no live lease with that id.
-    NotFound,
-    /// A malformed request (a bad TTL, name or id).
-    Invalid,
-    /// The caller may not act as that agent, or renew another's lease.
-    PermissionDenied,
-    /// A worker claim without a live session, or from a drained worker.
-    NoSession,
-    /// The lease log cannot be written: the coordinator is stopping.
-    Unavailable,
-    Other,
-}
-
-impl Refusal {
-    const ALL: [Refusal; 10] = [
-        Refusal::Held,
-        Refusal::StaleToken,
-        Refusal::ReviewerIsImplementer,
-        Refusal::Illegal,
-        Refusal::NotFound,
-        Refusal::Invalid,
-        Refusal::PermissionDenied,
-        Refusal::NoSession,
-        Refusal::Unavailable,
-        Refusal::Other,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Refusal::Held => "held",
-            Refusal::StaleToken => "stale_token",
-            Refusal::ReviewerIsImplementer => "reviewer_is_implementer",
-            Refusal::Illegal => "illegal",
-            Refusal::NotFound => "not_found",
-            Refusal::Invalid => "invalid",
-            Refusal::PermissionDenied => "permission_denied",
-            Refusal::NoSession => "no_session",
-            Refusal::Unavailable => "unavailable",
-            Refusal::Other => "other",
-        }
-    }
-
-    pub(crate) fn of(e: &Error) -> Refusal {
-        use automaton_store::Error as S;
-        match e {
-            Error::Store(s) => match s {
-                S::Leased { .. } => Refusal::Held,
-                S::StaleToken { .. } => Refusal::StaleToken,
-                S::Separation { .. } => Refusal::ReviewerIsImplementer,
-                S::NotClaimable { .. } => Refusal::Illegal,
-                S::TaskNotFound { .. } | S::NoLease { .. } => Refusal::NotFound,
-                S::HolderRequired { .. } | S::NotHolder { .. } => Refusal::PermissionDenied,
-                _ => match s.kind() {
-                    automaton_store::ErrorKind::Invalid => Refusal::Invalid,
-                    automaton_store::ErrorKind::NotFound => Refusal::NotFound,
-                    automaton_store::ErrorKind::Refused => Refusal::Illegal,
-                    _ => Refusal::Other,
-                },
-            },
-            Error::LeaseNotFound(_) => Refusal::NotFound,
-            Error::Invalid(_) => Refusal::Invalid,
-            Error::PermissionDenied(_) => Refusal::PermissionDenied,
-            Error::Refused(_) => Refusal::NoSession,
-            Error::Unavailable(_) => Refusal::Unavailable,
-            _ => Refusal::Other,
-        }
-    }
-}
-
-/// The class of a task's waiting reason (as dispatch words it, see `dispatch::waiting_reason`
-/// and `waves.rs`).
 fn waiting_class(why: &str) -> &'static str {
     if why.starts_with("manual mode") {
         "manual_mode"
@@ -160,11 +67,6 @@ const WORKER_STATES: [&str; 5] = ["idle", "busy", "draining", "reconnecting", "l
 
 /// The counters and histograms the lease and dispatch paths update.
 pub(crate) struct Metrics {
-    claims: Counter,
-    renewals: Counter,
-    releases: Counter,
-    expiries: [Counter; END_REASONS.len()],
-    refusals: [Counter; Refusal::ALL.len()],
     dispatch_latency: Histogram,
     assignments: [Counter; PHASES],
     /// From the assignment queued on a worker's stream to the worker's answer: accepted,
@@ -175,7 +77,6 @@ pub(crate) struct Metrics {
     /// Time rounds spent deciding, in nanoseconds (not the moves and grants that follow).
     decide_nanos: Counter,
     /// By phase, then end reason.
-    phase_duration: Vec<Histogram>,
     /// The store-derived part of a scrape.
     derived: Derived,
 }
@@ -214,11 +115,6 @@ impl Derived {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics {
-            claims: Counter::new(),
-            renewals: Counter::new(),
-            releases: Counter::new(),
-            expiries: Default::default(),
-            refusals: Default::default(),
             dispatch_latency: Histogram::new(LATENCY_BUCKETS),
             assignments: Default::default(),
             answers: [
@@ -227,61 +123,12 @@ impl Default for Metrics {
             ],
             decisions: Counter::new(),
             decide_nanos: Counter::new(),
-            phase_duration: (0..PHASES * END_REASONS.len())
-                .map(|_| Histogram::new(PHASE_BUCKETS))
-                .collect(),
             derived: Derived::default(),
         }
     }
 }
 
-fn phase_index(p: Phase) -> usize {
-    Phase::ALL.iter().position(|q| *q == p).unwrap_or(0)
-}
-
 impl Metrics {
-    #[inline]
-    pub(crate) fn granted(&self) {
-        self.claims.inc();
-    }
-
-    #[inline]
-    pub(crate) fn renewed(&self) {
-        self.renewals.inc();
-    }
-
-    pub(crate) fn refused(&self, why: Refusal) {
-        if let Some(c) = Refusal::ALL
-            .iter()
-            .position(|r| *r == why)
-            .and_then(|i| self.refusals.get(i))
-        {
-            c.inc();
-        }
-    }
-
-    /// A lease granted at `claimed` on `phase` ended for `reason`.
-    pub(crate) fn ended(&self, phase: Phase, claimed: SystemTime, reason: &str) {
-        let r = END_REASONS.iter().position(|x| *x == reason);
-        match reason {
-            "released" | "transitioned" => self.releases.inc(),
-            _ => {
-                if let Some(c) = r.and_then(|r| self.expiries.get(r)) {
-                    c.inc();
-                }
-            }
-        }
-        let held = SystemTime::now()
-            .duration_since(claimed)
-            .unwrap_or(Duration::ZERO);
-        if let Some(h) = r.and_then(|r| {
-            self.phase_duration
-                .get(phase_index(phase) * END_REASONS.len() + r)
-        }) {
-            h.observe(held);
-        }
-    }
-
     /// A worker answered an assignment queued `after` ago.
     pub(crate) fn answered(&self, accepted: bool, after: Duration) {
         self.answers[usize::from(!accepted)].observe(after);
@@ -309,6 +156,7 @@ impl Coordinator {
     /// now.
     pub async fn metrics_text(self: &Arc<Self>) -> String {
         let m = &self.metrics;
+        let c = self.engine.counters();
         let mut t = Text::new();
 
         let workers = self.workers(true, None);
@@ -356,17 +204,17 @@ impl Coordinator {
         t.counter(
             "automaton_lease_claims_total",
             "Leases granted: agents' claims and dispatch grants.",
-            m.claims.get(),
+            c.claims(),
         );
         t.counter(
             "automaton_lease_renewals_total",
             "Leases renewed: KeepAlive, Renew, or a claim by the holder.",
-            m.renewals.get(),
+            c.renewals(),
         );
         t.counter(
             "automaton_lease_releases_total",
             "Leases ended by their holder: released, or ended by a transition.",
-            m.releases.get(),
+            c.releases(),
         );
         t.family(
             "automaton_lease_expiries_total",
@@ -374,7 +222,7 @@ impl Coordinator {
             "Leases that ended without their holder: TTL passed (expired), or the worker session died (session_expired) or was replaced (session_replaced).",
         );
         for (i, reason) in END_REASONS.iter().enumerate().skip(2) {
-            let n = m.expiries.get(i).map_or(0, Counter::get);
+            let n = c.expiries(i);
             t.sample(
                 "automaton_lease_expiries_total",
                 &[("reason", reason)],
@@ -387,7 +235,7 @@ impl Coordinator {
             "Claims and renewals refused, by reason.",
         );
         for (i, r) in Refusal::ALL.iter().enumerate() {
-            let n = m.refusals.get(i).map_or(0, Counter::get);
+            let n = c.refusals(i);
             t.sample(
                 "automaton_lease_refusals_total",
                 &[("reason", r.as_str())],
@@ -457,7 +305,7 @@ impl Coordinator {
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
             for (j, outcome) in END_REASONS.iter().enumerate() {
-                let Some(h) = m.phase_duration.get(i * END_REASONS.len() + j) else {
+                let Some(h) = c.phase_duration(i, j) else {
                     continue;
                 };
                 // Only series that happened: 13 phases × 5 outcomes of empty buckets is noise.
@@ -545,7 +393,7 @@ impl Coordinator {
         let mut counts = [0u64; PHASES];
         let mut unknown = Vec::new();
         {
-            let states = self.states();
+            let states = self.engine.states();
             for n in names {
                 match states.get(&n) {
                     Some(s) => counts[phase_index(s.phase)] += 1,
@@ -576,7 +424,7 @@ impl Coordinator {
         &self,
         f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error> + Send + 'static,
     ) -> Result<T, Error> {
-        let project = self.project.clone();
+        let project = self.engine.project().clone();
         tokio::task::spawn_blocking(move || f(&project))
             .await
             .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
@@ -671,7 +519,7 @@ mod tests {
             Coordinator::open(project, crate::state::Options::default()).expect("open");
         for i in 0..n {
             let task: automaton_workflow::TaskName = format!("t-{i}").parse().expect("name");
-            coord.create_task(&task).await.expect("create");
+            coord.engine.create_task(&task).await.expect("create");
         }
         coord
     }
@@ -696,9 +544,10 @@ mod tests {
         // Every permit of the reads dispatch and the API wait for is taken: a scrape still
         // answers, with the tasks counted.
         let _all = coord
-            .reads
+            .engine
+            .read_permits()
             .clone()
-            .acquire_many_owned(crate::state::MAX_BLOCKING_READS as u32)
+            .acquire_many_owned(automaton_engine::MAX_BLOCKING_READS as u32)
             .await
             .expect("permits");
         let text = tokio::time::timeout(Duration::from_secs(10), coord.metrics_text())
@@ -741,50 +590,5 @@ mod tests {
         let fresh = coord.tasks_by_phase().await.expect("counts");
         assert_eq!(fresh.iter().sum::<u64>(), 2);
         assert_eq!(d.reads.get(), 1);
-    }
-
-    #[test]
-    fn a_lease_end_counts_as_a_release_or_an_expiry_by_its_reason() {
-        let m = Metrics::default();
-        let claimed = SystemTime::now() - Duration::from_secs(2);
-        m.ended(Phase::Design, claimed, "released");
-        m.ended(Phase::Design, claimed, "transitioned");
-        m.ended(Phase::Implement, claimed, "expired");
-        m.ended(Phase::Implement, claimed, "session_expired");
-        assert_eq!(m.releases.get(), 2);
-        assert_eq!(
-            m.expiries.iter().map(Counter::get).collect::<Vec<_>>(),
-            [0, 0, 1, 1, 0]
-        );
-        let h = &m.phase_duration[phase_index(Phase::Implement) * END_REASONS.len() + 2];
-        assert_eq!(h.count(), 1);
-        assert!(h.sum_seconds() >= 2.0, "{}", h.sum_seconds());
-    }
-
-    #[test]
-    fn refusals_are_classified_by_what_refused_them() {
-        let task: automaton_workflow::TaskName = "t".parse().expect("task");
-        for (e, r) in [
-            (Error::LeaseNotFound("x".into()), Refusal::NotFound),
-            (Error::Invalid("x".into()), Refusal::Invalid),
-            (Error::Refused("x".into()), Refusal::NoSession),
-            (
-                Error::Store(automaton_store::Error::StaleToken {
-                    task: task.clone(),
-                    given: 1,
-                    current: Some(2),
-                }),
-                Refusal::StaleToken,
-            ),
-            (
-                Error::Store(automaton_store::Error::TaskNotFound {
-                    task,
-                    tasks: String::new(),
-                }),
-                Refusal::NotFound,
-            ),
-        ] {
-            assert_eq!(Refusal::of(&e), r, "{e}");
-        }
     }
 }

@@ -20,6 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::Error;
+use crate::IntoStatus;
 use crate::auth::caller;
 use crate::config::Role;
 use crate::service::{Service, require_operator};
@@ -275,7 +276,7 @@ impl Service {
         let bound = match who.role {
             Role::Operator => None,
             Role::Agent | Role::Worker => Some(who.name.parse().map_err(
-                |e: automaton_workflow::NameError| Status::from(Error::Store(e.into())),
+                |e: automaton_workflow::NameError| crate::status(Error::Store(e.into())),
             )?),
         };
         let mut chunks = req.into_inner();
@@ -288,24 +289,25 @@ impl Service {
                     "an output chunk of {} bytes is over {MAX_CHUNK_BYTES}: send smaller chunks",
                     c.data.len()
                 ))
-                .into());
+                .into_status());
             }
             if c.offset.saturating_add(c.data.len() as u64) > MAX_OFFSET {
                 return Err(Error::Invalid(format!(
                     "an output offset of {} is past {MAX_OFFSET}: send offsets from 0, the bytes of the run's output so far",
                     c.offset
                 ))
-                .into());
+                .into_status());
             }
             if run.as_ref().is_some_and(|r| r.lease_id != c.lease_id) {
                 return Err(Error::Invalid(
                     "one StreamOutput call carries one lease's output: open another call for another lease"
                         .into(),
                 )
-                .into());
+                .into_status());
             }
             let live = match self
                 .coord
+                .engine
                 .lease_for_work(&c.lease_id, c.token, bound.as_ref())
                 .await
             {
@@ -314,7 +316,7 @@ impl Service {
                     if let Some(r) = &run {
                         r.finish("the run's lease ended");
                     }
-                    return Err(e.into());
+                    return Err(e.into_status());
                 }
             };
             let r = run.get_or_insert_with(|| {
@@ -345,7 +347,8 @@ impl Service {
         let task: TaskName = r
             .task
             .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))?;
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
+            .map_err(crate::status)?;
         let Some(run) = self.outputs.find(&task, &r.lease_id) else {
             let which = if r.lease_id.is_empty() {
                 String::new()
@@ -360,6 +363,7 @@ impl Service {
         if !run.is_ended()
             && self
                 .coord
+                .engine
                 .lease_for_work(&run.lease_id, run.token, None)
                 .await
                 .is_err()
@@ -410,7 +414,7 @@ impl Service {
                     () = tokio::time::sleep(LIVENESS_CHECK) => {
                         // A worker that died, or a lease ended while nothing came: the
                         // output will not end on its own.
-                        if coord.lease_for_work(&run.lease_id, run.token, None).await.is_err() {
+                        if coord.engine.lease_for_work(&run.lease_id, run.token, None).await.is_err() {
                             run.finish("the run's lease ended");
                         }
                     }

@@ -13,11 +13,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::Error;
+use crate::IntoStatus;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
-use crate::lease_ops::Presented;
 use crate::state::Coordinator;
-use crate::table::Live;
+use automaton_engine::Live;
+use automaton_engine::Presented;
 
 type Res<T> = Result<Response<T>, Status>;
 
@@ -31,12 +32,12 @@ pub struct Service {
 
 fn task_name(s: &str) -> Result<TaskName, Status> {
     s.parse::<TaskName>()
-        .map_err(|e| Error::Store(e.into()).into())
+        .map_err(|e| Error::Store(e.into()).into_status())
 }
 
 fn agent_id(s: &str) -> Result<AgentId, Status> {
     s.parse::<AgentId>()
-        .map_err(|e| Error::Store(e.into()).into())
+        .map_err(|e| Error::Store(e.into()).into_status())
 }
 
 /// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
@@ -61,14 +62,14 @@ pub(crate) fn duration_arg(field: &str, d: &prost_types::Duration) -> Result<Dur
             "{field} is negative ({}s {}ns): send a positive duration, or leave {field} unset for the default",
             d.seconds, d.nanos
         ))
-        .into());
+        .into_status());
     }
     if d.nanos >= 1_000_000_000 {
         return Err(Error::Invalid(format!(
             "{field}.nanos is {}, outside 0..999999999: carry whole seconds in {field}.seconds",
             d.nanos
         ))
-        .into());
+        .into_status());
     }
     Ok(Duration::new(d.seconds as u64, d.nanos as u32))
 }
@@ -214,7 +215,7 @@ pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
                 "an agent"
             }
         ))
-        .into())
+        .into_status())
     }
 }
 
@@ -236,11 +237,11 @@ fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
             automaton_workflow::excerpt(requested),
             who.name
         ))
-        .into()),
+        .into_status()),
         Role::Operator if requested.is_empty() => Err(Error::Invalid(
             "no agent named: send the agent that acts (an operator may act for any agent)".into(),
         )
-        .into()),
+        .into_status()),
         Role::Operator => agent_id(requested),
     }
 }
@@ -278,7 +279,7 @@ fn lease_id_arg(id: &str) -> Result<&str, Status> {
             "lease id '{}' is longer than {MAX_LEASE_ID} bytes: send the lease_id a Claim returned",
             automaton_workflow::excerpt(id)
         ))
-        .into());
+        .into_status());
     }
     Ok(id)
 }
@@ -357,7 +358,7 @@ impl Service {
         if s.attention.is_empty() {
             s.attention = work.attention(&t).unwrap_or_default();
         }
-        if !self.coord.policy.autopilot
+        if !self.coord.engine.policy().autopilot
             && let Ok(state) = s.state.parse::<State>()
         {
             let running = !s.lease_holder.is_empty() || work.requested(&t);
@@ -372,7 +373,11 @@ impl pb::tasks_server::Tasks for Service {
     async fn create_task(&self, req: Request<pb::CreateTaskRequest>) -> Res<pb::TaskSummary> {
         require_operator(&caller(&req), "CreateTask")?;
         let task = task_name(&req.get_ref().task)?;
-        self.coord.create_task(&task).await?;
+        self.coord
+            .engine
+            .create_task(&task)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::TaskSummary {
             task: task.to_string(),
             state: "new".into(),
@@ -387,15 +392,23 @@ impl pb::tasks_server::Tasks for Service {
         let who = caller(&req);
         let task = task_name(&req.get_ref().task)?;
         // A lease the CLI took while no coordinator ran is shown once adopted.
-        self.coord.touch_guarded(&task).await?;
+        self.coord
+            .engine
+            .touch_guarded(&task)
+            .await
+            .map_err(crate::status)?;
         let t = task.clone();
         let mut view = self
             .coord
+            .engine
             .read(move |p| p.view(&t, SystemTime::now()))
-            .await?;
+            .await
+            .map_err(crate::status)?;
         // The coordinator's table is the truth; the file view may lag it.
-        self.coord.implementers(&task, &mut view.implementers);
-        let live = self.coord.live_of(&task);
+        self.coord
+            .engine
+            .implementers(&task, &mut view.implementers);
+        let live = self.coord.engine.live_of(&task);
         let secrets = live.as_ref().is_some_and(|l| may_see_secrets(&who, l));
         let lease = live.as_ref().map(|l| {
             let mut shown = lease_pb(l, false);
@@ -452,13 +465,15 @@ impl pb::tasks_server::Tasks for Service {
             let (t, which) = (task.clone(), view.artifacts.clone());
             let texts = self
                 .coord
+                .engine
                 .read(move |p| {
                     which
                         .iter()
                         .map(|a| p.read_artifact(&t, a.artifact))
                         .collect::<Result<Vec<_>, _>>()
                 })
-                .await?;
+                .await
+                .map_err(crate::status)?;
             for (file, text) in artifacts.iter_mut().zip(texts) {
                 let bytes = text.unwrap_or_default();
                 file.truncated = bytes.len() > ARTIFACT_SHOWN;
@@ -489,11 +504,16 @@ impl pb::tasks_server::Tasks for Service {
     }
 
     async fn list_tasks(&self, _req: Request<pb::ListTasksRequest>) -> Res<pb::ListTasksResponse> {
-        let mut entries = self.coord.read(|p| p.list(SystemTime::now())).await?;
+        let mut entries = self
+            .coord
+            .engine
+            .read(|p| p.list(SystemTime::now()))
+            .await
+            .map_err(crate::status)?;
         for e in &mut entries {
-            e.lease_holder = self.coord.lease_of(&e.task).map(|l| l.agent);
+            e.lease_holder = self.coord.engine.lease_of(&e.task).map(|l| l.agent);
             for s in &mut e.subtasks {
-                s.lease_holder = self.coord.lease_of(&s.task).map(|l| l.agent);
+                s.lease_holder = self.coord.engine.lease_of(&s.task).map(|l| l.agent);
             }
         }
         let mut tasks: Vec<pb::TaskSummary> = entries.iter().map(summary).collect();
@@ -514,17 +534,21 @@ impl pb::tasks_server::Tasks for Service {
         let who = caller(&req);
         let r = req.into_inner();
         let task = task_name(&r.task)?;
-        let target: State = r.target.parse().map_err(|_| {
-            Error::Invalid(format!(
-                "Unknown phase '{}': name one of {}",
-                r.target,
-                State::all()
-                    .iter()
-                    .map(State::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        })?;
+        let target: State = r
+            .target
+            .parse()
+            .map_err(|_| {
+                Error::Invalid(format!(
+                    "Unknown phase '{}': name one of {}",
+                    r.target,
+                    State::all()
+                        .iter()
+                        .map(State::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })
+            .map_err(crate::status)?;
         let agent = agent_of_change(&who, &r.agent)?;
         let presented = Presented {
             agent,
@@ -538,9 +562,14 @@ impl pb::tasks_server::Tasks for Service {
                 "'{}' is an agent: an agent transitions only under its lease (present lease_id and token)",
                 who.name
             ))
-            .into());
+            .into_status());
         }
-        let (from, ended) = self.coord.transition(&task, target, &presented).await?;
+        let (from, ended) = self
+            .coord
+            .engine
+            .transition(&task, target, &presented)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::TransitionResponse {
             task: task.to_string(),
             from: from.to_string(),
@@ -560,7 +589,12 @@ impl pb::tasks_server::Tasks for Service {
         } else {
             r.approver
         };
-        let out = self.coord.approve(&task, &approver).await?;
+        let out = self
+            .coord
+            .engine
+            .approve(&task, &approver)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::ApproveResponse {
             task: task.to_string(),
             from: out.from.to_string(),
@@ -577,7 +611,12 @@ impl pb::tasks_server::Tasks for Service {
     ) -> Res<pb::ValidateFolderResponse> {
         // No task: every task and sub-task, as `--validate-folder` without `--task`.
         if req.get_ref().task.is_empty() {
-            let all = self.coord.read(|p| p.validate_all()).await?;
+            let all = self
+                .coord
+                .engine
+                .read(|p| p.validate_all())
+                .await
+                .map_err(crate::status)?;
             return Ok(Response::new(pb::ValidateFolderResponse {
                 exit_code: all.exit_code(),
                 reports: all.reports.iter().map(folder_report).collect(),
@@ -593,7 +632,12 @@ impl pb::tasks_server::Tasks for Service {
             }));
         }
         let task = task_name(&req.get_ref().task)?;
-        let report = self.coord.read(move |p| p.validate_folder(&task)).await?;
+        let report = self
+            .coord
+            .engine
+            .read(move |p| p.validate_folder(&task))
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::ValidateFolderResponse {
             exit_code: if report.passed() { 0 } else { 1 },
             reports: vec![folder_report(&report)],
@@ -602,7 +646,12 @@ impl pb::tasks_server::Tasks for Service {
     }
 
     async fn audit(&self, _req: Request<pb::AuditRequest>) -> Res<pb::AuditResponse> {
-        let report = self.coord.read(|p| p.audit()).await?;
+        let report = self
+            .coord
+            .engine
+            .read(|p| p.audit())
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(audit_pb(&report)))
     }
 }
@@ -622,7 +671,7 @@ impl pb::leases_server::Leases for Service {
                 "session id '{}' is longer than {MAX_LEASE_ID} bytes: send the session_id a SessionGranted returned",
                 automaton_workflow::excerpt(&r.session_id)
             ))
-            .into());
+            .into_status());
         }
         // A worker claims only in its session; an operator may claim in any (the session
         // then names the agent); an agent's own leases belong to no session.
@@ -634,7 +683,7 @@ impl pb::leases_server::Leases for Service {
                         "session '{}' has ended (or never existed): the worker must register again",
                         automaton_workflow::excerpt(&r.session_id)
                     ))
-                    .into());
+                    .into_status());
                 };
                 if !r.agent.is_empty() && r.agent != name.as_str() {
                     return Err(Error::Invalid(format!(
@@ -642,7 +691,7 @@ impl pb::leases_server::Leases for Service {
                         r.session_id,
                         automaton_workflow::excerpt(&r.agent)
                     ))
-                    .into());
+                    .into_status());
                 }
                 (name, Some(r.session_id.as_str()))
             }
@@ -651,13 +700,17 @@ impl pb::leases_server::Leases for Service {
                     "'{}' holds an agent token: only workers (and operators) claim in a worker session",
                     who.name
                 ))
-                .into());
+                .into_status());
             }
             _ => (acting_agent(&who, &r.agent)?, None),
         };
         let g = {
             let ttl = r.ttl.as_ref().map(|d| duration_arg("ttl", d)).transpose()?;
-            self.coord.claim_in(&task, &agent, ttl, session).await?
+            self.coord
+                .engine
+                .claim_in(&task, &agent, ttl, session)
+                .await
+                .map_err(crate::status)?
         };
         Ok(Response::new(lease_pb(&g.live, g.renewed)))
     }
@@ -667,13 +720,15 @@ impl pb::leases_server::Leases for Service {
         let r = req.into_inner();
         let l = self
             .coord
+            .engine
             .renew(
                 lease_id_arg(&r.lease_id)?,
                 (r.token != 0).then_some(r.token),
                 who.as_ref(),
             )
-            .await?;
-        self.coord.emit_renewed(&l);
+            .await
+            .map_err(crate::status)?;
+        self.coord.engine.emit_renewed(&l);
         Ok(Response::new(lease_pb(&l, true)))
     }
 
@@ -683,12 +738,14 @@ impl pb::leases_server::Leases for Service {
         let agent = agent_of_change(&who, &r.agent)?;
         let l = self
             .coord
+            .engine
             .release(
                 lease_id_arg(&r.lease_id)?,
                 (r.token != 0).then_some(r.token),
                 agent.as_ref(),
             )
-            .await?;
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::ReleaseResponse {
             released: Some(lease_pb(&l, false)),
         }))
@@ -719,7 +776,7 @@ impl pb::events_server::Events for Service {
     ) -> Res<Self::WatchEventsStream> {
         // Fencing tokens are for holders and operators.
         let tokens_shown = caller(&req).role == Role::Operator;
-        let mut events = self.coord.subscribe_events();
+        let mut events = self.coord.engine.subscribe_events();
         let mut stop = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(async move {

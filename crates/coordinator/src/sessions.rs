@@ -28,9 +28,9 @@ use automaton_workflow::AgentId;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use crate::Error;
+use automaton_engine::{Error, Live};
+
 use crate::state::Coordinator;
-use crate::table::Live;
 
 /// Lost workers remembered for `ListWorkers` (oldest forgotten first).
 const LOST_KEPT: usize = 1024;
@@ -315,6 +315,21 @@ impl Sessions {
         Ok(s.id.clone())
     }
 
+    /// Tells the session that owns `l` that it ended (the engine's `after_end`, through
+    /// `Hooks::lease_ended`).
+    pub(crate) fn tell(&self, l: &Live, reason: &'static str) {
+        if let Some(s) = &l.session {
+            self.push(
+                s,
+                pb::coordinator_message::Msg::Lost(pb::LeaseLost {
+                    task: l.task.to_string(),
+                    token: l.token,
+                    reason: reason.into(),
+                }),
+            );
+        }
+    }
+
     /// The name of a live session (for a claim an operator makes in it).
     pub(crate) fn name_of(&self, id: &str) -> Option<AgentId> {
         self.inner().by_id.get(id).map(|s| s.name.clone())
@@ -331,7 +346,7 @@ impl Sessions {
                     .is_some_and(|a| a.generation == generation) =>
             {
                 s.heard = now;
-                s.deadline = crate::table::later(now, self.timeout);
+                s.deadline = automaton_engine::later(now, self.timeout);
                 Ok(())
             }
             Some(_) => Err(Status::aborted(
@@ -396,7 +411,7 @@ impl Sessions {
     /// drained, with fewer leases than their capacity. Call under the table's lock.
     pub(crate) fn slots(
         &self,
-        table: &crate::table::Table,
+        table: &automaton_engine::Table,
         now: Instant,
     ) -> Vec<crate::dispatch::Slot> {
         let inner = self.inner();
@@ -492,9 +507,9 @@ impl Coordinator {
     /// Rebuilds the sessions that own live leases (at start): each waits for its worker for
     /// max(grace, session timeout).
     pub(crate) fn recover_sessions(&self) {
-        let wait = self.options.grace.max(self.sessions.timeout);
-        let deadline = crate::table::later(Instant::now(), wait);
-        let table = self.table();
+        let wait = self.options.engine.grace.max(self.sessions.timeout);
+        let deadline = automaton_engine::later(Instant::now(), wait);
+        let table = self.engine.table();
         for (id, agent) in table.sessions() {
             self.sessions.recover(id, agent, deadline);
         }
@@ -524,7 +539,7 @@ impl Coordinator {
         let mut adopted: Vec<(Live, String)> = Vec::new();
         let mut run_lost = Vec::new();
         let joined = {
-            let mut table = self.table();
+            let mut table = self.engine.table();
             let mut inner = self.sessions.inner();
             let inner = &mut *inner;
             let resumable = resume
@@ -539,7 +554,7 @@ impl Coordinator {
                 }
                 s.attached = Some(Attachment { generation, tx });
                 s.heard = now;
-                s.deadline = crate::table::later(now, self.sessions.timeout);
+                s.deadline = automaton_engine::later(now, self.sessions.timeout);
                 s.awaiting = false;
                 s.reg = reg;
                 // Each lease the session owns: its run reported (adopted), lost (ended, its
@@ -555,7 +570,7 @@ impl Coordinator {
                         kept.push(held(&l));
                         adopted.push((l, r.state.clone()));
                     } else if checks_runs && self.run_expected(&l) {
-                        match self.take_and_end(&mut table, &l.task) {
+                        match self.engine.take_and_end(&mut table, &l.task) {
                             Some(Ok(ending)) => {
                                 ended.push(held(&l));
                                 run_lost.push(ending);
@@ -628,7 +643,7 @@ impl Coordinator {
                         reg,
                         started: SystemTime::now(),
                         heard: now,
-                        deadline: crate::table::later(now, self.sessions.timeout),
+                        deadline: automaton_engine::later(now, self.sessions.timeout),
                         attached: Some(Attachment { generation, tx }),
                         awaiting: false,
                     },
@@ -668,7 +683,7 @@ impl Coordinator {
         } else {
             ("worker_joined", self.describe(&joined.id))
         };
-        self.emit(kind, "", name.as_str(), 0, detail);
+        self.engine.emit(kind, "", name.as_str(), 0, detail);
         Ok(joined)
     }
 
@@ -753,7 +768,7 @@ impl Coordinator {
     pub(crate) async fn end_session(&self, id: &str, reason: &'static str) -> Result<(), Error> {
         let now = Instant::now();
         let (ending, commit, gone) = {
-            let mut table = self.table();
+            let mut table = self.engine.table();
             let mut inner = self.sessions.inner();
             let Some(mut s) = inner.by_id.remove(id) else {
                 return Ok(());
@@ -789,7 +804,8 @@ impl Coordinator {
                 None
             } else {
                 Some(
-                    self.log
+                    self.engine
+                        .log()
                         .ends(&mut ending.iter().map(|l| l.lease_id.as_str()))
                         .map_err(Error::Unavailable)?,
                 )
@@ -818,8 +834,8 @@ impl Coordinator {
                 return Err(Error::Unavailable(e));
             }
             for l in &ending {
-                self.table().remove_lease(&l.task, &l.lease_id);
-                self.after_end(l, reason);
+                self.engine.table().remove_lease(&l.task, &l.lease_id);
+                self.engine.after_end(l, reason);
             }
         }
         let (kind, detail) = match reason {
@@ -841,7 +857,7 @@ impl Coordinator {
             ),
         };
         tracing::info!(worker = %name, session = %id, leases = n, reason, "worker session ended");
-        self.emit(kind, "", name.as_str(), 0, detail);
+        self.engine.emit(kind, "", name.as_str(), 0, detail);
         Ok(())
     }
 
@@ -869,7 +885,7 @@ impl Coordinator {
                 pb::coordinator_message::Msg::Drain(pb::Drain { draining: !undo }),
             );
         }
-        self.emit(
+        self.engine.emit(
             if undo {
                 "worker_undrained"
             } else {
@@ -894,7 +910,7 @@ impl Coordinator {
     /// session ids (operators); `me`: the caller's own name (it sees its own).
     pub(crate) fn workers(&self, secrets: bool, me: Option<&str>) -> Vec<pb::WorkerInfo> {
         let now = Instant::now();
-        let table = self.table();
+        let table = self.engine.table();
         let inner = self.sessions.inner();
         let mut out: Vec<pb::WorkerInfo> = inner
             .by_id
@@ -968,30 +984,6 @@ impl Coordinator {
     /// The live sessions (for metrics and tests).
     pub fn sessions_live(&self) -> usize {
         self.sessions.len()
-    }
-
-    /// Tells the session that owns `l` that it ended (see `after_end`).
-    pub(crate) fn tell_session(&self, l: &Live, reason: &'static str) {
-        if let Some(s) = &l.session {
-            self.sessions.push(
-                s,
-                pb::coordinator_message::Msg::Lost(pb::LeaseLost {
-                    task: l.task.to_string(),
-                    token: l.token,
-                    reason: reason.into(),
-                }),
-            );
-        }
-    }
-
-    /// The session a claim goes into, checked against the table's lock holder (see
-    /// [`Sessions::for_claim`]).
-    pub(crate) fn session_for_claim(
-        &self,
-        agent: &AgentId,
-        requested: &str,
-    ) -> Result<Arc<str>, Error> {
-        self.sessions.for_claim(agent, requested)
     }
 
     /// The worker whose live session is `id`.

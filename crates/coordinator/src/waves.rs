@@ -21,8 +21,8 @@ use std::time::SystemTime;
 use automaton_workflow::{Decomposition, ParentOutcome, Phase, State, TaskName};
 
 use crate::Error;
-use crate::lease_ops::Presented;
 use crate::state::Coordinator;
+use automaton_engine::Presented;
 
 /// A sub-task's VRAM configuration file (seed 002).
 const VRAM_CONFIG: &str = "VRAM_CONFIG.md";
@@ -63,7 +63,8 @@ impl Coordinator {
     /// `parent`'s decomposition, parsed (again only when the file changed).
     pub(crate) async fn plan_of(&self, parent: &TaskName) -> Result<Plan, Error> {
         let path = self
-            .project
+            .engine
+            .project()
             .task_dir(parent)
             .join(automaton_workflow::Artifact::Decomposition.file_name());
         let meta = std::fs::symlink_metadata(&path).ok();
@@ -79,6 +80,7 @@ impl Coordinator {
         // Through the store (never a link): its sections become sub-tasks' PARENT_SPEC.md.
         let t = parent.clone();
         let text = self
+            .engine
             .read(move |p| p.read_artifact_text(&t, automaton_workflow::Artifact::Decomposition))
             .await?
             .ok_or_else(|| {
@@ -128,9 +130,9 @@ impl Coordinator {
             let Ok(sub) = sub_of(&parent, dep) else {
                 return Dep::Passed;
             };
-            let known = self.states().get(&sub).copied();
+            let known = self.engine.states().get(&sub).copied();
             // Not known yet: its file (read with the states' lock released).
-            let state = known.or_else(|| self.project.read_state(&sub).ok().flatten());
+            let state = known.or_else(|| self.engine.project().read_state(&sub).ok().flatten());
             match state.map(|s| s.phase) {
                 Some(Phase::Complete) => Dep::Passed,
                 Some(p) if p.is_terminal() => Dep::Ended(p.to_string()),
@@ -175,7 +177,7 @@ impl Coordinator {
             }
         }
         let base = self.work.need_of(task, spec.peak_context_tokens);
-        let need = if self.policy.separated.contains(&state.phase) {
+        let need = if self.engine.policy().separated.contains(&state.phase) {
             ((base as f64) * SEPARATED_SHARE).ceil() as u64
         } else {
             base
@@ -212,7 +214,7 @@ impl Coordinator {
                     largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
                 )
             };
-            let dir = self.project.task_dir(&sub);
+            let dir = self.engine.project().task_dir(&sub);
             if dir.is_dir() {
                 // Seed 002: a missing VRAM_CONFIG.md is made again from what is detected now.
                 if std::fs::symlink_metadata(dir.join(VRAM_CONFIG)).is_err() {
@@ -236,10 +238,11 @@ impl Coordinator {
         for (sub, vram) in restore {
             let s = sub.clone();
             if self
+                .engine
                 .read(move |p| p.restore_subtask_file(&s, VRAM_CONFIG, vram.as_bytes()))
                 .await?
             {
-                self.emit(
+                self.engine.emit(
                     "vram_config_recreated",
                     &sub.to_string(),
                     "",
@@ -254,18 +257,21 @@ impl Coordinator {
             Vec::new()
         } else {
             let p = parent.clone();
-            self.read(move |project| project.create_subtasks(&p, &missing))
+            self.engine
+                .read(move |project| project.create_subtasks(&p, &missing))
                 .await?
         };
         for (sub, wave, estimate, fits) in notes {
             if !created.contains(&sub) {
                 continue;
             }
-            self.states()
+            self.engine
+                .states()
                 .insert(sub.clone(), State::open(automaton_workflow::Phase::New));
-            self.emit("task_created", &sub.to_string(), "", 0, "new".into());
+            self.engine
+                .emit("task_created", &sub.to_string(), "", 0, "new".into());
             self.work.task_created(&sub);
-            self.emit(
+            self.engine.emit(
                 "subtask_created",
                 &sub.to_string(),
                 "",
@@ -281,7 +287,7 @@ impl Coordinator {
                 ),
             );
             if !fits {
-                self.emit(
+                self.engine.emit(
                     "subtask_too_large",
                     &sub.to_string(),
                     "",
@@ -317,6 +323,7 @@ impl Coordinator {
     /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).
     async fn report_orphans(&self, parent: &TaskName, planned: &[TaskName]) -> Result<(), Error> {
         let on_disk = self
+            .engine
             .read({
                 let parent = parent.clone();
                 move |p| {
@@ -330,7 +337,7 @@ impl Coordinator {
             .await?;
         for orphan in on_disk.iter().filter(|s| !planned.contains(s)) {
             if self.work.mark_orphan(orphan) {
-                self.emit(
+                self.engine.emit(
                     "subtask_orphaned",
                     &orphan.to_string(),
                     "",
@@ -354,20 +361,25 @@ impl Coordinator {
     ) -> Result<(), Error> {
         let p = parent.clone();
         // The plan as this round has it (parsed once per version of the file).
-        let standing = self.read(move |pr| Ok(pr.standing_of(&p, &plan))).await?;
+        let standing = self
+            .engine
+            .read(move |pr| Ok(pr.standing_of(&p, &plan)))
+            .await?;
         let why = match standing.outcome {
             ParentOutcome::Waiting => return Ok(()),
             ParentOutcome::Complete => {
-                self.transition(parent, State::open(Phase::Complete), &Presented::default())
+                self.engine
+                    .transition(parent, State::open(Phase::Complete), &Presented::default())
                     .await?;
                 format!("every sub-task passed ({})", standing.verdicts.summary)
             }
             o @ ParentOutcome::HumanIntervention { .. } => {
-                self.escalate(parent).await?;
+                self.engine.escalate(parent).await?;
                 o.to_string()
             }
         };
-        self.emit("parent_ended", &parent.to_string(), "", 0, why);
+        self.engine
+            .emit("parent_ended", &parent.to_string(), "", 0, why);
         Ok(())
     }
 
@@ -377,7 +389,7 @@ impl Coordinator {
             return;
         }
         if let Some(ratio) = self.work.learn(task, estimate, actual) {
-            self.emit(
+            self.engine.emit(
                 "sizing_learned",
                 &task.to_string(),
                 "",

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use automaton_webhooks::{Event as Hook, Notification, Webhooks};
 use tokio::sync::{broadcast, watch};
 
-use crate::events::Event;
 use crate::state::Coordinator;
+use automaton_engine::Event;
 
 /// The same task's `human_intervention` twice within this is one notification (the
 /// transition and the verdict's own event say the same thing).
@@ -78,7 +78,7 @@ pub(crate) fn spawn(
     link: Option<String>,
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let mut sub = coord.subscribe_events();
+    let mut sub = coord.engine.subscribe_events();
     tokio::spawn(async move {
         let mut recent: HashMap<String, Instant> = HashMap::new();
         loop {
