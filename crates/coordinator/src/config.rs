@@ -296,7 +296,7 @@ impl Default for Config {
             max_attempts: 3,
             dispatch: true,
             max_artifact_bytes: 8 << 20,
-            max_upload_memory_bytes: crate::work_service::DEFAULT_UPLOAD_MEMORY_BYTES,
+            max_upload_memory_bytes: crate::uploads::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
             tls: None,

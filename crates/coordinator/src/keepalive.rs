@@ -76,8 +76,8 @@ impl KeepAlive {
                 let lease = pb::Lease {
                     lease_id: l.lease_id.clone(),
                     token: l.token,
-                    ttl: Some(crate::service::duration(l.ttl)),
-                    remaining: Some(crate::service::duration(l.ttl)),
+                    ttl: Some(crate::wire::duration(l.ttl)),
+                    remaining: Some(crate::wire::duration(l.ttl)),
                     renewed: true,
                     ..Default::default()
                 };

@@ -19,6 +19,7 @@
 
 pub mod auth;
 pub mod config;
+mod counters;
 mod dispatch;
 #[cfg(test)]
 mod dispatch_props;
@@ -34,13 +35,15 @@ pub mod owner;
 mod service;
 mod sessions;
 mod state;
+mod uploads;
 #[cfg(test)]
 mod wal_fuzz;
-mod waves;
 pub mod web;
 mod webhooks;
+mod wire;
 mod work_service;
 mod worker_service;
+mod worker_sessions;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -5,23 +5,18 @@
 //! leases held, tasks by phase, tasks waiting and why — is computed when Prometheus scrapes.
 //! The one part that reads the store (tasks by phase) is computed by one scrape at a time, on
 //! its own blocking thread rather than with the permits of the store reads that dispatch and
-//! the API wait for, and reused for [`DERIVED_TTL`]: a flood of scrapes cannot starve them.
+//! the API wait for, and reused for `DERIVED_TTL` (`counters.rs`): a flood of scrapes cannot starve them.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
-use automaton_telemetry::metrics::{Counter, Histogram, Kind, LATENCY_BUCKETS, Render, Text};
+use automaton_engine::{END_REASONS, Error, Refusal, phase_index};
+use automaton_telemetry::metrics::{Counter, Kind, Render, Text};
 use automaton_workflow::Phase;
 
+use crate::counters::PHASES;
 use crate::state::Coordinator;
-use automaton_engine::{END_REASONS, Error, Refusal, phase_index};
-
-const PHASES: usize = Phase::ALL.len();
-
-/// How long the store-derived part of a scrape (tasks by phase) is reused before a scrape
-/// reads the store again.
-pub(crate) const DERIVED_TTL: Duration = Duration::from_secs(5);
 
 fn waiting_class(why: &str) -> &'static str {
     if why.starts_with("manual mode") {
@@ -64,92 +59,6 @@ const WAITING_CLASSES: [&str; 11] = [
 ];
 
 const WORKER_STATES: [&str; 5] = ["idle", "busy", "draining", "reconnecting", "lost"];
-
-/// The counters and histograms the lease and dispatch paths update.
-pub(crate) struct Metrics {
-    dispatch_latency: Histogram,
-    assignments: [Counter; PHASES],
-    /// From the assignment queued on a worker's stream to the worker's answer: accepted,
-    /// refused.
-    answers: [Histogram; 2],
-    /// Tasks dispatch rounds decided about (a worker chosen, or a waiting reason).
-    decisions: Counter,
-    /// Time rounds spent deciding, in nanoseconds (not the moves and grants that follow).
-    decide_nanos: Counter,
-    /// By phase, then end reason.
-    /// The store-derived part of a scrape.
-    derived: Derived,
-}
-
-/// Tasks by phase, the part of a scrape that reads the store: read by one scrape at a time
-/// and reused for [`DERIVED_TTL`].
-#[derive(Default)]
-struct Derived {
-    /// The last counts and when they were read.
-    last: Mutex<Option<(Instant, [u64; PHASES])>>,
-    /// Held by the read in flight — by the task doing it, not by the scrape that started it,
-    /// so a scrape that times out does not let a second read start beside the first.
-    flight: Arc<tokio::sync::Mutex<()>>,
-    /// Store reads done for scrapes.
-    reads: Counter,
-}
-
-impl Derived {
-    fn last(&self) -> std::sync::MutexGuard<'_, Option<(Instant, [u64; PHASES])>> {
-        self.last.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The last counts if younger than [`DERIVED_TTL`].
-    fn fresh(&self) -> Option<[u64; PHASES]> {
-        self.last()
-            .filter(|(at, _)| at.elapsed() < DERIVED_TTL)
-            .map(|(_, c)| c)
-    }
-
-    /// The last counts, however old.
-    fn any(&self) -> Option<[u64; PHASES]> {
-        self.last().map(|(_, c)| c)
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Metrics {
-            dispatch_latency: Histogram::new(LATENCY_BUCKETS),
-            assignments: Default::default(),
-            answers: [
-                Histogram::new(LATENCY_BUCKETS),
-                Histogram::new(LATENCY_BUCKETS),
-            ],
-            decisions: Counter::new(),
-            decide_nanos: Counter::new(),
-            derived: Derived::default(),
-        }
-    }
-}
-
-impl Metrics {
-    /// A worker answered an assignment queued `after` ago.
-    pub(crate) fn answered(&self, accepted: bool, after: Duration) {
-        self.answers[usize::from(!accepted)].observe(after);
-    }
-
-    /// A dispatch round decided about `decisions` tasks in `took`.
-    pub(crate) fn decided(&self, decisions: usize, took: Duration) {
-        self.decisions.add(decisions as u64);
-        self.decide_nanos
-            .add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
-    }
-
-    /// An assignment of `phase` was handed to a worker's stream, `latency` after the round
-    /// that found the work.
-    pub(crate) fn assigned(&self, phase: Phase, latency: Duration) {
-        self.dispatch_latency.observe(latency);
-        if let Some(c) = self.assignments.get(phase_index(phase)) {
-            c.inc();
-        }
-    }
-}
 
 impl Coordinator {
     /// The scrape: counters as they stand, and what is derived from the coordinator's state
@@ -351,7 +260,7 @@ impl Coordinator {
         t.finish()
     }
 
-    /// Every task and sub-task, counted by phase, as read at most [`DERIVED_TTL`] ago; while
+    /// Every task and sub-task, counted by phase, as read at most `DERIVED_TTL` ago; while
     /// another scrape reads the store, the last counts however old. One read at a time, on a
     /// blocking thread of its own: never a permit of [`Coordinator::read`], which dispatch
     /// and the API wait for.
@@ -442,7 +351,10 @@ pub fn render(coord: Arc<Coordinator>) -> Render {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::counters::DERIVED_TTL;
 
     #[test]
     fn every_waiting_reason_dispatch_words_has_its_class() {

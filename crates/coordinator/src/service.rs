@@ -2,9 +2,8 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::SystemTime;
 
-use automaton_proto::prost_types;
 use automaton_proto::v1 as pb;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::{mpsc, watch};
@@ -17,6 +16,7 @@ use crate::IntoStatus;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
 use crate::state::Coordinator;
+use crate::wire::{duration_arg, lease_pb, require_operator, timestamp};
 use automaton_engine::Live;
 use automaton_engine::Presented;
 
@@ -38,40 +38,6 @@ fn task_name(s: &str) -> Result<TaskName, Status> {
 fn agent_id(s: &str) -> Result<AgentId, Status> {
     s.parse::<AgentId>()
         .map_err(|e| Error::Store(e.into()).into_status())
-}
-
-/// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
-/// files hold: 1970 to 9999), so that no client's JSON mapping refuses it.
-pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
-    automaton_store::clamp_time(t).into()
-}
-
-/// A length of time as the wire carries it (saturating at the largest it can hold).
-pub(crate) fn duration(d: Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        nanos: d.subsec_nanos() as i32,
-    }
-}
-
-/// A duration a request sent, checked: negative or with `nanos` outside 0..1e9 it is
-/// INVALID_ARGUMENT (prost would normalise the latter silently).
-pub(crate) fn duration_arg(field: &str, d: &prost_types::Duration) -> Result<Duration, Status> {
-    if d.seconds < 0 || d.nanos < 0 {
-        return Err(Error::Invalid(format!(
-            "{field} is negative ({}s {}ns): send a positive duration, or leave {field} unset for the default",
-            d.seconds, d.nanos
-        ))
-        .into_status());
-    }
-    if d.nanos >= 1_000_000_000 {
-        return Err(Error::Invalid(format!(
-            "{field}.nanos is {}, outside 0..999999999: carry whole seconds in {field}.seconds",
-            d.nanos
-        ))
-        .into_status());
-    }
-    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
 }
 
 fn state_str(s: Option<State>) -> String {
@@ -202,23 +168,6 @@ fn text_prefix(bytes: &[u8], max: usize) -> String {
     String::from_utf8_lossy(&bytes[..end]).into_owned()
 }
 
-pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
-    if c.role == Role::Operator {
-        Ok(())
-    } else {
-        Err(Error::PermissionDenied(format!(
-            "{what} needs an operator token; '{}' is {}",
-            c.name,
-            if c.role == Role::Worker {
-                "a worker"
-            } else {
-                "an agent"
-            }
-        ))
-        .into_status())
-    }
-}
-
 /// The agent a caller acts as. An agent or worker token is bound to its name: the request's
 /// agent must be empty or that name. An operator names any agent.
 fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
@@ -282,23 +231,6 @@ fn lease_id_arg(id: &str) -> Result<&str, Status> {
         .into_status());
     }
     Ok(id)
-}
-
-pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {
-    let now = Instant::now();
-    pb::Lease {
-        task: l.task.to_string(),
-        agent: l.agent.to_string(),
-        lease_id: l.lease_id.clone(),
-        token: l.token,
-        state: l.state.to_string(),
-        ttl: Some(duration(l.ttl)),
-        expires_at: Some(timestamp(l.expires_at(now))),
-        remaining: Some(duration(l.deadline.saturating_duration_since(now))),
-        renewed,
-        session_id: l.session.as_deref().unwrap_or_default().to_string(),
-        claimed_at: Some(timestamp(l.claimed)),
-    }
 }
 
 fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
@@ -823,45 +755,5 @@ mod tests {
         assert_eq!(text_prefix("aé".as_bytes(), 3), "aé");
         assert_eq!(text_prefix(b"ab\xffc", 10), "ab\u{fffd}c");
         assert_eq!(text_prefix(b"", 0), "");
-    }
-
-    fn d(seconds: i64, nanos: i32) -> prost_types::Duration {
-        prost_types::Duration { seconds, nanos }
-    }
-
-    #[test]
-    fn duration_arg_refuses_negative_and_out_of_range_nanos_in_one_line() {
-        for (bad, says) in [
-            (d(-1, 0), "ttl is negative"),
-            (d(0, -1), "ttl is negative"),
-            (d(i64::MIN, -999_999_999), "ttl is negative"),
-            (d(0, 1_000_000_000), "ttl.nanos is 1000000000"),
-            (d(i64::MAX, i32::MAX), "outside 0..999999999"),
-        ] {
-            let s = duration_arg("ttl", &bad).expect_err("refused");
-            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{bad:?}");
-            assert!(s.message().contains(says), "{bad:?}: {}", s.message());
-            assert!(!s.message().contains('\n'));
-        }
-        assert_eq!(
-            duration_arg("ttl", &d(i64::MAX, 999_999_999)).ok(),
-            Some(Duration::new(i64::MAX as u64, 999_999_999))
-        );
-        assert_eq!(duration_arg("ttl", &d(0, 0)).ok(), Some(Duration::ZERO));
-    }
-
-    #[test]
-    fn durations_out_saturate_and_round_trip() {
-        assert_eq!(duration(Duration::MAX), d(i64::MAX, 999_999_999));
-        let x = Duration::new(1800, 5);
-        assert_eq!(duration_arg("x", &duration(x)).ok(), Some(x));
-    }
-
-    #[test]
-    fn timestamps_out_stay_within_what_json_can_hold() {
-        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40);
-        assert_eq!(timestamp(far).seconds, 253_402_300_799);
-        let before = SystemTime::UNIX_EPOCH - Duration::from_secs(5);
-        assert_eq!(timestamp(before), prost_types::Timestamp::default());
     }
 }

@@ -11,7 +11,7 @@ use automaton_engine::{Engine, Error, Hooks, Live};
 use automaton_store::Project;
 use automaton_workflow::{AgentId, TaskName};
 
-use crate::dispatch::Work;
+use crate::dispatch::{Limits, Work};
 use crate::sessions::Sessions;
 
 /// What a coordinator is opened with (from [`crate::Config`]).
@@ -49,7 +49,7 @@ impl Default for Options {
             max_phase_time: Duration::from_secs(3600),
             max_attempts: 3,
             max_artifact_bytes: 8 << 20,
-            max_upload_memory_bytes: crate::work_service::DEFAULT_UPLOAD_MEMORY_BYTES,
+            max_upload_memory_bytes: crate::uploads::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
         }
@@ -67,9 +67,9 @@ pub struct Coordinator {
     /// Dispatch, runs and held tasks (`dispatch/`).
     pub(crate) work: Arc<Work>,
     /// Counters of the dispatch path (`metrics.rs`); the lease counters are the engine's.
-    pub(crate) metrics: crate::metrics::Metrics,
+    pub(crate) metrics: crate::counters::Metrics,
     /// The memory every upload in flight may hold, together (`work_service.rs`).
-    pub(crate) uploads: crate::work_service::UploadBudget,
+    pub(crate) uploads: crate::uploads::UploadBudget,
 }
 
 impl Coordinator {
@@ -98,15 +98,21 @@ impl Coordinator {
             options.session_timeout,
             options.heartbeat_interval,
         ));
-        let work = Arc::new(Work::new(&options));
-        let uploads = crate::work_service::UploadBudget::new(options.max_upload_memory_bytes);
+        let work = Arc::new(Work::new(&Limits {
+            max_phase_time: options.max_phase_time,
+            max_attempts: options.max_attempts,
+            max_artifact_bytes: options.max_artifact_bytes,
+            max_iterations: options.max_iterations,
+            max_total_time: options.max_total_time,
+        }));
+        let uploads = crate::uploads::UploadBudget::new(options.max_upload_memory_bytes);
         let coord = Arc::new_cyclic(|me: &Weak<Coordinator>| Coordinator {
             me: me.clone(),
             engine: engine.clone(),
             options,
             sessions: sessions.clone(),
             work: work.clone(),
-            metrics: crate::metrics::Metrics::default(),
+            metrics: crate::counters::Metrics::default(),
             uploads,
         });
         engine.set_hooks(Arc::new(Wiring {

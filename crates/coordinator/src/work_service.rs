@@ -20,7 +20,7 @@ use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
 use automaton_workflow::{AgentId, Artifact, State, TaskName};
 use sha2::{Digest, Sha256};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::field::Empty;
@@ -39,49 +39,6 @@ const CHUNK: usize = 1 << 20;
 /// A patch may change at most this many files, with at most this much content.
 const MAX_PATCH_FILES: usize = 10_000;
 const MAX_PATCH_BYTES: u64 = 256 << 20;
-/// What all uploads in flight may hold in memory by default: two patches at their cap.
-pub(crate) const DEFAULT_UPLOAD_MEMORY_BYTES: u64 = 512 << 20;
-
-/// The bytes all uploads in flight may hold in memory together: a semaphore of bytes, taken
-/// as they arrive, given back when the upload's bytes are dropped.
-pub(crate) struct UploadBudget {
-    bytes: Arc<Semaphore>,
-    total: u64,
-}
-
-impl UploadBudget {
-    pub(crate) fn new(total: u64) -> UploadBudget {
-        let total = total.min(Semaphore::MAX_PERMITS as u64);
-        UploadBudget {
-            bytes: Arc::new(Semaphore::new(total as usize)),
-            total,
-        }
-    }
-
-    /// Takes `n` more bytes into `held`, or refuses the upload (which then drops `held`).
-    fn take(&self, held: &mut Option<OwnedSemaphorePermit>, n: u64) -> Result<(), Status> {
-        let refused = || {
-            let busy = self.total - self.bytes.available_permits() as u64;
-            Status::resource_exhausted(format!(
-                "uploads in flight hold {busy} of the coordinator's {} bytes for uploads \
-                 (max_upload_memory_bytes): retry this upload later, or send a smaller one",
-                self.total
-            ))
-        };
-        let n = u32::try_from(n).map_err(|_| refused())?;
-        let permit = self
-            .bytes
-            .clone()
-            .try_acquire_many_owned(n)
-            .map_err(|_| refused())?;
-        match held {
-            Some(h) => h.merge(permit),
-            None => *held = Some(permit),
-        }
-        Ok(())
-    }
-}
-
 /// The task file a review phase finds the change in.
 const CHANGES_DIFF: &str = "changes.diff";
 
@@ -270,7 +227,7 @@ impl pb::work_server::Work for Service {
         &self,
         req: Request<Streaming<pb::OutputChunk>>,
     ) -> Result<Response<pb::StreamOutputResponse>, Status> {
-        self.stream_output_in(req).await
+        crate::output::stream_output(&self.coord.engine, &self.outputs, req).await
     }
 }
 

@@ -15,8 +15,9 @@ use crate::Error;
 use crate::IntoStatus;
 use crate::auth::caller;
 use crate::config::Role;
-use crate::service::{Service, require_operator};
+use crate::service::Service;
 use crate::sessions::Push;
+use crate::wire::require_operator;
 
 /// Heartbeat acks waiting to be sent: a worker that heartbeats without reading its stream
 /// loses acks (it is not listening anyway), never the coordinator's memory.
@@ -73,7 +74,7 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::TailOutputRequest>,
     ) -> Result<Response<Self::TailOutputStream>, Status> {
-        self.tail_output_in(req).await
+        crate::output::tail_output(&self.coord.engine, &self.outputs, &self.shutdown, req).await
     }
 
     async fn session(

@@ -82,6 +82,7 @@ impl Feed {
         });
     }
 
+    #[inline]
     pub(crate) fn emit_renewed(&self, l: &Live) {
         if self.watched() {
             self.emit(
@@ -95,6 +96,7 @@ impl Feed {
     }
 
     /// Whether anyone watches the events (building an event costs allocations).
+    #[inline]
     pub(crate) fn watched(&self) -> bool {
         // Not `events.receiver_count()`: that takes the channel's lock, on every request.
         self.watchers_of_events.load(Ordering::Relaxed) > 0
