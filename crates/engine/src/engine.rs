@@ -48,6 +48,7 @@ impl Default for Options {
     }
 }
 
+/// One project's lease engine: opened once per start (`open.rs`), shared as `Arc<Engine>`.
 pub struct Engine {
     /// This engine's own `Arc`: a request cut off while its change commits hands the rest
     /// of the change to a task of its own (`commit.rs`).
@@ -94,6 +95,7 @@ impl Engine {
         &self.guards[(h.finish() % GUARD_SHARDS as u64) as usize]
     }
 
+    /// `task`'s guard: changes of one task and claims of it are serialised under it.
     pub async fn guard(&self, task: &TaskName) -> tokio::sync::MutexGuard<'_, ()> {
         self.guard_of(task).lock().await
     }
@@ -129,6 +131,9 @@ impl Engine {
         .map_err(|e| Error::Internal(format!("a task change failed: {e}")))?
     }
 
+    /// The lease table, locked (for the session registry and dispatch, which act under its
+    /// lock; lock order: the table, then the sessions). Hold it briefly: every lease path
+    /// takes it.
     #[inline]
     pub fn table(&self) -> MutexGuard<'_, Table> {
         // A panic while holding the table cannot leave it half-updated in a way that matters
