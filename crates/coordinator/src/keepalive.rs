@@ -9,6 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use automaton_engine::{Refused, watchers::Notice};
 use automaton_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -17,8 +18,6 @@ use tonic::{Status, Streaming};
 use automaton_workflow::AgentId;
 
 use crate::state::Coordinator;
-use automaton_engine::Refused;
-use automaton_engine::watchers::Notice;
 
 pub(crate) struct KeepAlive {
     coord: Arc<Coordinator>,

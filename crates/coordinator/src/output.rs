@@ -12,6 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use automaton_engine::{Engine, Error};
 use automaton_proto::v1 as pb;
 use automaton_workflow::TaskName;
 use tokio::sync::Notify;
@@ -23,7 +24,6 @@ use crate::IntoStatus;
 use crate::auth::caller;
 use crate::config::Role;
 use crate::wire::require_operator;
-use automaton_engine::{Engine, Error};
 
 /// The most of one run's output kept (its end).
 pub const RUN_TAIL_BYTES: usize = 256 << 10;

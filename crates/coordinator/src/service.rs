@@ -4,6 +4,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::{mpsc, watch};
@@ -17,8 +18,6 @@ use crate::auth::{Caller, caller};
 use crate::config::Role;
 use crate::state::Coordinator;
 use crate::wire::{duration_arg, lease_pb, require_operator, timestamp};
-use automaton_engine::Live;
-use automaton_engine::Presented;
 
 type Res<T> = Result<Response<T>, Status>;
 

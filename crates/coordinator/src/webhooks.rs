@@ -9,11 +9,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use automaton_engine::Event;
 use automaton_webhooks::{Event as Hook, Notification, Webhooks};
 use tokio::sync::{broadcast, watch};
 
 use crate::state::Coordinator;
-use automaton_engine::Event;
 
 /// The same task's `human_intervention` twice within this is one notification (the
 /// transition and the verdict's own event say the same thing).

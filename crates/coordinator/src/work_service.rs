@@ -16,6 +16,7 @@
 
 use std::sync::Arc;
 
+use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
 use automaton_workflow::{AgentId, Artifact, State, TaskName};
@@ -31,8 +32,6 @@ use crate::auth::{Caller, caller};
 use crate::config::Role;
 use crate::service::Service;
 use crate::state::Coordinator;
-use automaton_engine::Live;
-use automaton_engine::Presented;
 
 /// Bytes per `FileData` message (well under the message limit).
 const CHUNK: usize = 1 << 20;

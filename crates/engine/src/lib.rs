@@ -34,4 +34,3 @@ pub use events::{Event, Subscription};
 pub use hooks::Hooks;
 pub use lease_ops::{Granted, Presented, Refused};
 pub use table::{Live, Table, later};
-pub use task_changes::prune_now_and_then;

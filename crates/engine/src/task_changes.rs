@@ -18,7 +18,7 @@ static RECORDED: AtomicU64 = AtomicU64::new(0);
 
 /// Prunes old completion records at the first completion after a start and every 1024
 /// after: the folder holds about a day of completions.
-pub fn prune_now_and_then(project: &automaton_store::Project) {
+pub(crate) fn prune_now_and_then(project: &automaton_store::Project) {
     if !RECORDED
         .fetch_add(1, Ordering::Relaxed)
         .is_multiple_of(1024)

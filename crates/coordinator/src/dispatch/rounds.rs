@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
+use automaton_engine::Presented;
 use automaton_proto::v1 as pb;
 use automaton_store::DispatchRecord;
 use automaton_workflow::{AgentId, State, TaskName};
@@ -14,7 +15,6 @@ use tracing::Instrument as _;
 
 use crate::Error;
 use crate::state::Coordinator;
-use automaton_engine::Presented;
 
 use super::policy::{
     OFFER_TIMEOUT, ROUND_EVERY, ROUND_GAP, Slot, choose, manual_waiting, waiting_reason,

@@ -3,11 +3,11 @@
 
 use std::time::{Instant, SystemTime};
 
+use automaton_engine::Live;
 use automaton_proto::v1 as pb;
 use automaton_workflow::{AgentId, State, TaskName};
 
 use crate::state::Coordinator;
-use automaton_engine::Live;
 
 use super::policy::{
     REFUSAL_PAUSE, RUNS_KEPT, TAIL_KEPT, WARNING_BYTES, WARNINGS_KEPT, clip, clip_front,
