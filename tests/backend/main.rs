@@ -179,22 +179,22 @@ async fn claims_through_the_coordinator_over_etcd_follow_the_lease_rules() {
     );
     let dir = tempfile::tempdir().expect("tempdir");
     let project = replicated(dir.path(), &backend);
-    let options = automaton_coordinator::Options {
+    let options = automaton_engine::Options {
         ttl: automaton_workflow::TtlBounds {
             min: Duration::from_millis(10),
             max: Duration::from_secs(3600),
         },
-        ..automaton_coordinator::Options::default()
+        ..automaton_engine::Options::default()
     };
-    let (coord, _) = automaton_coordinator::Coordinator::open_with(project, options, &backend)
-        .expect("open over etcd");
+    let (coord, _) =
+        automaton_engine::Engine::open_with(project, options, &backend).expect("open over etcd");
     let task: automaton_workflow::TaskName = "t".parse().expect("name");
     coord.create_task(&task).await.expect("create");
     coord
         .transition(
             &task,
             "research".parse().expect("state"),
-            &automaton_coordinator::Presented::default(),
+            &automaton_engine::Presented::default(),
         )
         .await
         .expect("to research");

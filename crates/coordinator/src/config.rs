@@ -296,7 +296,7 @@ impl Default for Config {
             max_attempts: 3,
             dispatch: true,
             max_artifact_bytes: 8 << 20,
-            max_upload_memory_bytes: crate::work_service::DEFAULT_UPLOAD_MEMORY_BYTES,
+            max_upload_memory_bytes: crate::uploads::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
             tls: None,
@@ -825,9 +825,12 @@ impl Config {
     /// What the coordinator is opened with.
     pub fn options(&self, failpoints: crate::Failpoints) -> crate::Options {
         crate::Options {
-            grace: self.grace_period,
-            log_compact_bytes: self.log_compact_bytes,
-            ttl: self.ttl_bounds(),
+            engine: automaton_engine::Options {
+                grace: self.grace_period,
+                log_compact_bytes: self.log_compact_bytes,
+                ttl: self.ttl_bounds(),
+                failpoints,
+            },
             keepalive_max_ids: self.keepalive_max_ids,
             session_timeout: self.session_timeout,
             heartbeat_interval: self.heartbeat_interval,
@@ -837,7 +840,6 @@ impl Config {
             max_upload_memory_bytes: self.max_upload_memory_bytes,
             max_iterations: self.max_iterations,
             max_total_time: self.max_total_time,
-            failpoints,
         }
     }
 

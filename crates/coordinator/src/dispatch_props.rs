@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use automaton_workflow::{AgentId, Decomposition, parse_decomposition};
 
+use crate::dispatch::waves::{Dep, ready};
 use crate::dispatch::{Slot, choose, leaves_a_reviewer, offer_order, waiting_reason};
 use crate::fuzz::{Rng, iterations};
-use crate::waves::{Dep, ready};
 
 const CASES: u64 = 2_000;
 /// Budgets workers often have (and needs often equal them: the `>=` edge).

@@ -9,6 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use automaton_engine::{Refused, watchers::Notice};
 use automaton_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -16,9 +17,7 @@ use tonic::{Status, Streaming};
 
 use automaton_workflow::AgentId;
 
-use crate::lease_ops::Refused;
 use crate::state::Coordinator;
-use crate::watchers::Notice;
 
 pub(crate) struct KeepAlive {
     coord: Arc<Coordinator>,
@@ -45,7 +44,7 @@ impl KeepAlive {
         inbound: Streaming<pb::KeepAliveRequest>,
         who: Option<AgentId>,
     ) -> Self {
-        let (id, notices) = coord.watchers.open();
+        let (id, notices) = coord.engine.watchers().open();
         KeepAlive {
             coord,
             inbound,
@@ -61,29 +60,32 @@ impl KeepAlive {
     }
 
     fn renew(&mut self, id: String) -> pb::KeepAliveResponse {
-        let watched = self.coord.watched();
+        let watched = self.coord.engine.watched();
         let first = !self.named.contains(&id);
         let (coord, stream) = (&self.coord, self.id);
-        let renewed = self.coord.renew_with(&id, None, self.who.as_ref(), |l| {
-            if first {
-                // Under the table's lock: the lease cannot end before this stream is told.
-                coord.watchers.watch(stream, &l.lease_id);
-            }
-            // Only what the holder does not already know.
-            let lease = pb::Lease {
-                lease_id: l.lease_id.clone(),
-                token: l.token,
-                ttl: Some(crate::service::duration(l.ttl)),
-                remaining: Some(crate::service::duration(l.ttl)),
-                renewed: true,
-                ..Default::default()
-            };
-            (lease, watched.then(|| l.clone()))
-        });
+        let renewed = self
+            .coord
+            .engine
+            .renew_with(&id, None, self.who.as_ref(), |l| {
+                if first {
+                    // Under the table's lock: the lease cannot end before this stream is told.
+                    coord.engine.watchers().watch(stream, &l.lease_id);
+                }
+                // Only what the holder does not already know.
+                let lease = pb::Lease {
+                    lease_id: l.lease_id.clone(),
+                    token: l.token,
+                    ttl: Some(crate::wire::duration(l.ttl)),
+                    remaining: Some(crate::wire::duration(l.ttl)),
+                    renewed: true,
+                    ..Default::default()
+                };
+                (lease, watched.then(|| l.clone()))
+            });
         match renewed {
             Ok((lease, event)) => {
                 if let Some(l) = event {
-                    self.coord.emit_renewed(&l);
+                    self.coord.engine.emit_renewed(&l);
                 }
                 if first {
                     self.named.insert(id.clone());
@@ -149,7 +151,10 @@ impl KeepAlive {
 
 impl Drop for KeepAlive {
     fn drop(&mut self) {
-        self.coord.watchers.close(self.id, self.named.iter());
+        self.coord
+            .engine
+            .watchers()
+            .close(self.id, self.named.iter());
     }
 }
 

@@ -12,42 +12,38 @@
 //! coordinators serve one project and only the elected leader writes (`ha.rs`).
 //!
 //! It must not parse markdown or decide lifecycle rules itself: `automaton-workflow` decides,
-//! `automaton-store` reads and writes the files.
+//! `automaton-store` reads and writes the files. Leases, fencing, task changes, recovery,
+//! holders, views and events are the lease engine's (`automaton-engine`): this crate wires
+//! the engine to dispatch (`dispatch/`) and the worker sessions, and is the only one that
+//! speaks gRPC — [`status`] is the one place that chooses a refusal's code.
 
 pub mod auth;
-mod commit;
 pub mod config;
+mod counters;
 mod dispatch;
 #[cfg(test)]
 mod dispatch_props;
-mod events;
-mod fencing;
 #[cfg(test)]
 #[path = "../../workflow/src/fuzz.rs"]
 mod fuzz;
 pub mod ha;
-mod holders;
 mod keepalive;
 mod layers;
-mod lease_ops;
 pub mod metrics;
 pub mod output;
 pub mod owner;
-mod recovery;
 mod service;
 mod sessions;
 mod state;
-mod table;
-mod task_changes;
-mod views;
+mod uploads;
 #[cfg(test)]
 mod wal_fuzz;
-mod watchers;
-mod waves;
 pub mod web;
 mod webhooks;
+mod wire;
 mod work_service;
 mod worker_service;
+mod worker_sessions;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -61,79 +57,54 @@ use tonic::Status;
 use tonic::metadata::MetadataValue;
 
 pub use automaton_backend::Failpoints;
+pub use automaton_engine::{Engine, Error, Event, Granted, Live, Presented};
 pub use config::{Config, Overrides, Role, StoreKind};
-pub use events::Event;
-pub use lease_ops::{Granted, Presented};
 pub use owner::Ownership;
 pub use state::{Coordinator, Options};
-pub use table::Live;
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("{0}")]
-    Store(#[from] automaton_store::Error),
-    #[error(
-        "No live lease '{0}': it expired, was released, or never existed. Claim the task again."
-    )]
-    LeaseNotFound(String),
-    #[error("{0}")]
-    Invalid(String),
-    #[error("{0}")]
-    PermissionDenied(String),
-    /// Refused by a rule outside the store (a worker session's).
-    #[error("{0}")]
-    Refused(String),
-    #[error("{0}")]
-    AlreadyExists(String),
-    #[error("project is owned by another coordinator ({holder}); stop it first, or talk to it (see {})", path.display())]
-    Owned {
-        path: std::path::PathBuf,
-        holder: String,
-    },
-    #[error("{0}")]
-    Config(String),
-    #[error("{0}")]
-    Internal(String),
-    /// The lease log cannot be written: the coordinator is stopping (fail-stop).
-    #[error(
-        "the coordinator cannot make changes durable ({0}); it is stopping: retry against its next start"
-    )]
-    Unavailable(String),
-}
 
 /// The one place that chooses gRPC codes. The `automaton-error-kind` metadata lets the CLI
 /// give the same exit code it gives without a coordinator.
-impl From<Error> for Status {
-    fn from(e: Error) -> Status {
-        let (code, kind) = match &e {
-            Error::Store(s) => {
-                let code = match s.kind() {
-                    ErrorKind::Refused => tonic::Code::FailedPrecondition,
-                    ErrorKind::Invalid => tonic::Code::InvalidArgument,
-                    ErrorKind::NotFound => tonic::Code::NotFound,
-                    ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
-                    ErrorKind::Corrupt => tonic::Code::DataLoss,
-                    ErrorKind::Io => tonic::Code::Internal,
-                };
-                (code, s.kind())
-            }
-            Error::LeaseNotFound(_) => (tonic::Code::NotFound, ErrorKind::NotFound),
-            Error::Invalid(_) => (tonic::Code::InvalidArgument, ErrorKind::Invalid),
-            Error::PermissionDenied(_) => (tonic::Code::PermissionDenied, ErrorKind::Refused),
-            Error::Refused(_) => (tonic::Code::FailedPrecondition, ErrorKind::Refused),
-            Error::AlreadyExists(_) => (tonic::Code::AlreadyExists, ErrorKind::AlreadyExists),
-            Error::Owned { .. } | Error::Config(_) => {
-                (tonic::Code::FailedPrecondition, ErrorKind::Refused)
-            }
-            Error::Internal(_) => (tonic::Code::Internal, ErrorKind::Io),
-            Error::Unavailable(_) => (tonic::Code::Unavailable, ErrorKind::Io),
-        };
-        let mut status = Status::new(code, e.to_string());
-        status.metadata_mut().insert(
-            "automaton-error-kind",
-            MetadataValue::from_static(kind.as_str()),
-        );
-        status
+pub fn status(e: Error) -> Status {
+    let (code, kind) = match &e {
+        Error::Store(s) => {
+            let code = match s.kind() {
+                ErrorKind::Refused => tonic::Code::FailedPrecondition,
+                ErrorKind::Invalid => tonic::Code::InvalidArgument,
+                ErrorKind::NotFound => tonic::Code::NotFound,
+                ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
+                ErrorKind::Corrupt => tonic::Code::DataLoss,
+                ErrorKind::Io => tonic::Code::Internal,
+            };
+            (code, s.kind())
+        }
+        Error::LeaseNotFound(_) => (tonic::Code::NotFound, ErrorKind::NotFound),
+        Error::Invalid(_) => (tonic::Code::InvalidArgument, ErrorKind::Invalid),
+        Error::PermissionDenied(_) => (tonic::Code::PermissionDenied, ErrorKind::Refused),
+        Error::Refused(_) => (tonic::Code::FailedPrecondition, ErrorKind::Refused),
+        Error::AlreadyExists(_) => (tonic::Code::AlreadyExists, ErrorKind::AlreadyExists),
+        Error::Owned { .. } | Error::Config(_) => {
+            (tonic::Code::FailedPrecondition, ErrorKind::Refused)
+        }
+        Error::Internal(_) => (tonic::Code::Internal, ErrorKind::Io),
+        Error::Unavailable(_) => (tonic::Code::Unavailable, ErrorKind::Io),
+    };
+    let mut status = Status::new(code, e.to_string());
+    status.metadata_mut().insert(
+        "automaton-error-kind",
+        MetadataValue::from_static(kind.as_str()),
+    );
+    status
+}
+
+/// [`status`] as a method: `From<Error> for Status` is out of reach here (both types are
+/// foreign to this crate).
+pub(crate) trait IntoStatus {
+    fn into_status(self) -> Status;
+}
+
+impl IntoStatus for Error {
+    fn into_status(self) -> Status {
+        status(self)
     }
 }
 
@@ -209,7 +180,7 @@ pub async fn serve(
         .build_v1alpha()
         .map_err(|e| Error::Internal(format!("cannot build reflection: {e}")))?;
 
-    coord.spawn_reconciler();
+    coord.engine.spawn_reconciler();
     // A bad receiver was refused by `Config::validate` before anything bound.
     let hooks = if cfg.webhooks.is_empty() {
         None
@@ -230,9 +201,9 @@ pub async fn serve(
             loop {
                 tokio::select! {
                     _ = tick.tick() => {
-                        coord.expire();
+                        coord.engine.expire();
                         coord.expire_sessions();
-                        coord.compact_log();
+                        coord.engine.compact_log();
                     }
                     _ = stop.changed() => return,
                 }
@@ -266,7 +237,7 @@ pub async fn serve(
                 .await;
             // Streams never finish on their own: tell them to end so the drain can complete.
             let _ = stop_tx.send(true);
-            coord.watchers.stop_all();
+            coord.engine.watchers().stop_all();
             coord.sessions.stop_all();
         }
     };

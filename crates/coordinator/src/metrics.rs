@@ -5,117 +5,19 @@
 //! leases held, tasks by phase, tasks waiting and why — is computed when Prometheus scrapes.
 //! The one part that reads the store (tasks by phase) is computed by one scrape at a time, on
 //! its own blocking thread rather than with the permits of the store reads that dispatch and
-//! the API wait for, and reused for [`DERIVED_TTL`]: a flood of scrapes cannot starve them.
+//! the API wait for, and reused for `DERIVED_TTL` (`counters.rs`): a flood of scrapes cannot starve them.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::Instant;
 
-use automaton_telemetry::metrics::{
-    Counter, Histogram, Kind, LATENCY_BUCKETS, PHASE_BUCKETS, Render, Text,
-};
+use automaton_engine::{END_REASONS, Error, Refusal, phase_index};
+use automaton_telemetry::metrics::{Counter, Kind, Render, Text};
 use automaton_workflow::Phase;
 
-use crate::Error;
+use crate::counters::PHASES;
 use crate::state::Coordinator;
 
-const PHASES: usize = Phase::ALL.len();
-
-/// How long the store-derived part of a scrape (tasks by phase) is reused before a scrape
-/// reads the store again.
-pub(crate) const DERIVED_TTL: Duration = Duration::from_secs(5);
-
-/// Why a lease ended: the reasons `after_end` is given.
-const END_REASONS: [&str; 5] = [
-    "released",
-    "transitioned",
-    "expired",
-    "session_expired",
-    "session_replaced",
-];
-
-/// Why a claim or renewal was refused (a small fixed set: the label's values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Refusal {
-    /// Another agent holds the task.
-    Held,
-    /// The fencing token is not the lease's.
-    StaleToken,
-    /// Separation of duties: the implementer may not take a review phase.
-    ReviewerIsImplementer,
-    /// The task's phase cannot be claimed (awaiting approval, terminal, …).
-    Illegal,
-    /// No such task, or no live lease with that id.
-    NotFound,
-    /// A malformed request (a bad TTL, name or id).
-    Invalid,
-    /// The caller may not act as that agent, or renew another's lease.
-    PermissionDenied,
-    /// A worker claim without a live session, or from a drained worker.
-    NoSession,
-    /// The lease log cannot be written: the coordinator is stopping.
-    Unavailable,
-    Other,
-}
-
-impl Refusal {
-    const ALL: [Refusal; 10] = [
-        Refusal::Held,
-        Refusal::StaleToken,
-        Refusal::ReviewerIsImplementer,
-        Refusal::Illegal,
-        Refusal::NotFound,
-        Refusal::Invalid,
-        Refusal::PermissionDenied,
-        Refusal::NoSession,
-        Refusal::Unavailable,
-        Refusal::Other,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            Refusal::Held => "held",
-            Refusal::StaleToken => "stale_token",
-            Refusal::ReviewerIsImplementer => "reviewer_is_implementer",
-            Refusal::Illegal => "illegal",
-            Refusal::NotFound => "not_found",
-            Refusal::Invalid => "invalid",
-            Refusal::PermissionDenied => "permission_denied",
-            Refusal::NoSession => "no_session",
-            Refusal::Unavailable => "unavailable",
-            Refusal::Other => "other",
-        }
-    }
-
-    pub(crate) fn of(e: &Error) -> Refusal {
-        use automaton_store::Error as S;
-        match e {
-            Error::Store(s) => match s {
-                S::Leased { .. } => Refusal::Held,
-                S::StaleToken { .. } => Refusal::StaleToken,
-                S::Separation { .. } => Refusal::ReviewerIsImplementer,
-                S::NotClaimable { .. } => Refusal::Illegal,
-                S::TaskNotFound { .. } | S::NoLease { .. } => Refusal::NotFound,
-                S::HolderRequired { .. } | S::NotHolder { .. } => Refusal::PermissionDenied,
-                _ => match s.kind() {
-                    automaton_store::ErrorKind::Invalid => Refusal::Invalid,
-                    automaton_store::ErrorKind::NotFound => Refusal::NotFound,
-                    automaton_store::ErrorKind::Refused => Refusal::Illegal,
-                    _ => Refusal::Other,
-                },
-            },
-            Error::LeaseNotFound(_) => Refusal::NotFound,
-            Error::Invalid(_) => Refusal::Invalid,
-            Error::PermissionDenied(_) => Refusal::PermissionDenied,
-            Error::Refused(_) => Refusal::NoSession,
-            Error::Unavailable(_) => Refusal::Unavailable,
-            _ => Refusal::Other,
-        }
-    }
-}
-
-/// The class of a task's waiting reason (as dispatch words it, see `dispatch::waiting_reason`
-/// and `waves.rs`).
 fn waiting_class(why: &str) -> &'static str {
     if why.starts_with("manual mode") {
         "manual_mode"
@@ -158,157 +60,12 @@ const WAITING_CLASSES: [&str; 11] = [
 
 const WORKER_STATES: [&str; 5] = ["idle", "busy", "draining", "reconnecting", "lost"];
 
-/// The counters and histograms the lease and dispatch paths update.
-pub(crate) struct Metrics {
-    claims: Counter,
-    renewals: Counter,
-    releases: Counter,
-    expiries: [Counter; END_REASONS.len()],
-    refusals: [Counter; Refusal::ALL.len()],
-    dispatch_latency: Histogram,
-    assignments: [Counter; PHASES],
-    /// From the assignment queued on a worker's stream to the worker's answer: accepted,
-    /// refused.
-    answers: [Histogram; 2],
-    /// Tasks dispatch rounds decided about (a worker chosen, or a waiting reason).
-    decisions: Counter,
-    /// Time rounds spent deciding, in nanoseconds (not the moves and grants that follow).
-    decide_nanos: Counter,
-    /// By phase, then end reason.
-    phase_duration: Vec<Histogram>,
-    /// The store-derived part of a scrape.
-    derived: Derived,
-}
-
-/// Tasks by phase, the part of a scrape that reads the store: read by one scrape at a time
-/// and reused for [`DERIVED_TTL`].
-#[derive(Default)]
-struct Derived {
-    /// The last counts and when they were read.
-    last: Mutex<Option<(Instant, [u64; PHASES])>>,
-    /// Held by the read in flight — by the task doing it, not by the scrape that started it,
-    /// so a scrape that times out does not let a second read start beside the first.
-    flight: Arc<tokio::sync::Mutex<()>>,
-    /// Store reads done for scrapes.
-    reads: Counter,
-}
-
-impl Derived {
-    fn last(&self) -> std::sync::MutexGuard<'_, Option<(Instant, [u64; PHASES])>> {
-        self.last.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The last counts if younger than [`DERIVED_TTL`].
-    fn fresh(&self) -> Option<[u64; PHASES]> {
-        self.last()
-            .filter(|(at, _)| at.elapsed() < DERIVED_TTL)
-            .map(|(_, c)| c)
-    }
-
-    /// The last counts, however old.
-    fn any(&self) -> Option<[u64; PHASES]> {
-        self.last().map(|(_, c)| c)
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Metrics {
-            claims: Counter::new(),
-            renewals: Counter::new(),
-            releases: Counter::new(),
-            expiries: Default::default(),
-            refusals: Default::default(),
-            dispatch_latency: Histogram::new(LATENCY_BUCKETS),
-            assignments: Default::default(),
-            answers: [
-                Histogram::new(LATENCY_BUCKETS),
-                Histogram::new(LATENCY_BUCKETS),
-            ],
-            decisions: Counter::new(),
-            decide_nanos: Counter::new(),
-            phase_duration: (0..PHASES * END_REASONS.len())
-                .map(|_| Histogram::new(PHASE_BUCKETS))
-                .collect(),
-            derived: Derived::default(),
-        }
-    }
-}
-
-fn phase_index(p: Phase) -> usize {
-    Phase::ALL.iter().position(|q| *q == p).unwrap_or(0)
-}
-
-impl Metrics {
-    #[inline]
-    pub(crate) fn granted(&self) {
-        self.claims.inc();
-    }
-
-    #[inline]
-    pub(crate) fn renewed(&self) {
-        self.renewals.inc();
-    }
-
-    pub(crate) fn refused(&self, why: Refusal) {
-        if let Some(c) = Refusal::ALL
-            .iter()
-            .position(|r| *r == why)
-            .and_then(|i| self.refusals.get(i))
-        {
-            c.inc();
-        }
-    }
-
-    /// A lease granted at `claimed` on `phase` ended for `reason`.
-    pub(crate) fn ended(&self, phase: Phase, claimed: SystemTime, reason: &str) {
-        let r = END_REASONS.iter().position(|x| *x == reason);
-        match reason {
-            "released" | "transitioned" => self.releases.inc(),
-            _ => {
-                if let Some(c) = r.and_then(|r| self.expiries.get(r)) {
-                    c.inc();
-                }
-            }
-        }
-        let held = SystemTime::now()
-            .duration_since(claimed)
-            .unwrap_or(Duration::ZERO);
-        if let Some(h) = r.and_then(|r| {
-            self.phase_duration
-                .get(phase_index(phase) * END_REASONS.len() + r)
-        }) {
-            h.observe(held);
-        }
-    }
-
-    /// A worker answered an assignment queued `after` ago.
-    pub(crate) fn answered(&self, accepted: bool, after: Duration) {
-        self.answers[usize::from(!accepted)].observe(after);
-    }
-
-    /// A dispatch round decided about `decisions` tasks in `took`.
-    pub(crate) fn decided(&self, decisions: usize, took: Duration) {
-        self.decisions.add(decisions as u64);
-        self.decide_nanos
-            .add(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
-    }
-
-    /// An assignment of `phase` was handed to a worker's stream, `latency` after the round
-    /// that found the work.
-    pub(crate) fn assigned(&self, phase: Phase, latency: Duration) {
-        self.dispatch_latency.observe(latency);
-        if let Some(c) = self.assignments.get(phase_index(phase)) {
-            c.inc();
-        }
-    }
-}
-
 impl Coordinator {
     /// The scrape: counters as they stand, and what is derived from the coordinator's state
     /// now.
     pub async fn metrics_text(self: &Arc<Self>) -> String {
         let m = &self.metrics;
+        let c = self.engine.counters();
         let mut t = Text::new();
 
         let workers = self.workers(true, None);
@@ -356,17 +113,17 @@ impl Coordinator {
         t.counter(
             "automaton_lease_claims_total",
             "Leases granted: agents' claims and dispatch grants.",
-            m.claims.get(),
+            c.claims(),
         );
         t.counter(
             "automaton_lease_renewals_total",
             "Leases renewed: KeepAlive, Renew, or a claim by the holder.",
-            m.renewals.get(),
+            c.renewals(),
         );
         t.counter(
             "automaton_lease_releases_total",
             "Leases ended by their holder: released, or ended by a transition.",
-            m.releases.get(),
+            c.releases(),
         );
         t.family(
             "automaton_lease_expiries_total",
@@ -374,7 +131,7 @@ impl Coordinator {
             "Leases that ended without their holder: TTL passed (expired), or the worker session died (session_expired) or was replaced (session_replaced).",
         );
         for (i, reason) in END_REASONS.iter().enumerate().skip(2) {
-            let n = m.expiries.get(i).map_or(0, Counter::get);
+            let n = c.expiries(i);
             t.sample(
                 "automaton_lease_expiries_total",
                 &[("reason", reason)],
@@ -387,7 +144,7 @@ impl Coordinator {
             "Claims and renewals refused, by reason.",
         );
         for (i, r) in Refusal::ALL.iter().enumerate() {
-            let n = m.refusals.get(i).map_or(0, Counter::get);
+            let n = c.refusals(i);
             t.sample(
                 "automaton_lease_refusals_total",
                 &[("reason", r.as_str())],
@@ -457,7 +214,7 @@ impl Coordinator {
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
             for (j, outcome) in END_REASONS.iter().enumerate() {
-                let Some(h) = m.phase_duration.get(i * END_REASONS.len() + j) else {
+                let Some(h) = c.phase_duration(i, j) else {
                     continue;
                 };
                 // Only series that happened: 13 phases × 5 outcomes of empty buckets is noise.
@@ -503,7 +260,7 @@ impl Coordinator {
         t.finish()
     }
 
-    /// Every task and sub-task, counted by phase, as read at most [`DERIVED_TTL`] ago; while
+    /// Every task and sub-task, counted by phase, as read at most `DERIVED_TTL` ago; while
     /// another scrape reads the store, the last counts however old. One read at a time, on a
     /// blocking thread of its own: never a permit of [`Coordinator::read`], which dispatch
     /// and the API wait for.
@@ -545,7 +302,7 @@ impl Coordinator {
         let mut counts = [0u64; PHASES];
         let mut unknown = Vec::new();
         {
-            let states = self.states();
+            let states = self.engine.states();
             for n in names {
                 match states.get(&n) {
                     Some(s) => counts[phase_index(s.phase)] += 1,
@@ -576,7 +333,7 @@ impl Coordinator {
         &self,
         f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error> + Send + 'static,
     ) -> Result<T, Error> {
-        let project = self.project.clone();
+        let project = self.engine.project().clone();
         tokio::task::spawn_blocking(move || f(&project))
             .await
             .map_err(|e| Error::Internal(format!("read task failed: {e}")))?
@@ -594,7 +351,10 @@ pub fn render(coord: Arc<Coordinator>) -> Render {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::counters::DERIVED_TTL;
 
     #[test]
     fn every_waiting_reason_dispatch_words_has_its_class() {
@@ -671,7 +431,7 @@ mod tests {
             Coordinator::open(project, crate::state::Options::default()).expect("open");
         for i in 0..n {
             let task: automaton_workflow::TaskName = format!("t-{i}").parse().expect("name");
-            coord.create_task(&task).await.expect("create");
+            coord.engine.create_task(&task).await.expect("create");
         }
         coord
     }
@@ -696,9 +456,10 @@ mod tests {
         // Every permit of the reads dispatch and the API wait for is taken: a scrape still
         // answers, with the tasks counted.
         let _all = coord
-            .reads
+            .engine
+            .read_permits()
             .clone()
-            .acquire_many_owned(crate::state::MAX_BLOCKING_READS as u32)
+            .acquire_many_owned(automaton_engine::MAX_BLOCKING_READS as u32)
             .await
             .expect("permits");
         let text = tokio::time::timeout(Duration::from_secs(10), coord.metrics_text())
@@ -741,50 +502,5 @@ mod tests {
         let fresh = coord.tasks_by_phase().await.expect("counts");
         assert_eq!(fresh.iter().sum::<u64>(), 2);
         assert_eq!(d.reads.get(), 1);
-    }
-
-    #[test]
-    fn a_lease_end_counts_as_a_release_or_an_expiry_by_its_reason() {
-        let m = Metrics::default();
-        let claimed = SystemTime::now() - Duration::from_secs(2);
-        m.ended(Phase::Design, claimed, "released");
-        m.ended(Phase::Design, claimed, "transitioned");
-        m.ended(Phase::Implement, claimed, "expired");
-        m.ended(Phase::Implement, claimed, "session_expired");
-        assert_eq!(m.releases.get(), 2);
-        assert_eq!(
-            m.expiries.iter().map(Counter::get).collect::<Vec<_>>(),
-            [0, 0, 1, 1, 0]
-        );
-        let h = &m.phase_duration[phase_index(Phase::Implement) * END_REASONS.len() + 2];
-        assert_eq!(h.count(), 1);
-        assert!(h.sum_seconds() >= 2.0, "{}", h.sum_seconds());
-    }
-
-    #[test]
-    fn refusals_are_classified_by_what_refused_them() {
-        let task: automaton_workflow::TaskName = "t".parse().expect("task");
-        for (e, r) in [
-            (Error::LeaseNotFound("x".into()), Refusal::NotFound),
-            (Error::Invalid("x".into()), Refusal::Invalid),
-            (Error::Refused("x".into()), Refusal::NoSession),
-            (
-                Error::Store(automaton_store::Error::StaleToken {
-                    task: task.clone(),
-                    given: 1,
-                    current: Some(2),
-                }),
-                Refusal::StaleToken,
-            ),
-            (
-                Error::Store(automaton_store::Error::TaskNotFound {
-                    task,
-                    tasks: String::new(),
-                }),
-                Refusal::NotFound,
-            ),
-        ] {
-            assert_eq!(Refusal::of(&e), r, "{e}");
-        }
     }
 }

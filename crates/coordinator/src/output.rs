@@ -12,6 +12,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use automaton_engine::{Engine, Error};
 use automaton_proto::v1 as pb;
 use automaton_workflow::TaskName;
 use tokio::sync::Notify;
@@ -19,10 +20,10 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::Error;
+use crate::IntoStatus;
 use crate::auth::caller;
 use crate::config::Role;
-use crate::service::{Service, require_operator};
+use crate::wire::require_operator;
 
 /// The most of one run's output kept (its end).
 pub const RUN_TAIL_BYTES: usize = 256 << 10;
@@ -265,162 +266,163 @@ impl Inner {
 
 type Stream<T> = ReceiverStream<Result<T, Status>>;
 
-impl Service {
-    /// `Work.StreamOutput`: every chunk is checked against the lease (id, token, holder).
-    pub(crate) async fn stream_output_in(
-        &self,
-        req: Request<Streaming<pb::OutputChunk>>,
-    ) -> Result<Response<pb::StreamOutputResponse>, Status> {
-        let who = caller(&req);
-        let bound = match who.role {
+/// `Work.StreamOutput`: every chunk is checked against the lease (id, token, holder).
+pub(crate) async fn stream_output(
+    engine: &Arc<Engine>,
+    outputs: &Arc<Outputs>,
+    req: Request<Streaming<pb::OutputChunk>>,
+) -> Result<Response<pb::StreamOutputResponse>, Status> {
+    let who = caller(&req);
+    let bound =
+        match who.role {
             Role::Operator => None,
             Role::Agent | Role::Worker => Some(who.name.parse().map_err(
-                |e: automaton_workflow::NameError| Status::from(Error::Store(e.into())),
+                |e: automaton_workflow::NameError| crate::status(Error::Store(e.into())),
             )?),
         };
-        let mut chunks = req.into_inner();
-        let mut run: Option<Arc<RunOutput>> = None;
-        let mut end = 0;
-        while let Some(chunk) = chunks.next().await {
-            let c = chunk?;
-            if c.data.len() > MAX_CHUNK_BYTES {
-                return Err(Error::Invalid(format!(
-                    "an output chunk of {} bytes is over {MAX_CHUNK_BYTES}: send smaller chunks",
-                    c.data.len()
-                ))
-                .into());
-            }
-            if c.offset.saturating_add(c.data.len() as u64) > MAX_OFFSET {
-                return Err(Error::Invalid(format!(
-                    "an output offset of {} is past {MAX_OFFSET}: send offsets from 0, the bytes of the run's output so far",
-                    c.offset
-                ))
-                .into());
-            }
-            if run.as_ref().is_some_and(|r| r.lease_id != c.lease_id) {
-                return Err(Error::Invalid(
-                    "one StreamOutput call carries one lease's output: open another call for another lease"
-                        .into(),
-                )
-                .into());
-            }
-            let live = match self
-                .coord
-                .lease_for_work(&c.lease_id, c.token, bound.as_ref())
-                .await
-            {
-                Ok(l) => l,
-                Err(e) => {
-                    if let Some(r) = &run {
-                        r.finish("the run's lease ended");
-                    }
-                    return Err(e.into());
-                }
-            };
-            let r = run.get_or_insert_with(|| {
-                self.outputs.run(
-                    &live.task,
-                    &live.lease_id,
-                    live.token,
-                    &live.state.phase.to_string(),
-                    live.agent.as_str(),
-                )
-            });
-            end = r.append(c.offset, &c.data);
-            if c.ended {
-                r.finish("output closed");
-                break;
-            }
+    let mut chunks = req.into_inner();
+    let mut run: Option<Arc<RunOutput>> = None;
+    let mut end = 0;
+    while let Some(chunk) = chunks.next().await {
+        let c = chunk?;
+        if c.data.len() > MAX_CHUNK_BYTES {
+            return Err(Error::Invalid(format!(
+                "an output chunk of {} bytes is over {MAX_CHUNK_BYTES}: send smaller chunks",
+                c.data.len()
+            ))
+            .into_status());
         }
-        Ok(Response::new(pb::StreamOutputResponse { end }))
-    }
-
-    /// `Workers.TailOutput`.
-    pub(crate) async fn tail_output_in(
-        &self,
-        req: Request<pb::TailOutputRequest>,
-    ) -> Result<Response<Stream<pb::OutputEvent>>, Status> {
-        require_operator(&caller(&req), "TailOutput")?;
-        let r = req.into_inner();
-        let task: TaskName = r
-            .task
-            .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))?;
-        let Some(run) = self.outputs.find(&task, &r.lease_id) else {
-            let which = if r.lease_id.is_empty() {
-                String::new()
-            } else {
-                format!(" of run '{}'", automaton_workflow::excerpt(&r.lease_id))
-            };
-            return Err(Status::not_found(format!(
-                "no output{which} of '{task}' is kept: it has run nothing since this coordinator started leading (see `automaton status --task {task}` for its runs)"
-            )));
-        };
-        // A run whose worker died, or whose lease ended with nothing more sent, ends here.
-        if !run.is_ended()
-            && self
-                .coord
-                .lease_for_work(&run.lease_id, run.token, None)
-                .await
-                .is_err()
+        if c.offset.saturating_add(c.data.len() as u64) > MAX_OFFSET {
+            return Err(Error::Invalid(format!(
+                "an output offset of {} is past {MAX_OFFSET}: send offsets from 0, the bytes of the run's output so far",
+                c.offset
+            ))
+            .into_status());
+        }
+        if run.as_ref().is_some_and(|r| r.lease_id != c.lease_id) {
+            return Err(Error::Invalid(
+                "one StreamOutput call carries one lease's output: open another call for another lease"
+                    .into(),
+            )
+            .into_status());
+        }
+        let live = match engine
+            .lease_for_work(&c.lease_id, c.token, bound.as_ref())
+            .await
         {
-            run.finish("the run's lease ended");
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(r) = &run {
+                    r.finish("the run's lease ended");
+                }
+                return Err(e.into_status());
+            }
+        };
+        let r = run.get_or_insert_with(|| {
+            outputs.run(
+                &live.task,
+                &live.lease_id,
+                live.token,
+                &live.state.phase.to_string(),
+                live.agent.as_str(),
+            )
+        });
+        end = r.append(c.offset, &c.data);
+        if c.ended {
+            r.finish("output closed");
+            break;
         }
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let coord = self.coord.clone();
-        let mut shutdown = self.shutdown.clone();
-        tokio::spawn(async move {
-            let mut at = {
-                let t = run.lock();
-                match r.tail_bytes {
-                    0 => t.start,
-                    n => t.end().saturating_sub(n).max(t.start),
-                }
-            };
-            loop {
-                let notified = run.notify.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                let read = run.read(at);
-                let sent_bytes = !read.data.is_empty();
-                let ended = read.ended.clone();
-                if sent_bytes || read.skipped > 0 || ended.is_some() {
-                    at = read.offset + read.data.len() as u64;
-                    let ev = pb::OutputEvent {
-                        data: read.data,
-                        skipped: read.skipped,
-                        ended: ended.is_some(),
-                        end_reason: ended.clone().unwrap_or_default(),
-                        ..run.event_at(read.offset)
-                    };
-                    if tx.send(Ok(ev)).await.is_err() || ended.is_some() {
-                        return;
-                    }
-                    if sent_bytes {
-                        continue;
-                    }
-                }
-                if !r.follow {
-                    // What is kept, sent: the reader asked for no more.
-                    let _ = tx.send(Ok(run.event_at(at))).await;
+    }
+    Ok(Response::new(pb::StreamOutputResponse { end }))
+}
+
+/// `Workers.TailOutput`.
+pub(crate) async fn tail_output(
+    engine: &Arc<Engine>,
+    outputs: &Arc<Outputs>,
+    shutdown: &tokio::sync::watch::Receiver<bool>,
+    req: Request<pb::TailOutputRequest>,
+) -> Result<Response<Stream<pb::OutputEvent>>, Status> {
+    require_operator(&caller(&req), "TailOutput")?;
+    let r = req.into_inner();
+    let task: TaskName = r
+        .task
+        .parse()
+        .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
+        .map_err(crate::status)?;
+    let Some(run) = outputs.find(&task, &r.lease_id) else {
+        let which = if r.lease_id.is_empty() {
+            String::new()
+        } else {
+            format!(" of run '{}'", automaton_workflow::excerpt(&r.lease_id))
+        };
+        return Err(Status::not_found(format!(
+            "no output{which} of '{task}' is kept: it has run nothing since this coordinator started leading (see `automaton status --task {task}` for its runs)"
+        )));
+    };
+    // A run whose worker died, or whose lease ended with nothing more sent, ends here.
+    if !run.is_ended()
+        && engine
+            .lease_for_work(&run.lease_id, run.token, None)
+            .await
+            .is_err()
+    {
+        run.finish("the run's lease ended");
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let engine = engine.clone();
+    let mut shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        let mut at = {
+            let t = run.lock();
+            match r.tail_bytes {
+                0 => t.start,
+                n => t.end().saturating_sub(n).max(t.start),
+            }
+        };
+        loop {
+            let notified = run.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let read = run.read(at);
+            let sent_bytes = !read.data.is_empty();
+            let ended = read.ended.clone();
+            if sent_bytes || read.skipped > 0 || ended.is_some() {
+                at = read.offset + read.data.len() as u64;
+                let ev = pb::OutputEvent {
+                    data: read.data,
+                    skipped: read.skipped,
+                    ended: ended.is_some(),
+                    end_reason: ended.clone().unwrap_or_default(),
+                    ..run.event_at(read.offset)
+                };
+                if tx.send(Ok(ev)).await.is_err() || ended.is_some() {
                     return;
                 }
-                tokio::select! {
-                    () = &mut notified => {}
-                    () = tokio::time::sleep(LIVENESS_CHECK) => {
-                        // A worker that died, or a lease ended while nothing came: the
-                        // output will not end on its own.
-                        if coord.lease_for_work(&run.lease_id, run.token, None).await.is_err() {
-                            run.finish("the run's lease ended");
-                        }
-                    }
-                    () = tx.closed() => return,
-                    _ = shutdown.changed() => return,
+                if sent_bytes {
+                    continue;
                 }
             }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
+            if !r.follow {
+                // What is kept, sent: the reader asked for no more.
+                let _ = tx.send(Ok(run.event_at(at))).await;
+                return;
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep(LIVENESS_CHECK) => {
+                    // A worker that died, or a lease ended while nothing came: the
+                    // output will not end on its own.
+                    if engine.lease_for_work(&run.lease_id, run.token, None).await.is_err() {
+                        run.finish("the run's lease ended");
+                    }
+                }
+                () = tx.closed() => return,
+                _ = shutdown.changed() => return,
+            }
+        }
+    });
+    Ok(Response::new(ReceiverStream::new(rx)))
 }
 
 #[cfg(test)]

@@ -2,9 +2,9 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::SystemTime;
 
-use automaton_proto::prost_types;
+use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::{mpsc, watch};
@@ -13,11 +13,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::Error;
+use crate::IntoStatus;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
-use crate::lease_ops::Presented;
 use crate::state::Coordinator;
-use crate::table::Live;
+use crate::wire::{duration_arg, lease_pb, require_operator, timestamp};
 
 type Res<T> = Result<Response<T>, Status>;
 
@@ -31,46 +31,12 @@ pub struct Service {
 
 fn task_name(s: &str) -> Result<TaskName, Status> {
     s.parse::<TaskName>()
-        .map_err(|e| Error::Store(e.into()).into())
+        .map_err(|e| Error::Store(e.into()).into_status())
 }
 
 fn agent_id(s: &str) -> Result<AgentId, Status> {
     s.parse::<AgentId>()
-        .map_err(|e| Error::Store(e.into()).into())
-}
-
-/// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
-/// files hold: 1970 to 9999), so that no client's JSON mapping refuses it.
-pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
-    automaton_store::clamp_time(t).into()
-}
-
-/// A length of time as the wire carries it (saturating at the largest it can hold).
-pub(crate) fn duration(d: Duration) -> prost_types::Duration {
-    prost_types::Duration {
-        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        nanos: d.subsec_nanos() as i32,
-    }
-}
-
-/// A duration a request sent, checked: negative or with `nanos` outside 0..1e9 it is
-/// INVALID_ARGUMENT (prost would normalise the latter silently).
-pub(crate) fn duration_arg(field: &str, d: &prost_types::Duration) -> Result<Duration, Status> {
-    if d.seconds < 0 || d.nanos < 0 {
-        return Err(Error::Invalid(format!(
-            "{field} is negative ({}s {}ns): send a positive duration, or leave {field} unset for the default",
-            d.seconds, d.nanos
-        ))
-        .into());
-    }
-    if d.nanos >= 1_000_000_000 {
-        return Err(Error::Invalid(format!(
-            "{field}.nanos is {}, outside 0..999999999: carry whole seconds in {field}.seconds",
-            d.nanos
-        ))
-        .into());
-    }
-    Ok(Duration::new(d.seconds as u64, d.nanos as u32))
+        .map_err(|e| Error::Store(e.into()).into_status())
 }
 
 fn state_str(s: Option<State>) -> String {
@@ -201,23 +167,6 @@ fn text_prefix(bytes: &[u8], max: usize) -> String {
     String::from_utf8_lossy(&bytes[..end]).into_owned()
 }
 
-pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
-    if c.role == Role::Operator {
-        Ok(())
-    } else {
-        Err(Error::PermissionDenied(format!(
-            "{what} needs an operator token; '{}' is {}",
-            c.name,
-            if c.role == Role::Worker {
-                "a worker"
-            } else {
-                "an agent"
-            }
-        ))
-        .into())
-    }
-}
-
 /// The agent a caller acts as. An agent or worker token is bound to its name: the request's
 /// agent must be empty or that name. An operator names any agent.
 fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
@@ -236,11 +185,11 @@ fn acting_agent(who: &Caller, requested: &str) -> Result<AgentId, Status> {
             automaton_workflow::excerpt(requested),
             who.name
         ))
-        .into()),
+        .into_status()),
         Role::Operator if requested.is_empty() => Err(Error::Invalid(
             "no agent named: send the agent that acts (an operator may act for any agent)".into(),
         )
-        .into()),
+        .into_status()),
         Role::Operator => agent_id(requested),
     }
 }
@@ -278,26 +227,9 @@ fn lease_id_arg(id: &str) -> Result<&str, Status> {
             "lease id '{}' is longer than {MAX_LEASE_ID} bytes: send the lease_id a Claim returned",
             automaton_workflow::excerpt(id)
         ))
-        .into());
+        .into_status());
     }
     Ok(id)
-}
-
-pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {
-    let now = Instant::now();
-    pb::Lease {
-        task: l.task.to_string(),
-        agent: l.agent.to_string(),
-        lease_id: l.lease_id.clone(),
-        token: l.token,
-        state: l.state.to_string(),
-        ttl: Some(duration(l.ttl)),
-        expires_at: Some(timestamp(l.expires_at(now))),
-        remaining: Some(duration(l.deadline.saturating_duration_since(now))),
-        renewed,
-        session_id: l.session.as_deref().unwrap_or_default().to_string(),
-        claimed_at: Some(timestamp(l.claimed)),
-    }
 }
 
 fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
@@ -357,7 +289,7 @@ impl Service {
         if s.attention.is_empty() {
             s.attention = work.attention(&t).unwrap_or_default();
         }
-        if !self.coord.policy.autopilot
+        if !self.coord.engine.policy().autopilot
             && let Ok(state) = s.state.parse::<State>()
         {
             let running = !s.lease_holder.is_empty() || work.requested(&t);
@@ -372,7 +304,11 @@ impl pb::tasks_server::Tasks for Service {
     async fn create_task(&self, req: Request<pb::CreateTaskRequest>) -> Res<pb::TaskSummary> {
         require_operator(&caller(&req), "CreateTask")?;
         let task = task_name(&req.get_ref().task)?;
-        self.coord.create_task(&task).await?;
+        self.coord
+            .engine
+            .create_task(&task)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::TaskSummary {
             task: task.to_string(),
             state: "new".into(),
@@ -387,15 +323,23 @@ impl pb::tasks_server::Tasks for Service {
         let who = caller(&req);
         let task = task_name(&req.get_ref().task)?;
         // A lease the CLI took while no coordinator ran is shown once adopted.
-        self.coord.touch_guarded(&task).await?;
+        self.coord
+            .engine
+            .touch_guarded(&task)
+            .await
+            .map_err(crate::status)?;
         let t = task.clone();
         let mut view = self
             .coord
+            .engine
             .read(move |p| p.view(&t, SystemTime::now()))
-            .await?;
+            .await
+            .map_err(crate::status)?;
         // The coordinator's table is the truth; the file view may lag it.
-        self.coord.implementers(&task, &mut view.implementers);
-        let live = self.coord.live_of(&task);
+        self.coord
+            .engine
+            .implementers(&task, &mut view.implementers);
+        let live = self.coord.engine.live_of(&task);
         let secrets = live.as_ref().is_some_and(|l| may_see_secrets(&who, l));
         let lease = live.as_ref().map(|l| {
             let mut shown = lease_pb(l, false);
@@ -452,13 +396,15 @@ impl pb::tasks_server::Tasks for Service {
             let (t, which) = (task.clone(), view.artifacts.clone());
             let texts = self
                 .coord
+                .engine
                 .read(move |p| {
                     which
                         .iter()
                         .map(|a| p.read_artifact(&t, a.artifact))
                         .collect::<Result<Vec<_>, _>>()
                 })
-                .await?;
+                .await
+                .map_err(crate::status)?;
             for (file, text) in artifacts.iter_mut().zip(texts) {
                 let bytes = text.unwrap_or_default();
                 file.truncated = bytes.len() > ARTIFACT_SHOWN;
@@ -489,11 +435,16 @@ impl pb::tasks_server::Tasks for Service {
     }
 
     async fn list_tasks(&self, _req: Request<pb::ListTasksRequest>) -> Res<pb::ListTasksResponse> {
-        let mut entries = self.coord.read(|p| p.list(SystemTime::now())).await?;
+        let mut entries = self
+            .coord
+            .engine
+            .read(|p| p.list(SystemTime::now()))
+            .await
+            .map_err(crate::status)?;
         for e in &mut entries {
-            e.lease_holder = self.coord.lease_of(&e.task).map(|l| l.agent);
+            e.lease_holder = self.coord.engine.lease_of(&e.task).map(|l| l.agent);
             for s in &mut e.subtasks {
-                s.lease_holder = self.coord.lease_of(&s.task).map(|l| l.agent);
+                s.lease_holder = self.coord.engine.lease_of(&s.task).map(|l| l.agent);
             }
         }
         let mut tasks: Vec<pb::TaskSummary> = entries.iter().map(summary).collect();
@@ -514,17 +465,21 @@ impl pb::tasks_server::Tasks for Service {
         let who = caller(&req);
         let r = req.into_inner();
         let task = task_name(&r.task)?;
-        let target: State = r.target.parse().map_err(|_| {
-            Error::Invalid(format!(
-                "Unknown phase '{}': name one of {}",
-                r.target,
-                State::all()
-                    .iter()
-                    .map(State::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        })?;
+        let target: State = r
+            .target
+            .parse()
+            .map_err(|_| {
+                Error::Invalid(format!(
+                    "Unknown phase '{}': name one of {}",
+                    r.target,
+                    State::all()
+                        .iter()
+                        .map(State::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })
+            .map_err(crate::status)?;
         let agent = agent_of_change(&who, &r.agent)?;
         let presented = Presented {
             agent,
@@ -538,9 +493,14 @@ impl pb::tasks_server::Tasks for Service {
                 "'{}' is an agent: an agent transitions only under its lease (present lease_id and token)",
                 who.name
             ))
-            .into());
+            .into_status());
         }
-        let (from, ended) = self.coord.transition(&task, target, &presented).await?;
+        let (from, ended) = self
+            .coord
+            .engine
+            .transition(&task, target, &presented)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::TransitionResponse {
             task: task.to_string(),
             from: from.to_string(),
@@ -560,7 +520,12 @@ impl pb::tasks_server::Tasks for Service {
         } else {
             r.approver
         };
-        let out = self.coord.approve(&task, &approver).await?;
+        let out = self
+            .coord
+            .engine
+            .approve(&task, &approver)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::ApproveResponse {
             task: task.to_string(),
             from: out.from.to_string(),
@@ -577,7 +542,12 @@ impl pb::tasks_server::Tasks for Service {
     ) -> Res<pb::ValidateFolderResponse> {
         // No task: every task and sub-task, as `--validate-folder` without `--task`.
         if req.get_ref().task.is_empty() {
-            let all = self.coord.read(|p| p.validate_all()).await?;
+            let all = self
+                .coord
+                .engine
+                .read(|p| p.validate_all())
+                .await
+                .map_err(crate::status)?;
             return Ok(Response::new(pb::ValidateFolderResponse {
                 exit_code: all.exit_code(),
                 reports: all.reports.iter().map(folder_report).collect(),
@@ -593,7 +563,12 @@ impl pb::tasks_server::Tasks for Service {
             }));
         }
         let task = task_name(&req.get_ref().task)?;
-        let report = self.coord.read(move |p| p.validate_folder(&task)).await?;
+        let report = self
+            .coord
+            .engine
+            .read(move |p| p.validate_folder(&task))
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::ValidateFolderResponse {
             exit_code: if report.passed() { 0 } else { 1 },
             reports: vec![folder_report(&report)],
@@ -602,7 +577,12 @@ impl pb::tasks_server::Tasks for Service {
     }
 
     async fn audit(&self, _req: Request<pb::AuditRequest>) -> Res<pb::AuditResponse> {
-        let report = self.coord.read(|p| p.audit()).await?;
+        let report = self
+            .coord
+            .engine
+            .read(|p| p.audit())
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(audit_pb(&report)))
     }
 }
@@ -622,7 +602,7 @@ impl pb::leases_server::Leases for Service {
                 "session id '{}' is longer than {MAX_LEASE_ID} bytes: send the session_id a SessionGranted returned",
                 automaton_workflow::excerpt(&r.session_id)
             ))
-            .into());
+            .into_status());
         }
         // A worker claims only in its session; an operator may claim in any (the session
         // then names the agent); an agent's own leases belong to no session.
@@ -634,7 +614,7 @@ impl pb::leases_server::Leases for Service {
                         "session '{}' has ended (or never existed): the worker must register again",
                         automaton_workflow::excerpt(&r.session_id)
                     ))
-                    .into());
+                    .into_status());
                 };
                 if !r.agent.is_empty() && r.agent != name.as_str() {
                     return Err(Error::Invalid(format!(
@@ -642,7 +622,7 @@ impl pb::leases_server::Leases for Service {
                         r.session_id,
                         automaton_workflow::excerpt(&r.agent)
                     ))
-                    .into());
+                    .into_status());
                 }
                 (name, Some(r.session_id.as_str()))
             }
@@ -651,13 +631,17 @@ impl pb::leases_server::Leases for Service {
                     "'{}' holds an agent token: only workers (and operators) claim in a worker session",
                     who.name
                 ))
-                .into());
+                .into_status());
             }
             _ => (acting_agent(&who, &r.agent)?, None),
         };
         let g = {
             let ttl = r.ttl.as_ref().map(|d| duration_arg("ttl", d)).transpose()?;
-            self.coord.claim_in(&task, &agent, ttl, session).await?
+            self.coord
+                .engine
+                .claim_in(&task, &agent, ttl, session)
+                .await
+                .map_err(crate::status)?
         };
         Ok(Response::new(lease_pb(&g.live, g.renewed)))
     }
@@ -667,13 +651,15 @@ impl pb::leases_server::Leases for Service {
         let r = req.into_inner();
         let l = self
             .coord
+            .engine
             .renew(
                 lease_id_arg(&r.lease_id)?,
                 (r.token != 0).then_some(r.token),
                 who.as_ref(),
             )
-            .await?;
-        self.coord.emit_renewed(&l);
+            .await
+            .map_err(crate::status)?;
+        self.coord.engine.emit_renewed(&l);
         Ok(Response::new(lease_pb(&l, true)))
     }
 
@@ -683,12 +669,14 @@ impl pb::leases_server::Leases for Service {
         let agent = agent_of_change(&who, &r.agent)?;
         let l = self
             .coord
+            .engine
             .release(
                 lease_id_arg(&r.lease_id)?,
                 (r.token != 0).then_some(r.token),
                 agent.as_ref(),
             )
-            .await?;
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::ReleaseResponse {
             released: Some(lease_pb(&l, false)),
         }))
@@ -719,7 +707,7 @@ impl pb::events_server::Events for Service {
     ) -> Res<Self::WatchEventsStream> {
         // Fencing tokens are for holders and operators.
         let tokens_shown = caller(&req).role == Role::Operator;
-        let mut events = self.coord.subscribe_events();
+        let mut events = self.coord.engine.subscribe_events();
         let mut stop = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(async move {
@@ -766,45 +754,5 @@ mod tests {
         assert_eq!(text_prefix("aé".as_bytes(), 3), "aé");
         assert_eq!(text_prefix(b"ab\xffc", 10), "ab\u{fffd}c");
         assert_eq!(text_prefix(b"", 0), "");
-    }
-
-    fn d(seconds: i64, nanos: i32) -> prost_types::Duration {
-        prost_types::Duration { seconds, nanos }
-    }
-
-    #[test]
-    fn duration_arg_refuses_negative_and_out_of_range_nanos_in_one_line() {
-        for (bad, says) in [
-            (d(-1, 0), "ttl is negative"),
-            (d(0, -1), "ttl is negative"),
-            (d(i64::MIN, -999_999_999), "ttl is negative"),
-            (d(0, 1_000_000_000), "ttl.nanos is 1000000000"),
-            (d(i64::MAX, i32::MAX), "outside 0..999999999"),
-        ] {
-            let s = duration_arg("ttl", &bad).expect_err("refused");
-            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{bad:?}");
-            assert!(s.message().contains(says), "{bad:?}: {}", s.message());
-            assert!(!s.message().contains('\n'));
-        }
-        assert_eq!(
-            duration_arg("ttl", &d(i64::MAX, 999_999_999)).ok(),
-            Some(Duration::new(i64::MAX as u64, 999_999_999))
-        );
-        assert_eq!(duration_arg("ttl", &d(0, 0)).ok(), Some(Duration::ZERO));
-    }
-
-    #[test]
-    fn durations_out_saturate_and_round_trip() {
-        assert_eq!(duration(Duration::MAX), d(i64::MAX, 999_999_999));
-        let x = Duration::new(1800, 5);
-        assert_eq!(duration_arg("x", &duration(x)).ok(), Some(x));
-    }
-
-    #[test]
-    fn timestamps_out_stay_within_what_json_can_hold() {
-        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40);
-        assert_eq!(timestamp(far).seconds, 253_402_300_799);
-        let before = SystemTime::UNIX_EPOCH - Duration::from_secs(5);
-        assert_eq!(timestamp(before), prost_types::Timestamp::default());
     }
 }

@@ -143,8 +143,11 @@ fn fuzz_coordinator_start() {
         project.meta().join("fencing"),
     ];
     let options = Options {
-        grace: Duration::from_secs(1),
-        log_compact_bytes: 1 << 20,
+        engine: automaton_engine::Options {
+            grace: Duration::from_secs(1),
+            log_compact_bytes: 1 << 20,
+            ..Default::default()
+        },
         ..Options::default()
     };
     let cases = iterations(CASES).div_ceil(40);
@@ -166,12 +169,12 @@ fn fuzz_coordinator_start() {
         };
         let _ = notes.join("\n");
         let now = Instant::now();
-        if let Some(l) = coord.lease_of(&task) {
+        if let Some(l) = coord.engine.lease_of(&task) {
             let _ = (l.render(), format_time(l.expires));
         }
         // As the service hands a request's `ttl_ms` over (0 means the policy's).
         let ttl = ttl_ms.filter(|&ms| ms != 0).map(Duration::from_millis);
-        match rt.block_on(coord.claim(&task, &agent, ttl)) {
+        match rt.block_on(coord.engine.claim(&task, &agent, ttl)) {
             Ok(g) => {
                 // What the reply and the `.state.lock` view show.
                 let _ = (format_time(g.live.expires_at(now)), g.live.view().render());

@@ -9,10 +9,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use automaton_engine::Event;
 use automaton_webhooks::{Event as Hook, Notification, Webhooks};
 use tokio::sync::{broadcast, watch};
 
-use crate::events::Event;
 use crate::state::Coordinator;
 
 /// The same task's `human_intervention` twice within this is one notification (the
@@ -78,7 +78,7 @@ pub(crate) fn spawn(
     link: Option<String>,
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let mut sub = coord.subscribe_events();
+    let mut sub = coord.engine.subscribe_events();
     tokio::spawn(async move {
         let mut recent: HashMap<String, Instant> = HashMap::new();
         loop {

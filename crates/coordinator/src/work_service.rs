@@ -16,71 +16,28 @@
 
 use std::sync::Arc;
 
+use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
 use automaton_workflow::{AgentId, Artifact, State, TaskName};
 use sha2::{Digest, Sha256};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::field::Empty;
 
 use crate::Error;
+use crate::IntoStatus;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
-use crate::lease_ops::Presented;
 use crate::service::Service;
 use crate::state::Coordinator;
-use crate::table::Live;
 
 /// Bytes per `FileData` message (well under the message limit).
 const CHUNK: usize = 1 << 20;
 /// A patch may change at most this many files, with at most this much content.
 const MAX_PATCH_FILES: usize = 10_000;
 const MAX_PATCH_BYTES: u64 = 256 << 20;
-/// What all uploads in flight may hold in memory by default: two patches at their cap.
-pub(crate) const DEFAULT_UPLOAD_MEMORY_BYTES: u64 = 512 << 20;
-
-/// The bytes all uploads in flight may hold in memory together: a semaphore of bytes, taken
-/// as they arrive, given back when the upload's bytes are dropped.
-pub(crate) struct UploadBudget {
-    bytes: Arc<Semaphore>,
-    total: u64,
-}
-
-impl UploadBudget {
-    pub(crate) fn new(total: u64) -> UploadBudget {
-        let total = total.min(Semaphore::MAX_PERMITS as u64);
-        UploadBudget {
-            bytes: Arc::new(Semaphore::new(total as usize)),
-            total,
-        }
-    }
-
-    /// Takes `n` more bytes into `held`, or refuses the upload (which then drops `held`).
-    fn take(&self, held: &mut Option<OwnedSemaphorePermit>, n: u64) -> Result<(), Status> {
-        let refused = || {
-            let busy = self.total - self.bytes.available_permits() as u64;
-            Status::resource_exhausted(format!(
-                "uploads in flight hold {busy} of the coordinator's {} bytes for uploads \
-                 (max_upload_memory_bytes): retry this upload later, or send a smaller one",
-                self.total
-            ))
-        };
-        let n = u32::try_from(n).map_err(|_| refused())?;
-        let permit = self
-            .bytes
-            .clone()
-            .try_acquire_many_owned(n)
-            .map_err(|_| refused())?;
-        match held {
-            Some(h) => h.merge(permit),
-            None => *held = Some(permit),
-        }
-        Ok(())
-    }
-}
-
 /// The task file a review phase finds the change in.
 const CHANGES_DIFF: &str = "changes.diff";
 
@@ -109,7 +66,7 @@ fn bound(who: &Caller) -> Result<Option<AgentId>, Status> {
             .name
             .parse()
             .map(Some)
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()).into()),
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()).into_status()),
     }
 }
 
@@ -120,7 +77,7 @@ fn artifact_of(l: &Live) -> Result<Artifact, Status> {
             "'{}' has no deliverable in {}: nothing to upload",
             l.task, l.state
         ))
-        .into()
+        .into_status()
     })
 }
 
@@ -139,7 +96,7 @@ fn plain_name(name: &str) -> Result<&str, Status> {
             "'{}' is not an artifact name: send the phase's file name, e.g. SPEC.md (no path, no hidden file)",
             automaton_workflow::excerpt(name)
         ))
-        .into())
+        .into_status())
     }
 }
 
@@ -154,25 +111,26 @@ impl Coordinator {
         f: impl FnOnce(&automaton_store::Project) -> Result<T, automaton_store::Error> + Send + 'static,
     ) -> Result<T, Error> {
         let (t, id) = (task.clone(), lease_id.to_string());
-        self.to_completion(task, move |c| async move {
-            let current = c.live_of(&t);
-            if current
-                .as_ref()
-                .is_none_or(|l| l.lease_id != id || l.token != token)
-            {
-                return Err(Error::Store(automaton_store::Error::StaleToken {
-                    task: t.clone(),
-                    given: token,
-                    current: current.map(|l| l.token),
-                }));
-            }
-            let project = c.project.clone();
-            tokio::task::spawn_blocking(move || f(&project))
-                .await
-                .map_err(|e| Error::Internal(format!("a fenced write failed: {e}")))?
-                .map_err(Error::from)
-        })
-        .await
+        self.engine
+            .to_completion(task, move |c| async move {
+                let current = c.live_of(&t);
+                if current
+                    .as_ref()
+                    .is_none_or(|l| l.lease_id != id || l.token != token)
+                {
+                    return Err(Error::Store(automaton_store::Error::StaleToken {
+                        task: t.clone(),
+                        given: token,
+                        current: current.map(|l| l.token),
+                    }));
+                }
+                let project = c.project().clone();
+                tokio::task::spawn_blocking(move || f(&project))
+                    .await
+                    .map_err(|e| Error::Internal(format!("a fenced write failed: {e}")))?
+                    .map_err(Error::from)
+            })
+            .await
     }
 }
 
@@ -268,7 +226,7 @@ impl pb::work_server::Work for Service {
         &self,
         req: Request<Streaming<pb::OutputChunk>>,
     ) -> Result<Response<pb::StreamOutputResponse>, Status> {
-        self.stream_output_in(req).await
+        crate::output::stream_output(&self.coord.engine, &self.outputs, req).await
     }
 }
 
@@ -281,13 +239,16 @@ impl Service {
         let r = req.into_inner();
         let l = self
             .coord
+            .engine
             .lease_for_work(&r.lease_id, r.token, who.as_ref())
-            .await?;
+            .await
+            .map_err(crate::status)?;
         on_lease(&l);
         let (task, phase) = (l.task.clone(), l.state.phase);
         let cached = r.cached_commits;
         let (inputs, head, code, base) = self
             .coord
+            .engine
             .read(move |p| {
                 let mut inputs = p.work_inputs(&task, phase)?;
                 let head = p.task_branch(&task)?;
@@ -309,7 +270,8 @@ impl Service {
                 }
                 Ok((inputs, head, code, base))
             })
-            .await?;
+            .await
+            .map_err(crate::status)?;
         let mut files = Vec::new();
         let mut bodies: Vec<(&'static str, String, Vec<u8>)> = Vec::new();
         for InputFile {
@@ -393,8 +355,10 @@ impl Service {
         let name = plain_name(&first.name)?.to_string();
         let l = self
             .coord
+            .engine
             .lease_for_work(&first.lease_id, first.token, who.as_ref())
-            .await?;
+            .await
+            .map_err(crate::status)?;
         on_lease(&l);
         let artifact = artifact_of(&l)?;
         if name != artifact.file_name() {
@@ -403,7 +367,7 @@ impl Service {
                 l.state,
                 artifact.file_name()
             ))
-            .into());
+            .into_status());
         }
         if first.size > limit {
             return Err(Status::resource_exhausted(format!(
@@ -459,7 +423,8 @@ impl Service {
                 let _held = held;
                 p.write_artifact(&task, artifact, &bytes)
             })
-            .await?;
+            .await
+            .map_err(crate::status)?;
         tracing::Span::current().record(
             "automaton.detail",
             format!(
@@ -467,7 +432,7 @@ impl Service {
                 if changed { "" } else { ", unchanged" }
             ),
         );
-        self.coord.emit(
+        self.coord.engine.emit(
             "artifact_uploaded",
             &l.task.to_string(),
             l.agent.as_str(),
@@ -498,15 +463,17 @@ impl Service {
         };
         let l = self
             .coord
+            .engine
             .lease_for_work(&first.lease_id, first.token, who.as_ref())
-            .await?;
+            .await
+            .map_err(crate::status)?;
         on_lease(&l);
         if !l.state.phase.allows_code_edits() {
             return Err(Error::Refused(format!(
                 "{} may not change code (only implement and doc_review may): upload no patch",
                 l.state
             ))
-            .into());
+            .into_status());
         }
         let base = first.base_commit.clone();
         if base.len() > 64 || !base.bytes().all(|b| b.is_ascii_hexdigit()) || base.is_empty() {
@@ -569,7 +536,8 @@ impl Service {
                 let _held = held;
                 p.apply_changes(&task, &base, &changes, &author, &message)
             })
-            .await?;
+            .await
+            .map_err(crate::status)?;
         tracing::Span::current().record(
             "automaton.detail",
             format!(
@@ -579,7 +547,7 @@ impl Service {
             ),
         );
         if let Some(c) = &applied.commit {
-            self.coord.emit(
+            self.coord.engine.emit(
                 "code_committed",
                 &l.task.to_string(),
                 l.agent.as_str(),
@@ -604,7 +572,13 @@ impl Service {
         who: Option<&AgentId>,
     ) -> Result<Option<pb::CompletePhaseResponse>, Status> {
         let id = r.lease_id.clone();
-        let Some(done) = self.coord.read(move |p| p.completion(&id)).await? else {
+        let Some(done) = self
+            .coord
+            .engine
+            .read(move |p| p.completion(&id))
+            .await
+            .map_err(crate::status)?
+        else {
             return Ok(None);
         };
         let same_target = r.target.is_empty() || r.target.parse::<State>().ok() == Some(done.to);
@@ -635,6 +609,7 @@ impl Service {
         let r = req.into_inner();
         let l = match self
             .coord
+            .engine
             .lease_for_work(&r.lease_id, r.token, who.as_ref())
             .await
         {
@@ -642,39 +617,49 @@ impl Service {
             Err(e @ Error::LeaseNotFound(_)) => {
                 return match self.completed_before(&r, who.as_ref()).await? {
                     Some(done) => Ok(Response::new(done)),
-                    None => Err(e.into()),
+                    None => Err(e.into_status()),
                 };
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e.into_status()),
         };
         on_lease(&l);
-        let target: State = if r.target.is_empty() {
-            let verdict = if l.state.phase == automaton_workflow::Phase::Referee {
-                // Through the store: never a link, a FIFO or a file without end.
-                let task = l.task.clone();
-                self.coord
-                    .read(move |p| p.read_artifact_text(&task, Artifact::Verdict))
-                    .await?
+        let target: State =
+            if r.target.is_empty() {
+                let verdict = if l.state.phase == automaton_workflow::Phase::Referee {
+                    // Through the store: never a link, a FIFO or a file without end.
+                    let task = l.task.clone();
+                    self.coord
+                        .engine
+                        .read(move |p| p.read_artifact_text(&task, Artifact::Verdict))
+                        .await
+                        .map_err(crate::status)?
+                } else {
+                    None
+                };
+                automaton_workflow::progress::after_work(l.state, verdict.as_deref())
+                    .ok_or_else(|| {
+                        Error::Refused(format!("{} has no next phase to complete into", l.state))
+                    })
+                    .map_err(crate::status)?
             } else {
-                None
-            };
-            automaton_workflow::progress::after_work(l.state, verdict.as_deref()).ok_or_else(
-                || Error::Refused(format!("{} has no next phase to complete into", l.state)),
-            )?
-        } else {
-            r.target.parse().map_err(|_| {
+                r.target.parse().map_err(|_| {
                 Error::Invalid(format!(
                     "'{}' is not a phase: leave target empty for the lifecycle's next state",
                     automaton_workflow::excerpt(&r.target)
                 ))
-            })?
-        };
+            }).map_err(crate::status)?
+            };
         let presented = Presented {
             agent: Some(l.agent.clone()),
             lease_id: Some(l.lease_id.clone()),
             token: Some(l.token),
         };
-        let (from, _) = self.coord.transition(&l.task, target, &presented).await?;
+        let (from, _) = self
+            .coord
+            .engine
+            .transition(&l.task, target, &presented)
+            .await
+            .map_err(crate::status)?;
         tracing::Span::current().record("automaton.detail", format!("{from} → {target}"));
         Ok(Response::new(pb::CompletePhaseResponse {
             task: l.task.to_string(),

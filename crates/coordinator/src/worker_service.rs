@@ -12,10 +12,12 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::Error;
+use crate::IntoStatus;
 use crate::auth::caller;
 use crate::config::Role;
-use crate::service::{Service, require_operator};
+use crate::service::Service;
 use crate::sessions::Push;
+use crate::wire::require_operator;
 
 /// Heartbeat acks waiting to be sent: a worker that heartbeats without reading its stream
 /// loses acks (it is not listening anyway), never the coordinator's memory.
@@ -72,7 +74,7 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::TailOutputRequest>,
     ) -> Result<Response<Self::TailOutputStream>, Status> {
-        self.tail_output_in(req).await
+        crate::output::tail_output(&self.coord.engine, &self.outputs, &self.shutdown, req).await
     }
 
     async fn session(
@@ -88,7 +90,7 @@ impl pb::workers_server::Workers for Service {
                     "'{}' holds an agent token: a worker session needs a worker token (role = \"worker\")",
                     who.name
                 ))
-                .into());
+                .into_status());
             }
         };
         let mut inbound = req.into_inner();
@@ -114,7 +116,8 @@ impl pb::workers_server::Workers for Service {
         let joined = self
             .coord
             .register(bound.as_deref(), reg, tx.clone())
-            .await?;
+            .await
+            .map_err(crate::status)?;
         let _ = tx.send(msg(Out::Granted(joined.granted)));
         let coord = self.coord.clone();
         let mut stop = self.shutdown.clone();
@@ -157,7 +160,7 @@ impl pb::workers_server::Workers for Service {
                         msg: Some(In::Deregister(_)),
                     })) => {
                         if let Err(e) = coord.deregister(&id, generation).await {
-                            let _ = tx.send(Push::End(e.into()));
+                            let _ = tx.send(Push::End(e.into_status()));
                         } else {
                             let _ = tx.send(Push::End(Status::ok("deregistered")));
                         }
@@ -212,10 +215,14 @@ impl pb::workers_server::Workers for Service {
     ) -> Result<Response<pb::WorkerInfo>, Status> {
         require_operator(&caller(&req), "DrainWorker")?;
         let r = req.into_inner();
-        let name = r.name.parse().map_err(|e: automaton_workflow::NameError| {
-            Error::Invalid(format!("worker name: {e}"))
-        })?;
-        Ok(Response::new(self.coord.drain(&name, r.undo)?))
+        let name = r
+            .name
+            .parse()
+            .map_err(|e: automaton_workflow::NameError| Error::Invalid(format!("worker name: {e}")))
+            .map_err(crate::status)?;
+        Ok(Response::new(
+            self.coord.drain(&name, r.undo).map_err(crate::status)?,
+        ))
     }
 
     async fn stop_run(
@@ -228,8 +235,13 @@ impl pb::workers_server::Workers for Service {
         let task: automaton_workflow::TaskName = r
             .task
             .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))?;
-        let (worker, held) = self.coord.stop_run(&task, r.resume, &who.name).await?;
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
+            .map_err(crate::status)?;
+        let (worker, held) = self
+            .coord
+            .stop_run(&task, r.resume, &who.name)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::StopRunResponse {
             task: task.to_string(),
             worker: worker.map(|w| w.to_string()).unwrap_or_default(),
@@ -247,8 +259,13 @@ impl pb::workers_server::Workers for Service {
         let task: automaton_workflow::TaskName = r
             .task
             .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))?;
-        let phase = self.coord.run_task(&task, &who.name).await?;
+            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
+            .map_err(crate::status)?;
+        let phase = self
+            .coord
+            .run_task(&task, &who.name)
+            .await
+            .map_err(crate::status)?;
         Ok(Response::new(pb::RunTaskResponse {
             task: task.to_string(),
             phase: phase.to_string(),

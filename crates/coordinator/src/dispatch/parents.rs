@@ -1,57 +1,18 @@
-//! Decomposed tasks: the sub-tasks a parent's `DECOMPOSITION.md` names, the waves they run
-//! in, how large each is, and how the parent ends.
-//!
-//! - When a parent reaches `decomposition:approved`, each sub-task of its decomposition is
-//!   created (`parent/sub`, with `PARENT_SPEC.md` and `VRAM_CONFIG.md`, "Fits within VRAM"
-//!   judged against the fleet registered at that moment). Running it again changes nothing;
-//!   an edited decomposition creates the new sub-tasks and reports the orphans.
-//! - A sub-task is ready when everything it depends on passed (`complete`); one that depends
-//!   on a sub-task that ended otherwise waits for a person. It needs a worker whose
-//!   budget holds its estimated peak context (its separated phases — by default code review,
-//!   which its implementer may not take — need half, so a sub-task only one worker can hold
-//!   can still be reviewed).
-//! - Sizing learns: the peak context agents report against their sub-task's estimate gives a
-//!   ratio (bounded to 0.5–2) that corrects the estimates of the sub-tasks not yet dispatched.
-//! - The parent completes when every sub-task passed; any FAIL or NEEDS_REVIEW makes it
-//!   `human_intervention` with seed 002's counts.
+//! Decomposed tasks, as dispatch drives them: a parent's plan read from its
+//! `DECOMPOSITION.md`, each sub-task's sizing, a parent moved on as its waves pass or fail,
+//! orphans reported, and what completed runs teach the sizing ratio.
 
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use automaton_engine::Presented;
 use automaton_workflow::{Decomposition, ParentOutcome, Phase, State, TaskName};
 
+use super::waves::{
+    Dep, Plan, RATIO_MAX, RATIO_MIN, SEPARATED_SHARE, Sizing, Unready, VRAM_CONFIG, ready,
+};
 use crate::Error;
-use crate::lease_ops::Presented;
 use crate::state::Coordinator;
-
-/// A sub-task's VRAM configuration file (seed 002).
-const VRAM_CONFIG: &str = "VRAM_CONFIG.md";
-/// What a separated phase (its implementer may not take it) needs of the sub-task's estimate.
-const SEPARATED_SHARE: f64 = 0.5;
-/// Bounds of the learned correction.
-const RATIO_MIN: f64 = 0.5;
-const RATIO_MAX: f64 = 2.0;
-
-/// What stands between a task and a worker besides its state.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct Sizing {
-    /// The estimated peak context (tokens) a worker's budget must hold; `None`: unsized.
-    pub need: Option<u64>,
-    /// Why it may not start yet (its wave's predecessors), if so.
-    pub blocked: Option<String>,
-    /// Its wave (1, 2, …), for a sub-task.
-    pub wave: Option<usize>,
-}
-
-/// A parent's decomposition as last read, with the file's identity (size, mtime).
-#[derive(Clone)]
-pub(crate) struct Plan {
-    stamp: (u64, Option<SystemTime>),
-    pub decomposition: Arc<Decomposition>,
-    /// The folders of this plan's parent were checked for orphans (once per version of the
-    /// decomposition: a listing of every task is not for every dispatch round).
-    pub orphans_checked: bool,
-}
 
 fn sub_of(parent: &TaskName, leaf: &str) -> Result<TaskName, Error> {
     format!("{parent}/{leaf}")
@@ -63,7 +24,8 @@ impl Coordinator {
     /// `parent`'s decomposition, parsed (again only when the file changed).
     pub(crate) async fn plan_of(&self, parent: &TaskName) -> Result<Plan, Error> {
         let path = self
-            .project
+            .engine
+            .project()
             .task_dir(parent)
             .join(automaton_workflow::Artifact::Decomposition.file_name());
         let meta = std::fs::symlink_metadata(&path).ok();
@@ -79,6 +41,7 @@ impl Coordinator {
         // Through the store (never a link): its sections become sub-tasks' PARENT_SPEC.md.
         let t = parent.clone();
         let text = self
+            .engine
             .read(move |p| p.read_artifact_text(&t, automaton_workflow::Artifact::Decomposition))
             .await?
             .ok_or_else(|| {
@@ -128,9 +91,9 @@ impl Coordinator {
             let Ok(sub) = sub_of(&parent, dep) else {
                 return Dep::Passed;
             };
-            let known = self.states().get(&sub).copied();
+            let known = self.engine.states().get(&sub).copied();
             // Not known yet: its file (read with the states' lock released).
-            let state = known.or_else(|| self.project.read_state(&sub).ok().flatten());
+            let state = known.or_else(|| self.engine.project().read_state(&sub).ok().flatten());
             match state.map(|s| s.phase) {
                 Some(Phase::Complete) => Dep::Passed,
                 Some(p) if p.is_terminal() => Dep::Ended(p.to_string()),
@@ -175,7 +138,7 @@ impl Coordinator {
             }
         }
         let base = self.work.need_of(task, spec.peak_context_tokens);
-        let need = if self.policy.separated.contains(&state.phase) {
+        let need = if self.engine.policy().separated.contains(&state.phase) {
             ((base as f64) * SEPARATED_SHARE).ceil() as u64
         } else {
             base
@@ -212,7 +175,7 @@ impl Coordinator {
                     largest.as_ref().map(|(b, w, _)| (w.as_str(), *b)),
                 )
             };
-            let dir = self.project.task_dir(&sub);
+            let dir = self.engine.project().task_dir(&sub);
             if dir.is_dir() {
                 // Seed 002: a missing VRAM_CONFIG.md is made again from what is detected now.
                 if std::fs::symlink_metadata(dir.join(VRAM_CONFIG)).is_err() {
@@ -236,10 +199,11 @@ impl Coordinator {
         for (sub, vram) in restore {
             let s = sub.clone();
             if self
+                .engine
                 .read(move |p| p.restore_subtask_file(&s, VRAM_CONFIG, vram.as_bytes()))
                 .await?
             {
-                self.emit(
+                self.engine.emit(
                     "vram_config_recreated",
                     &sub.to_string(),
                     "",
@@ -254,18 +218,21 @@ impl Coordinator {
             Vec::new()
         } else {
             let p = parent.clone();
-            self.read(move |project| project.create_subtasks(&p, &missing))
+            self.engine
+                .read(move |project| project.create_subtasks(&p, &missing))
                 .await?
         };
         for (sub, wave, estimate, fits) in notes {
             if !created.contains(&sub) {
                 continue;
             }
-            self.states()
+            self.engine
+                .states()
                 .insert(sub.clone(), State::open(automaton_workflow::Phase::New));
-            self.emit("task_created", &sub.to_string(), "", 0, "new".into());
+            self.engine
+                .emit("task_created", &sub.to_string(), "", 0, "new".into());
             self.work.task_created(&sub);
-            self.emit(
+            self.engine.emit(
                 "subtask_created",
                 &sub.to_string(),
                 "",
@@ -281,7 +248,7 @@ impl Coordinator {
                 ),
             );
             if !fits {
-                self.emit(
+                self.engine.emit(
                     "subtask_too_large",
                     &sub.to_string(),
                     "",
@@ -317,6 +284,7 @@ impl Coordinator {
     /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).
     async fn report_orphans(&self, parent: &TaskName, planned: &[TaskName]) -> Result<(), Error> {
         let on_disk = self
+            .engine
             .read({
                 let parent = parent.clone();
                 move |p| {
@@ -330,7 +298,7 @@ impl Coordinator {
             .await?;
         for orphan in on_disk.iter().filter(|s| !planned.contains(s)) {
             if self.work.mark_orphan(orphan) {
-                self.emit(
+                self.engine.emit(
                     "subtask_orphaned",
                     &orphan.to_string(),
                     "",
@@ -354,20 +322,25 @@ impl Coordinator {
     ) -> Result<(), Error> {
         let p = parent.clone();
         // The plan as this round has it (parsed once per version of the file).
-        let standing = self.read(move |pr| Ok(pr.standing_of(&p, &plan))).await?;
+        let standing = self
+            .engine
+            .read(move |pr| Ok(pr.standing_of(&p, &plan)))
+            .await?;
         let why = match standing.outcome {
             ParentOutcome::Waiting => return Ok(()),
             ParentOutcome::Complete => {
-                self.transition(parent, State::open(Phase::Complete), &Presented::default())
+                self.engine
+                    .transition(parent, State::open(Phase::Complete), &Presented::default())
                     .await?;
                 format!("every sub-task passed ({})", standing.verdicts.summary)
             }
             o @ ParentOutcome::HumanIntervention { .. } => {
-                self.escalate(parent).await?;
+                self.engine.escalate(parent).await?;
                 o.to_string()
             }
         };
-        self.emit("parent_ended", &parent.to_string(), "", 0, why);
+        self.engine
+            .emit("parent_ended", &parent.to_string(), "", 0, why);
         Ok(())
     }
 
@@ -377,7 +350,7 @@ impl Coordinator {
             return;
         }
         if let Some(ratio) = self.work.learn(task, estimate, actual) {
-            self.emit(
+            self.engine.emit(
                 "sizing_learned",
                 &task.to_string(),
                 "",
@@ -389,66 +362,5 @@ impl Coordinator {
                 ),
             );
         }
-    }
-}
-
-/// Where a sub-task a sub-task depends on stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Dep {
-    /// `complete`: its referee said PASS.
-    Passed,
-    /// Terminal without passing (`human_intervention`), with its state.
-    Ended(String),
-    /// Not terminal yet.
-    Open,
-}
-
-/// Why a sub-task is not ready: the dependencies not terminal yet and those that ended
-/// without passing, each in the order written.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Unready {
-    pub open: Vec<String>,
-    pub failed: Vec<(String, String)>,
-}
-
-/// A sub-task's readiness: every sub-task it depends on passed (seed 002: the next wave
-/// starts when the sub-tasks it depends on PASS).
-pub(crate) fn ready(
-    spec: &automaton_workflow::SubtaskSpec,
-    dep: impl Fn(&str) -> Dep,
-) -> Result<(), Unready> {
-    let mut why = Unready::default();
-    for d in &spec.depends_on {
-        match dep(d) {
-            Dep::Passed => {}
-            Dep::Ended(state) => why.failed.push((d.clone(), state)),
-            Dep::Open => why.open.push(d.clone()),
-        }
-    }
-    if why == Unready::default() {
-        Ok(())
-    } else {
-        Err(why)
-    }
-}
-
-/// The learned correction from (estimate, actual) pairs: Σ actual / Σ estimate, bounded.
-pub(crate) fn ratio(samples: &[(u64, u64)]) -> Option<f64> {
-    let (e, a) = samples.iter().fold((0u128, 0u128), |(e, a), (x, y)| {
-        (e + *x as u128, a + *y as u128)
-    });
-    (e > 0).then(|| (a as f64 / e as f64).clamp(RATIO_MIN, RATIO_MAX))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_learned_ratio_is_actual_over_estimate_and_bounded() {
-        assert_eq!(ratio(&[]), None);
-        assert_eq!(ratio(&[(10_000, 8_000), (10_000, 10_000)]), Some(0.9));
-        assert_eq!(ratio(&[(10_000, 1)]), Some(RATIO_MIN));
-        assert_eq!(ratio(&[(10, 1_000_000)]), Some(RATIO_MAX));
     }
 }

@@ -2,12 +2,11 @@
 //! (only when somebody watches: building an event costs allocations on the hot path).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::SystemTime;
 
 use tokio::sync::broadcast;
 
-use crate::state::Coordinator;
 use crate::table::Live;
 
 /// One entry of the operators' live feed.
@@ -34,9 +33,25 @@ impl Drop for Subscription {
     }
 }
 
-impl Coordinator {
+/// The feed: its channel, its subscribers, its sequence.
+pub(crate) struct Feed {
+    events: broadcast::Sender<Event>,
+    /// Live [`Subscription`]s: whether building an event is worth it.
+    watchers_of_events: Arc<AtomicUsize>,
+    seq: AtomicU64,
+}
+
+impl Feed {
+    pub(crate) fn new() -> Feed {
+        Feed {
+            events: broadcast::channel(4096).0,
+            watchers_of_events: Arc::new(AtomicUsize::new(0)),
+            seq: AtomicU64::new(0),
+        }
+    }
+
     /// A feed of every event, for as long as the returned subscription lives.
-    pub fn subscribe_events(&self) -> Subscription {
+    pub(crate) fn subscribe(&self) -> Subscription {
         self.watchers_of_events.fetch_add(1, Ordering::Relaxed);
         Subscription {
             rx: self.events.subscribe(),
@@ -67,6 +82,7 @@ impl Coordinator {
         });
     }
 
+    #[inline]
     pub(crate) fn emit_renewed(&self, l: &Live) {
         if self.watched() {
             self.emit(
@@ -80,6 +96,7 @@ impl Coordinator {
     }
 
     /// Whether anyone watches the events (building an event costs allocations).
+    #[inline]
     pub(crate) fn watched(&self) -> bool {
         // Not `events.receiver_count()`: that takes the channel's lock, on every request.
         self.watchers_of_events.load(Ordering::Relaxed) > 0

@@ -1,7 +1,7 @@
 //! A change's log record on its way to disk, and what follows its commit whether or not the
 //! request that made it is still there.
 
-use crate::state::Coordinator;
+use crate::engine::Engine;
 
 /// A change's log record on its way to disk, awaited by the request that made the change.
 /// What follows the commit (`then`: the view, the event, the loss notices, or taking back a
@@ -9,17 +9,17 @@ use crate::state::Coordinator;
 /// off by its deadline while the log commits, it hands the wait and `then` to a task of
 /// their own. No hop on the common path.
 pub(crate) struct Committing<'a, T: Send + 'static> {
-    coord: &'a Coordinator,
+    coord: &'a Engine,
     pending: Option<(automaton_backend::Commit, T)>,
-    then: fn(&Coordinator, &T, &Result<(), String>),
+    then: fn(&Engine, &T, &Result<(), String>),
 }
 
 impl<'a, T: Send + 'static> Committing<'a, T> {
     pub(crate) fn new(
-        coord: &'a Coordinator,
+        coord: &'a Engine,
         commit: automaton_backend::Commit,
         item: T,
-        then: fn(&Coordinator, &T, &Result<(), String>),
+        then: fn(&Engine, &T, &Result<(), String>),
     ) -> Self {
         Committing {
             coord,

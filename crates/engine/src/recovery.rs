@@ -11,8 +11,8 @@ use automaton_store::{Lease, Project};
 use automaton_workflow::{AgentId, State, TaskName, TtlBounds};
 
 use crate::Error;
+use crate::engine::Engine;
 use crate::fencing::TOKEN_BLOCK;
-use crate::state::Coordinator;
 use crate::table::{Live, Table, later, wall_later};
 use automaton_backend::{Record, holders_in, replay};
 
@@ -39,7 +39,7 @@ pub(crate) struct Recovered {
 /// - the fencing mark moves past every token seen, and a fresh block is reserved.
 ///
 /// The files are reconciled task by task when a task is first touched (see
-/// `Coordinator::touch`): a `.state.lock` the CLI wrote while no coordinator ran is adopted
+/// `Engine::touch`): a `.state.lock` the CLI wrote while no coordinator ran is adopted
 /// then, before the task can be granted; any other is a stale view and is removed.
 pub(crate) fn recover(
     project: &Project,
@@ -156,12 +156,12 @@ impl Live {
     }
 }
 
-impl Coordinator {
+impl Engine {
     /// A task's state: from memory, or read once from `.state` when the task is first
     /// touched, which is also when its `.state.lock` is reconciled with the log: a lease the
     /// CLI took while no coordinator ran is adopted (logged durably first), any other file
     /// is a stale or broken view and is removed. Call under the task's guard.
-    pub(crate) async fn touch(&self, task: &TaskName) -> Result<State, Error> {
+    pub async fn touch(&self, task: &TaskName) -> Result<State, Error> {
         if let Some(s) = self.states().get(task) {
             return Ok(*s);
         }
@@ -225,18 +225,18 @@ impl Coordinator {
         Ok(state)
     }
 
-    /// [`Coordinator::touch`] before a change of the task (under its guard): a task the store
+    /// [`Engine::touch`] before a change of the task (under its guard): a task the store
     /// will refuse anyway (unknown, untracked) is left to the store to explain.
-    pub(crate) async fn touch_for_change(&self, task: &TaskName) -> Result<(), Error> {
+    pub async fn touch_for_change(&self, task: &TaskName) -> Result<(), Error> {
         match self.touch(task).await {
             Err(e @ (Error::Unavailable(_) | Error::Internal(_))) => Err(e),
             _ => Ok(()),
         }
     }
 
-    /// [`Coordinator::touch_for_change`] under the task's guard, for paths that do not hold
+    /// [`Engine::touch_for_change`] under the task's guard, for paths that do not hold
     /// it (reads): only a failure to make an adoption durable is an error.
-    pub(crate) async fn touch_guarded(&self, task: &TaskName) -> Result<(), Error> {
+    pub async fn touch_guarded(&self, task: &TaskName) -> Result<(), Error> {
         if self.states().contains_key(task) {
             return Ok(());
         }

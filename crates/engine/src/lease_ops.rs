@@ -2,13 +2,15 @@
 //! with a change. Every rule comes from `automaton_workflow::lease`; every grant and end is
 //! acknowledged only once the log has it on disk.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_workflow::{AgentId, TaskName};
 
 use crate::Error;
 use crate::commit::Committing;
-use crate::state::Coordinator;
+use crate::counters::Refusal;
+use crate::engine::Engine;
 use crate::table::Live;
 use crate::watchers::Lost;
 
@@ -29,12 +31,12 @@ pub struct Presented {
 
 /// Why a renewal was refused: at once, or once the commit (the end of a lapsed lease, or a
 /// barrier behind it) is durable.
-pub(crate) enum Refused {
+pub enum Refused {
     Now(Error),
     OnceDurable(automaton_backend::Commit, Error),
 }
 
-impl Coordinator {
+impl Engine {
     /// Grants `task` to `agent` (or renews it for its holder). Acknowledged only once the
     /// grant is in the log on disk.
     pub async fn claim(
@@ -57,7 +59,7 @@ impl Coordinator {
     ) -> Result<Granted, Error> {
         let result = self.claim_inner(task, agent, ttl, session).await;
         if let Err(e) = &result {
-            self.metrics.refused(crate::metrics::Refusal::of(e));
+            self.counters.refused(Refusal::of(e));
         }
         if let Err(e) = &result
             && self.watched()
@@ -73,7 +75,7 @@ impl Coordinator {
         result
     }
 
-    pub(crate) async fn claim_inner(
+    pub async fn claim_inner(
         &self,
         task: &TaskName,
         agent: &AgentId,
@@ -163,7 +165,7 @@ impl Coordinator {
             if rewrite {
                 self.view_of(&l, true);
             }
-            self.metrics.renewed();
+            self.counters.renewed();
             self.emit_renewed(&l);
             return Ok(Granted {
                 live: l,
@@ -251,8 +253,19 @@ impl Coordinator {
         })
     }
 
-    pub(crate) fn after_grant(&self, live: &Live) {
-        self.metrics.granted();
+    /// The session a claim goes into (see [`crate::Hooks::session_for_claim`]); without
+    /// sessions wired in, none exists.
+    fn session_for_claim(&self, agent: &AgentId, requested: &str) -> Result<Arc<str>, Error> {
+        match self.hooks() {
+            Some(h) => h.session_for_claim(agent, requested),
+            None => Err(Error::Refused(format!(
+                "worker '{agent}' has no live session: start automaton-worker (it registers), then claim"
+            ))),
+        }
+    }
+
+    pub fn after_grant(&self, live: &Live) {
+        self.counters.granted();
         self.view_of(live, true);
         if self.watched() {
             self.emit(
@@ -267,7 +280,7 @@ impl Coordinator {
 
     /// Takes back a grant that was never acknowledged. Its end goes to the log too: a log
     /// rewrite may have put the grant into its snapshot meanwhile.
-    pub(crate) fn unclaim(&self, live: &Live) {
+    pub fn unclaim(&self, live: &Live) {
         self.table().remove_lease(&live.task, &live.lease_id);
         self.holders.taken_back(&live.task, &live.agent, live.state);
         self.log.end_nowait(&live.lease_id);
@@ -297,7 +310,7 @@ impl Coordinator {
     /// is durable (etcd's lessor waits for the revoke likewise): the caller awaits the commit
     /// in [`Refused::OnceDurable`] before answering, so no restart can bring back a lease
     /// somebody was told had ended.
-    pub(crate) fn renew_with<R>(
+    pub fn renew_with<R>(
         &self,
         lease_id: &str,
         token: Option<u64>,
@@ -309,14 +322,13 @@ impl Coordinator {
         let Some(l) = table.by_id_mut(lease_id, now) else {
             let lapsed = table.lapsed(lease_id, now);
             drop(table);
-            self.metrics.refused(crate::metrics::Refusal::NotFound);
+            self.counters.refused(Refusal::NotFound);
             return Err(self.not_found(lease_id, lapsed));
         };
         if let Some(who) = who
             && who != &l.agent
         {
-            self.metrics
-                .refused(crate::metrics::Refusal::PermissionDenied);
+            self.counters.refused(Refusal::PermissionDenied);
             return Err(Refused::Now(Error::PermissionDenied(format!(
                 "lease '{}' is not held by '{who}': an agent renews only its own leases",
                 automaton_workflow::excerpt(lease_id)
@@ -325,7 +337,7 @@ impl Coordinator {
         if let Some(t) = token
             && t != l.token
         {
-            self.metrics.refused(crate::metrics::Refusal::StaleToken);
+            self.counters.refused(Refusal::StaleToken);
             return Err(Refused::Now(Error::Store(
                 automaton_store::Error::StaleToken {
                     task: l.task.clone(),
@@ -335,7 +347,7 @@ impl Coordinator {
             )));
         }
         let rewrite = l.extend(now);
-        self.metrics.renewed();
+        self.counters.renewed();
         let out = answer(l);
         if rewrite {
             // Under the table's lock: no later end's removal can be sent before it.
@@ -364,7 +376,7 @@ impl Coordinator {
     /// The live lease `lease_id` for work under it (a worker's fetch, upload or completion):
     /// the token must be its own, and a caller bound to a name (`who`) must be its holder.
     /// An ended lease is refused once its end is durable, like a renewal.
-    pub(crate) async fn lease_for_work(
+    pub async fn lease_for_work(
         &self,
         lease_id: &str,
         token: u64,
@@ -451,8 +463,8 @@ impl Coordinator {
     }
 
     /// Takes `task`'s lease out of `table` and queues its end, in one step under the table's
-    /// lock (see [`Coordinator::not_found`]). If the log takes nothing more, the lease stays.
-    pub(crate) fn take_and_end(
+    /// lock (see [`Engine::not_found`]). If the log takes nothing more, the lease stays.
+    pub fn take_and_end(
         &self,
         table: &mut crate::table::Table,
         task: &TaskName,
@@ -470,7 +482,7 @@ impl Coordinator {
     /// Logs the end of a removed lease durably, then updates the view and tells the world. If
     /// the log cannot take it, the lease goes back into the table (the coordinator is
     /// stopping: nothing may look ended that a restart would bring back).
-    pub(crate) async fn end(
+    pub async fn end(
         &self,
         (l, commit): (Live, automaton_backend::Commit),
         reason: &'static str,
@@ -490,23 +502,19 @@ impl Coordinator {
     }
 
     /// Puts back a lease whose end never reached the log, unless its task moved on.
-    pub(crate) fn restore(&self, l: &Live) {
+    pub fn restore(&self, l: &Live) {
         let mut table = self.table();
         if table.entry(&l.task).is_none() {
             table.insert(l.clone());
         }
     }
 
-    pub(crate) fn after_end(&self, l: &Live, reason: &'static str) {
-        self.metrics.ended(l.state.phase, l.claimed, reason);
+    pub fn after_end(&self, l: &Live, reason: &'static str) {
+        self.counters.ended(l.state.phase, l.claimed, reason);
         self.view_of(l, false);
-        self.tell_session(l, reason);
-        // The task may be dispatched again — by a worker: with none in session, a round
-        // (which walks every task) would find nobody to give it to. This poke cost every
-        // Release a round over thousands of tasks (issue 20, finding 8); the periodic round
-        // still looks at everything.
-        if self.sessions_live() > 0 {
-            self.work.poke();
+        // Its session hears of it; its task may be dispatched again.
+        if let Some(h) = self.hooks() {
+            h.lease_ended(l, reason);
         }
         // Without a KeepAlive stream, building the notice is wasted work.
         if self.watchers.any() {
@@ -575,7 +583,7 @@ impl Coordinator {
         let Some(me) = self.me.upgrade() else {
             return 0;
         };
-        let finish = move |me: &Coordinator, logged: Result<(), String>| {
+        let finish = move |me: &Engine, logged: Result<(), String>| {
             if logged.is_err() {
                 return;
             }
@@ -599,11 +607,7 @@ impl Coordinator {
 
     /// Checks a mutating call against the task's live lease (the rules are
     /// `automaton_workflow::lease::check_change`, shared with the CLI's local mode).
-    pub(crate) fn check_presented(
-        &self,
-        task: &TaskName,
-        p: &Presented,
-    ) -> Result<Option<Live>, Error> {
+    pub fn check_presented(&self, task: &TaskName, p: &Presented) -> Result<Option<Live>, Error> {
         let now = Instant::now();
         let table = self.table();
         let live = table.live(task, now);
@@ -627,7 +631,7 @@ impl Coordinator {
 
 /// The coordinator's log-backed table as a lease store: the same rules as the files (see
 /// `automaton_store::check_lease_rules`), every answer durable before it is given.
-impl automaton_store::LeaseStore for Coordinator {
+impl automaton_store::LeaseStore for Engine {
     type Error = Error;
 
     async fn claim(
@@ -636,7 +640,7 @@ impl automaton_store::LeaseStore for Coordinator {
         agent: &AgentId,
         ttl: Option<Duration>,
     ) -> Result<(automaton_store::Lease, bool), Error> {
-        let g = Coordinator::claim(self, task, agent, ttl).await?;
+        let g = Engine::claim(self, task, agent, ttl).await?;
         Ok((g.live.as_store_lease(Instant::now()), g.renewed))
     }
 
@@ -658,7 +662,7 @@ impl automaton_store::LeaseStore for Coordinator {
             }
             .into());
         };
-        let ended = Coordinator::release(self, &l.lease_id, Some(token), Some(agent)).await?;
+        let ended = Engine::release(self, &l.lease_id, Some(token), Some(agent)).await?;
         Ok(ended.view())
     }
 }
@@ -670,8 +674,8 @@ mod tests {
     use automaton_store::Project;
 
     use super::*;
+    use crate::engine::Options;
     use crate::events::{Event, Subscription};
-    use crate::state::Options;
 
     fn name<T: std::str::FromStr>(s: &str) -> T
     where
@@ -681,7 +685,7 @@ mod tests {
     }
 
     /// A coordinator over a fresh project with one task in `research`.
-    async fn coordinator(dir: &std::path::Path) -> Arc<Coordinator> {
+    async fn coordinator(dir: &std::path::Path) -> Arc<Engine> {
         let project = Project::open(dir, None);
         let options = Options {
             grace: Duration::from_secs(1),
@@ -692,7 +696,7 @@ mod tests {
             },
             ..Options::default()
         };
-        let (coord, _) = Coordinator::open(project, options).expect("open");
+        let (coord, _) = Engine::open(project, options).expect("open");
         let task: TaskName = name("t");
         coord.create_task(&task).await.expect("create");
         let p = Presented::default();
@@ -705,7 +709,7 @@ mod tests {
 
     /// Polls `coord`'s change `f` once, with the log held so it cannot commit yet, and drops
     /// it: a request cut off by its deadline while its change commits.
-    fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(coord: &Coordinator, f: F) {
+    fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(coord: &Engine, f: F) {
         let held = coord.file_log().hold_commits();
         {
             let mut f = std::pin::pin!(f);
@@ -955,9 +959,12 @@ mod tests {
                 .claim(&name("t"), &name("a"), Some(Duration::from_millis(ms)))
                 .await
                 .expect_err("out of bounds");
-            let status = tonic::Status::from(e);
-            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
-            assert!(status.message().contains("10ms"), "{}", status.message());
+            // The edge answers it INVALID_ARGUMENT.
+            assert!(
+                matches!(&e, Error::Store(s) if s.kind() == automaton_store::ErrorKind::Invalid),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains("10ms"), "{e}");
         }
         assert_eq!(coord.live_leases(), 0);
     }

@@ -21,14 +21,14 @@ pub struct Lost {
 
 /// What a stream is told.
 #[derive(Debug)]
-pub(crate) enum Notice {
+pub enum Notice {
     Lost(Lost),
     /// The server is shutting down: end the stream so the drain can complete.
     Stop,
 }
 
 #[derive(Default)]
-pub(crate) struct Watchers {
+pub struct Watchers {
     inner: Mutex<Inner>,
     /// Open streams: a lease ending while nobody streams costs no lock.
     open: AtomicUsize,
@@ -48,7 +48,7 @@ impl Watchers {
     }
 
     /// A new stream: its id and its notices.
-    pub(crate) fn open(&self) -> (u64, mpsc::UnboundedReceiver<Notice>) {
+    pub fn open(&self) -> (u64, mpsc::UnboundedReceiver<Notice>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let mut inner = self.inner();
         inner.next += 1;
@@ -63,7 +63,7 @@ impl Watchers {
 
     /// `stream` must hear when `lease_id` ends. Call while the lease is known to be live
     /// (under the lease table's lock), so its end cannot slip in before the registration.
-    pub(crate) fn watch(&self, stream: u64, lease_id: &str) {
+    pub fn watch(&self, stream: u64, lease_id: &str) {
         self.inner()
             .by_lease
             .entry(lease_id.to_string())
@@ -72,7 +72,7 @@ impl Watchers {
     }
 
     /// A stream ended: forget it and the leases it named.
-    pub(crate) fn close<'a>(&self, stream: u64, named: impl Iterator<Item = &'a String>) {
+    pub fn close<'a>(&self, stream: u64, named: impl Iterator<Item = &'a String>) {
         let mut inner = self.inner();
         if inner.streams.remove(&stream).is_some() {
             self.open.fetch_sub(1, Ordering::Relaxed);
@@ -88,12 +88,12 @@ impl Watchers {
     }
 
     /// Whether any stream is open.
-    pub(crate) fn any(&self) -> bool {
+    pub fn any(&self) -> bool {
         self.open.load(Ordering::Relaxed) > 0
     }
 
     /// Tells the streams that named `lost.lease_id`.
-    pub(crate) fn lost(&self, lost: &Lost) {
+    pub fn lost(&self, lost: &Lost) {
         let mut inner = self.inner();
         let Some(streams) = inner.by_lease.remove(&lost.lease_id) else {
             return;
@@ -106,7 +106,7 @@ impl Watchers {
     }
 
     /// Ends every stream, now and later (shutdown).
-    pub(crate) fn stop_all(&self) {
+    pub fn stop_all(&self) {
         let mut inner = self.inner();
         inner.stopped = true;
         for tx in inner.streams.values() {

@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 use automaton_store::Project;
 use automaton_workflow::TaskName;
 
-use crate::state::Coordinator;
-use crate::table::Live;
+use crate::table::{Live, Table};
 
 /// A task's `.state.lock` view is written once its latest change is this old: a lease
 /// granted and ended within it never touches the disk at all.
@@ -17,23 +16,25 @@ const VIEW_DELAY: Duration = Duration::from_secs(1);
 /// than [`VIEW_DELAY`] still has its view written at this rhythm.
 const VIEW_MAX_LAG: Duration = Duration::from_secs(5);
 
-impl Coordinator {
-    pub(crate) fn view(&self, task: &TaskName, lease: Option<automaton_store::Lease>) {
-        let _ = self.views.send((task.clone(), lease));
+/// Where views go: the writer thread's queue.
+pub(crate) struct Views(std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)>);
+
+impl Views {
+    pub(crate) fn send(&self, task: &TaskName, lease: Option<automaton_store::Lease>) {
+        let _ = self.0.send((task.clone(), lease));
     }
 
     /// Sends `l`'s view (`shown`: the lease, or `false` for its removal) only while `l` is
-    /// still its task's entry (or, for a removal, no other lease is): decided and sent under
-    /// the table's lock, so the view of a grant or end that finished late never overwrites a
-    /// newer lease's. Views of one task are written in the order they are sent.
-    pub(crate) fn view_of(&self, l: &Live, shown: bool) {
-        let table = self.table();
+    /// still its task's entry in `table` (or, for a removal, no other lease is): decided and
+    /// sent under the table's lock, so the view of a grant or end that finished late never
+    /// overwrites a newer lease's. Views of one task are written in the order they are sent.
+    pub(crate) fn of(&self, table: &Table, l: &Live, shown: bool) {
         let entry = table.entry(&l.task);
         let current = entry.is_some_and(|e| e.lease_id == l.lease_id);
         if shown && current {
-            self.view(&l.task, Some(l.view()));
+            self.send(&l.task, Some(l.view()));
         } else if !shown && (current || entry.is_none()) {
-            self.view(&l.task, None);
+            self.send(&l.task, None);
         }
     }
 }
@@ -48,7 +49,7 @@ impl Coordinator {
 pub(crate) fn spawn_view_writer(
     project: Project,
     written_at_start: std::collections::HashSet<TaskName>,
-) -> std::sync::mpsc::Sender<(TaskName, Option<automaton_store::Lease>)> {
+) -> Views {
     let (tx, rx) = std::sync::mpsc::channel::<(TaskName, Option<automaton_store::Lease>)>();
     let _ = std::thread::Builder::new()
         .name("lease-views".into())
@@ -118,5 +119,5 @@ pub(crate) fn spawn_view_writer(
                 std::thread::sleep(tick);
             }
         });
-    tx
+    Views(tx)
 }

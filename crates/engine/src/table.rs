@@ -116,7 +116,7 @@ impl Live {
 
 /// `now + d`, saturating far in the future rather than panicking (TTLs are bounded at the
 /// edge; this keeps anything read from disk from reaching an overflow).
-pub(crate) fn later(now: Instant, d: Duration) -> Instant {
+pub fn later(now: Instant, d: Duration) -> Instant {
     now.checked_add(d.min(TtlBounds::CEILING * 2))
         .unwrap_or(now)
 }
@@ -127,7 +127,7 @@ pub(crate) fn wall_later(t: SystemTime, d: Duration) -> SystemTime {
 }
 
 #[derive(Debug, Default)]
-pub(crate) struct Table {
+pub struct Table {
     by_task: HashMap<TaskName, Live>,
     by_id: HashMap<String, TaskName>,
     /// The tasks each worker session holds leases on.
@@ -311,5 +311,9 @@ impl Table {
 
     pub fn len(&self) -> usize {
         self.by_task.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_task.is_empty()
     }
 }

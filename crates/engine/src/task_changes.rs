@@ -1,5 +1,5 @@
 //! Changes of a task through the store — transition, approve, create — each under the task's
-//! guard and carried out whole once started (see `Coordinator::to_completion`).
+//! guard and carried out whole once started (see `Engine::to_completion`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,8 +9,8 @@ use automaton_store::ApproveOutcome;
 use automaton_workflow::{State, TaskName};
 
 use crate::Error;
+use crate::engine::Engine;
 use crate::lease_ops::Presented;
-use crate::state::Coordinator;
 use crate::table::Live;
 
 /// Completion records written since the last prune, by this process.
@@ -33,7 +33,7 @@ pub(crate) fn prune_now_and_then(project: &automaton_store::Project) {
     }
 }
 
-impl Coordinator {
+impl Engine {
     /// Moves `task` to `target`; the lease (if any) ends with the phase it was granted for.
     #[tracing::instrument(
         name = "task.transition",
@@ -68,8 +68,8 @@ impl Coordinator {
         out
     }
 
-    /// [`Coordinator::transition`] under the task's guard.
-    pub(crate) async fn transition_guarded(
+    /// [`Engine::transition`] under the task's guard.
+    pub async fn transition_guarded(
         &self,
         task: &TaskName,
         target: State,
@@ -77,9 +77,11 @@ impl Coordinator {
     ) -> Result<(State, Option<Live>), Error> {
         self.touch_for_change(task).await?;
         let live = self.check_presented(task, p)?;
-        if live.is_some() {
+        if live.is_some()
+            && let Some(h) = self.hooks()
+        {
             // Its counts are known before the move changes them.
-            self.load_dispatch(task).await;
+            h.load_counts(task).await;
         }
         let project = self.project.clone();
         let holders = self.holders.clone();
@@ -116,7 +118,7 @@ impl Coordinator {
         let ended = match live {
             Some(l) => {
                 // Counted before the lease ends: no round can offer the next phase first.
-                let asked = self.work.phase_done(task);
+                let asked = self.hooks().is_some_and(|h| h.phase_done(task));
                 let removed = self.take_and_end(&mut self.table(), task);
                 let ended = match removed {
                     Some(r) => Some(self.end(r?, "transitioned").await?),
@@ -126,8 +128,8 @@ impl Coordinator {
                 // (a restart must not run a phase nobody asked for). The count itself is in
                 // force at once (the limit is exact) and is written with the run's `stopped`,
                 // which follows: the hand-off waits for no write of its own.
-                if asked {
-                    self.save_or_warn(task).await;
+                if asked && let Some(h) = self.hooks() {
+                    h.save_run_request(task).await;
                 }
                 ended
             }
@@ -140,14 +142,14 @@ impl Coordinator {
             0,
             format!("{from} → {target}"),
         );
-        self.work.poke();
+        self.task_changed();
         Ok((from, ended))
     }
 
     /// Moves `task` to `human_intervention` for a person, as the orchestrator: artifacts out
     /// of order do not refuse it (see `Project::escalate_owned`). A task under a live lease
     /// is left to its holder. Returns the state it left.
-    pub(crate) async fn escalate(self: &Arc<Self>, task: &TaskName) -> Result<State, Error> {
+    pub async fn escalate(self: &Arc<Self>, task: &TaskName) -> Result<State, Error> {
         let t = task.clone();
         self.to_completion(task, move |c| async move {
             c.touch_for_change(&t).await?;
@@ -169,7 +171,7 @@ impl Coordinator {
                 0,
                 format!("{from} → {target}"),
             );
-            c.work.poke();
+            c.task_changed();
             Ok(from)
         })
         .await
@@ -189,8 +191,8 @@ impl Coordinator {
         .await
     }
 
-    /// [`Coordinator::approve`] under the task's guard.
-    pub(crate) async fn approve_guarded(
+    /// [`Engine::approve`] under the task's guard.
+    pub async fn approve_guarded(
         &self,
         task: &TaskName,
         approver: &str,
@@ -217,7 +219,7 @@ impl Coordinator {
             0,
             format!("{} → {}", out.from, out.to),
         );
-        self.work.poke();
+        self.task_changed();
         Ok(out)
     }
 
@@ -230,8 +232,8 @@ impl Coordinator {
         .await
     }
 
-    /// [`Coordinator::create_task`] under the task's guard.
-    pub(crate) async fn create_task_guarded(&self, task: &TaskName) -> Result<(), Error> {
+    /// [`Engine::create_task`] under the task's guard.
+    pub async fn create_task_guarded(&self, task: &TaskName) -> Result<(), Error> {
         let project = self.project.clone();
         let t = task.clone();
         tokio::task::spawn_blocking(move || project.create_task(&t))
@@ -240,7 +242,16 @@ impl Coordinator {
         self.states()
             .insert(task.clone(), State::open(automaton_workflow::Phase::New));
         self.emit("task_created", &task.to_string(), "", 0, "new".into());
-        self.work.task_created(task);
+        if let Some(h) = self.hooks() {
+            h.task_created(task);
+        }
         Ok(())
+    }
+
+    /// Tells dispatch a task changed.
+    fn task_changed(&self) {
+        if let Some(h) = self.hooks() {
+            h.task_changed();
+        }
     }
 }

@@ -1,0 +1,447 @@
+//! Runs: a worker's answer to an offer, its reports of each run's lifecycle, a failed run
+//! (its pause and its count), runs adopted from a resumed session and runs lost with it.
+
+use std::time::{Instant, SystemTime};
+
+use automaton_engine::Live;
+use automaton_proto::v1 as pb;
+use automaton_workflow::{AgentId, State, TaskName};
+
+use crate::state::Coordinator;
+
+use super::policy::{
+    REFUSAL_PAUSE, RUNS_KEPT, TAIL_KEPT, WARNING_BYTES, WARNINGS_KEPT, clip, clip_front,
+    retry_pause,
+};
+use super::work::wall_ms;
+
+impl Coordinator {
+    /// A worker's answer to an offer.
+    pub(crate) async fn answered(&self, worker: &AgentId, a: pb::AssignmentAnswer) {
+        let offer = {
+            let mut inner = self.work.inner();
+            match inner.offers.get(&a.lease_id) {
+                Some(o) if &o.name == worker => inner.offers.remove(&a.lease_id),
+                _ => None,
+            }
+        };
+        let Some(o) = offer else {
+            return;
+        };
+        self.metrics.answered(a.accepted, o.at.elapsed());
+        if a.accepted {
+            return;
+        }
+        tracing::info!(task = %o.task, worker = %worker, reason = %a.reason, "offer refused");
+        if let Some(l) = self
+            .engine
+            .live_of(&o.task)
+            .filter(|l| l.lease_id == a.lease_id)
+        {
+            let reason = format!("refused: {}", automaton_workflow::excerpt(&a.reason));
+            self.record_run(
+                &o.task, worker, l.state, l.token, "stopped", &reason, "", -1,
+            );
+        }
+        self.work
+            .inner()
+            .paused
+            .insert(worker.clone(), Instant::now() + REFUSAL_PAUSE);
+        let _ = self.engine.release(&a.lease_id, None, Some(worker)).await;
+        self.work.poke();
+    }
+
+    /// Records a run's step (for `status --task` and `workers`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_run(
+        &self,
+        task: &TaskName,
+        worker: &AgentId,
+        state: State,
+        token: u64,
+        run_state: &str,
+        reason: &str,
+        detail: &str,
+        exit_code: i32,
+    ) {
+        let now = Some(crate::wire::timestamp(SystemTime::now()));
+        let mut inner = self.work.inner();
+        let runs = inner.runs.entry(task.clone()).or_default();
+        match runs.iter_mut().rev().find(|r| r.token == token) {
+            Some(r) => {
+                r.state = run_state.into();
+                r.stop_reason = reason.into();
+                r.detail = detail.into();
+                r.exit_code = exit_code;
+                if run_state == "stopped" {
+                    r.ended_at = now;
+                }
+            }
+            None => {
+                runs.push_back(pb::Run {
+                    worker: worker.to_string(),
+                    phase: state.to_string(),
+                    token,
+                    state: run_state.into(),
+                    stop_reason: reason.into(),
+                    detail: detail.into(),
+                    exit_code,
+                    started_at: now,
+                    ended_at: None,
+                    estimated_tokens: 0,
+                    peak_context_tokens: 0,
+                    why: String::new(),
+                    peak_context_source: String::new(),
+                    trace_id: String::new(),
+                    output_tail: String::new(),
+                    warnings: Vec::new(),
+                });
+                while runs.len() > RUNS_KEPT {
+                    runs.pop_front();
+                }
+            }
+        }
+    }
+
+    /// A run update from `worker`'s session `session`. A run that stopped without completing
+    /// releases its lease (if it still stands) and counts against the phase; too many, and the
+    /// task is held. A run this coordinator does not know (it restarted, and the worker did not
+    /// report the run when it resumed) is adopted if its lease is this worker's, in this
+    /// session, with this token: its `stopped` then ends the lease as any other.
+    pub(crate) async fn run_update(&self, worker: &AgentId, session: &str, u: pb::RunUpdate) {
+        let Ok(task) = u.task.parse::<TaskName>() else {
+            return;
+        };
+        let Ok(state) = u.phase.parse::<State>() else {
+            return;
+        };
+        self.load_dispatch(&task).await;
+        // Only runs under a lease this worker was granted.
+        match self.work.run_of(&task, u.token) {
+            Some(r) if r.worker != worker.as_str() => return,
+            // A stop is reported once: a repeat changes nothing, nor does a step after it (a
+            // `run_lost` the coordinator guessed gives way to the worker's own stop).
+            Some(r)
+                if r.state == "stopped"
+                    && (r.stop_reason != "run_lost" || u.state != "stopped") =>
+            {
+                return;
+            }
+            Some(_) => {}
+            None => {
+                let lease = self.engine.live_of(&task).filter(|l| {
+                    l.lease_id == u.lease_id
+                        && l.token == u.token
+                        && &l.agent == worker
+                        && l.session.as_deref() == Some(session)
+                });
+                let Some(l) = lease else {
+                    return;
+                };
+                if self.adopt_run(&l, "active") {
+                    tracing::info!(task = %task, worker = %worker, token = l.token, "a run not known to this coordinator reported: adopted");
+                }
+            }
+        }
+        let detail = clip(&u.detail, 400);
+        let reason = automaton_workflow::excerpt(&u.stop_reason);
+        self.record_run(
+            &task,
+            worker,
+            state,
+            u.token,
+            &u.state,
+            &reason,
+            &detail,
+            u.exit_code,
+        );
+        match u.state.as_str() {
+            "active" => self.engine.emit(
+                "run_started",
+                &task.to_string(),
+                worker.as_str(),
+                u.token,
+                state.to_string(),
+            ),
+            "stopped" => {
+                // What the worker kept of a failed run's output, and its warnings.
+                if !u.output_tail.is_empty() || !u.warnings.is_empty() {
+                    let mut inner = self.work.inner();
+                    if let Some(r) = inner
+                        .runs
+                        .get_mut(&task)
+                        .and_then(|r| r.iter_mut().rev().find(|r| r.token == u.token))
+                    {
+                        r.output_tail = clip_front(&u.output_tail, TAIL_KEPT);
+                        r.warnings = u
+                            .warnings
+                            .iter()
+                            .take(WARNINGS_KEPT)
+                            .map(|w| clip(w, WARNING_BYTES))
+                            .collect();
+                    }
+                }
+                if u.code_unchanged {
+                    let warning = u
+                        .warnings
+                        .first()
+                        .map(|w| clip(w, WARNING_BYTES))
+                        .unwrap_or_else(|| "implement changed no code".into());
+                    tracing::warn!(task = %task, worker = %worker, token = u.token, "{warning}");
+                    self.engine.emit(
+                        "no_code_change",
+                        &task.to_string(),
+                        worker.as_str(),
+                        u.token,
+                        format!("{state}: {warning}"),
+                    );
+                }
+                if u.peak_context_tokens > 0 {
+                    let estimate = {
+                        let mut inner = self.work.inner();
+                        let run = inner
+                            .runs
+                            .get_mut(&task)
+                            .and_then(|r| r.iter_mut().rev().find(|r| r.token == u.token));
+                        run.map(|r| {
+                            r.peak_context_tokens = u.peak_context_tokens;
+                            r.peak_context_source = clip(&u.peak_context_source, 40);
+                            r.estimated_tokens
+                        })
+                        .unwrap_or(0)
+                    };
+                    if reason == "completed" && task.parent().is_some() {
+                        self.learned(&task, estimate, u.peak_context_tokens);
+                    }
+                }
+                self.engine.emit(
+                    "run_stopped",
+                    &task.to_string(),
+                    worker.as_str(),
+                    u.token,
+                    format!(
+                        "{state}: {reason}{}",
+                        if detail.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({detail})")
+                        }
+                    ),
+                );
+                if reason == "completed" {
+                    // Its iteration was counted when its artifact moved the task on
+                    // (`Coordinator::phase_done`); the runs and the sizing are kept.
+                    self.work.inner().retry.remove(&task);
+                    self.save_or_warn(&task).await;
+                } else {
+                    let last = u
+                        .output_tail
+                        .lines()
+                        .rev()
+                        .find(|l| !l.trim().is_empty())
+                        .map(|l| clip(l.trim(), 200))
+                        .unwrap_or_default();
+                    tracing::warn!(task = %task, worker = %worker, token = u.token, phase = %state, reason = %reason, detail = %detail, last_output = %last, "run failed");
+                    self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
+                        .await;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn run_failed(
+        &self,
+        task: &TaskName,
+        state: State,
+        worker: &AgentId,
+        lease_id: &str,
+        token: u64,
+        reason: &str,
+        detail: &str,
+    ) {
+        // Seed 002: a phase past MAX_PHASE_TIME stops and reports human intervention; it is
+        // not retried (max_attempts is for crashes and agent errors).
+        if reason == "timed_out" {
+            self.hold_as(
+                task,
+                format!(
+                    "MAX_PHASE_TIME exceeded: {state} ran past max_phase_time {} on {worker}{}: a person decides how to go on, then `automaton stop {task} --resume`",
+                    humantime::format_duration(self.work.max_phase_time),
+                    if detail.is_empty() { String::new() } else { format!(" ({detail})") }
+                ),
+                true,
+            );
+        } else if reason != "lease_lost" && reason != "operator_stopped" && reason != "shutdown" {
+            // Losing the lease is not the run's fault.
+            let n = {
+                let mut inner = self.work.inner();
+                let n = inner.failures.entry((task.clone(), state)).or_insert(0);
+                *n += 1;
+                *n
+            };
+            // Offered again after a pause that grows with each failure, to another worker
+            // first.
+            let pause = retry_pause(n);
+            self.work.inner().retry.insert(
+                task.clone(),
+                (
+                    Instant::now() + pause,
+                    worker.clone(),
+                    wall_ms(SystemTime::now() + pause),
+                ),
+            );
+            if n >= self.work.max_attempts {
+                self.hold_as(
+                    task,
+                    format!(
+                        "{n} failed runs of {state} (last: {reason}{}): fix the cause, then `automaton stop {task} --resume`",
+                        if detail.is_empty() { String::new() } else { format!(", {detail}") }
+                    ),
+                    true,
+                );
+            }
+        }
+        // The count and any hold are durable before the lease is released (and the task
+        // could be offered again).
+        self.save_or_warn(task).await;
+        if self
+            .engine
+            .live_of(task)
+            .is_some_and(|l| l.lease_id == lease_id && l.token == token)
+        {
+            let _ = self
+                .engine
+                .release(lease_id, Some(token), Some(worker))
+                .await;
+        }
+        self.work.poke();
+    }
+
+    /// [`Coordinator::save_dispatch`] where nobody waits for the answer: a failure is logged
+    /// (the record is written again with the task's next change).
+    pub(crate) async fn save_or_warn(&self, task: &TaskName) {
+        if let Err(e) = self.save_dispatch(task).await {
+            tracing::warn!(task = %task, error = %e, "cannot write the task's dispatch record");
+        }
+    }
+
+    /// Records the run under lease `l` as `state` if this coordinator has no record of it
+    /// (it began before this start): adopted. Whether it was.
+    pub(crate) fn adopt_run(&self, l: &Live, state: &str) -> bool {
+        let state = match state {
+            "requested" | "starting" | "active" | "stopping" => state,
+            _ => "active",
+        };
+        let mut inner = self.work.inner();
+        let estimated = inner.fixed.get(&l.task).copied().unwrap_or(0);
+        let runs = inner.runs.entry(l.task.clone()).or_default();
+        if let Some(r) = runs.iter_mut().rev().find(|r| r.token == l.token) {
+            if r.state != "stopped" {
+                r.state = state.into();
+            }
+            return false;
+        }
+        runs.push_back(pb::Run {
+            worker: l.agent.to_string(),
+            phase: l.state.to_string(),
+            token: l.token,
+            state: state.into(),
+            stop_reason: String::new(),
+            detail: String::new(),
+            exit_code: -1,
+            started_at: Some(crate::wire::timestamp(l.claimed)),
+            ended_at: None,
+            estimated_tokens: estimated,
+            output_tail: String::new(),
+            warnings: Vec::new(),
+            peak_context_tokens: 0,
+            why: "adopted: the run began before the coordinator's restart".into(),
+            peak_context_source: String::new(),
+            trace_id: String::new(),
+        });
+        while runs.len() > RUNS_KEPT {
+            runs.pop_front();
+        }
+        true
+    }
+
+    /// Whether lease `l`, owned by a resumed session whose worker reports its runs, has a run
+    /// its worker should have reported: it was granted before this start (this coordinator
+    /// knows of no other use of it), or this coordinator saw its run offered and answered. An
+    /// offer not yet answered is left to its timeout; a lease claimed by hand in the session
+    /// (no run) is kept.
+    pub(crate) fn run_expected(&self, l: &Live) -> bool {
+        let inner = self.work.inner();
+        if inner.offers.contains_key(&l.lease_id) {
+            return false;
+        }
+        l.token <= self.engine.log_mark()
+            || inner
+                .runs
+                .get(&l.task)
+                .is_some_and(|r| r.iter().any(|r| r.token == l.token))
+    }
+
+    /// What a session's resume found (sessions.rs): the runs its worker reported under the
+    /// leases it keeps are adopted; the leases whose run it no longer has (`lost`, their ends
+    /// queued in the log) end with `run_lost`, and their tasks are offered again.
+    pub(crate) async fn resumed_runs(
+        &self,
+        worker: &AgentId,
+        adopted: Vec<(Live, String)>,
+        lost: Vec<(Live, automaton_backend::Commit)>,
+    ) {
+        for (l, state) in adopted {
+            self.load_dispatch(&l.task).await;
+            if self.adopt_run(&l, &state) {
+                tracing::info!(task = %l.task, worker = %worker, token = l.token, "run adopted after a restart");
+                self.engine.emit(
+                    "run_adopted",
+                    &l.task.to_string(),
+                    worker.as_str(),
+                    l.token,
+                    format!(
+                        "{}: reported by its worker when it resumed its session",
+                        l.state
+                    ),
+                );
+            }
+        }
+        for ending in lost {
+            let l = ending.0.clone();
+            self.load_dispatch(&l.task).await;
+            if let Err(e) = self.engine.end(ending, "run_lost").await {
+                tracing::warn!(task = %l.task, error = %e, "cannot end a lease whose run was lost");
+                continue;
+            }
+            // A run whose stop was reported (its lease outlived it: the release was cut off
+            // by the restart) keeps its reason.
+            if self
+                .work
+                .run_of(&l.task, l.token)
+                .is_some_and(|r| r.state == "stopped")
+            {
+                tracing::info!(task = %l.task, token = l.token, "the lease of a stopped run outlived it: ended (run_lost)");
+                continue;
+            }
+            const WHY: &str =
+                "its worker resumed its session without this run: the run ended unreported";
+            tracing::warn!(task = %l.task, worker = %worker, token = l.token, "{WHY}; the lease ended (run_lost)");
+            self.adopt_run(&l, "active");
+            self.record_run(
+                &l.task, worker, l.state, l.token, "stopped", "run_lost", WHY, -1,
+            );
+            self.engine.emit(
+                "run_stopped",
+                &l.task.to_string(),
+                worker.as_str(),
+                l.token,
+                format!("{}: run_lost ({WHY})", l.state),
+            );
+            self.save_or_warn(&l.task).await;
+        }
+        self.work.poke();
+    }
+}
