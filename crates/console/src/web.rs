@@ -40,6 +40,8 @@ pub(crate) struct App {
     pub channel: tonic::transport::Channel,
     pub auth: Option<Arc<dyn Authenticate>>,
     pub project: String,
+    /// A trace UI URL with `{trace_id}`: each run's trace id on a task page links there.
+    pub trace_url: Option<String>,
     /// Mark the cookie `Secure` (https).
     pub secure: bool,
     pub sessions: Mutex<Sessions>,
@@ -60,8 +62,7 @@ impl App {
             channel: opts.channel,
             auth: opts.auth,
             project: opts.project,
-            // `trace_url` waits for a trace id in the API: no run or task message carries
-            // one yet (render::TaskView::trace takes it when one does).
+            trace_url: opts.trace_url,
             secure: opts.tls.is_some(),
             sessions: Mutex::new(Sessions::new(session::MAX_SESSIONS)),
             csrf_secret: session::random_hex(32)?,
@@ -494,7 +495,8 @@ async fn task(
     let detail = match grpc::tasks(&app.channel, stamp)
         .get_task(pb::GetTaskRequest {
             task: name.clone(),
-            with_contents: false,
+            // The page renders each artifact's text (escaped markdown).
+            with_contents: true,
         })
         .await
     {
@@ -503,8 +505,7 @@ async fn task(
     };
     let view = TaskView {
         csrf: Some(&c.csrf),
-        artifacts: &[],
-        trace: None,
+        trace_url: app.trace_url.as_deref(),
         now: SystemTime::now(),
     };
     let facts = render::render_task(&detail, &view);

@@ -53,11 +53,42 @@ impl pb::tasks_server::Tasks for Fake {
         req: Request<pb::GetTaskRequest>,
     ) -> Result<Response<pb::TaskDetail>, Status> {
         self.note("get_task", &req);
-        let name = req.into_inner().task;
+        let r = req.into_inner();
+        let name = r.task;
         if name != "shop/api" {
             return Err(Status::not_found(format!("no task '{name}'")));
         }
+        // As the coordinator does: the texts only when asked for.
+        let content = |text: &str| {
+            if r.with_contents {
+                text.to_string()
+            } else {
+                String::new()
+            }
+        };
         Ok(Response::new(pb::TaskDetail {
+            artifacts: vec![
+                pb::ArtifactFile {
+                    artifact: "DESIGN.md".into(),
+                    bytes: 52,
+                    content: content("# Design\n<script>alert('owned')</script> **bold**"),
+                    ..Default::default()
+                },
+                pb::ArtifactFile {
+                    artifact: "SPEC.md".into(),
+                    bytes: 400_000,
+                    content: content("# Spec\nlong"),
+                    truncated: r.with_contents,
+                    ..Default::default()
+                },
+            ],
+            runs: vec![pb::Run {
+                worker: "gpu-a".into(),
+                phase: "design".into(),
+                state: "stopped".into(),
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+                ..Default::default()
+            }],
             summary: Some(pb::TaskSummary {
                 task: name,
                 state: "design:awaiting_approval".into(),
@@ -275,13 +306,22 @@ async fn console(
     channel: tonic::transport::Channel,
     auth: Option<Arc<dyn Authenticate>>,
 ) -> (SocketAddr, oneshot::Sender<()>) {
+    console_with(channel, auth, None).await
+}
+
+/// [`console`] with a trace UI URL.
+async fn console_with(
+    channel: tonic::transport::Channel,
+    auth: Option<Arc<dyn Authenticate>>,
+    trace_url: Option<&str>,
+) -> (SocketAddr, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = oneshot::channel::<()>();
     let opts = Options {
         channel,
         auth,
-        trace_url: None,
+        trace_url: trace_url.map(str::to_string),
         project: "demo".into(),
         tls: None,
     };
@@ -708,4 +748,49 @@ async fn shutdown_ends_open_streams() {
         .expect("stops well before the grace period")
         .expect("join")
         .expect("served");
+}
+
+/// The task page asks for the artifacts' texts and renders them as escaped markdown (an
+/// artifact's `<script>` is text on the page), marks a truncated one, and links each run's
+/// trace id through `trace_url`; without `trace_url` the id is plain text.
+#[tokio::test]
+async fn task_page_renders_artifact_text_escaped_and_links_traces() {
+    let (fake, _) = fake();
+    let channel = coordinator(fake).await;
+    let (addr, _stop) = console_with(
+        channel.clone(),
+        None,
+        Some("http://jaeger:16686/trace/{trace_id}"),
+    )
+    .await;
+    let page = http(addr, "GET", "/task/shop/api", "", "").await;
+    assert_eq!(status(&page), 200, "{page}");
+    assert!(!page.contains("<script>alert"), "{page}");
+    assert!(
+        page.contains("&lt;script&gt;alert(&#39;owned&#39;)&lt;/script&gt; <strong>bold</strong>"),
+        "{page}"
+    );
+    assert!(page.contains("<h3>DESIGN.md</h3><h1>Design</h1>"), "{page}");
+    assert!(
+        page.contains("class=\"artifact-text truncated\" data-artifact=\"SPEC.md\""),
+        "{page}"
+    );
+    assert!(page.contains("truncated: the first 11 of 400000 bytes are shown"));
+    assert!(
+        page.contains(
+            "href=\"http://jaeger:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736\" rel=\"noopener noreferrer\""
+        ),
+        "{page}"
+    );
+    // The refreshed fragment carries the same texts.
+    let fragment = http(addr, "GET", "/task/shop/api?fragment=1", "", "").await;
+    assert!(fragment.contains("&lt;script&gt;alert("), "{fragment}");
+
+    let (plain, _stop2) = console(channel, None).await;
+    let page = http(plain, "GET", "/task/shop/api", "", "").await;
+    assert!(
+        page.contains("<code class=\"trace\">4bf92f3577b34da6a3ce929d0e0e4736</code>"),
+        "{page}"
+    );
+    assert!(!page.contains("jaeger"), "{page}");
 }
