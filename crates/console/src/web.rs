@@ -18,6 +18,7 @@ use serde::Deserialize;
 use tokio::sync::{Notify, broadcast, watch};
 
 use crate::grpc::{self, Stamp};
+use crate::limit::SignInLimit;
 use crate::render::{self, BoardFilter, TaskView};
 use crate::session::{self, Sessions};
 use crate::{Authenticate, Options};
@@ -45,6 +46,8 @@ pub(crate) struct App {
     /// Mark the cookie `Secure` (https).
     pub secure: bool,
     pub sessions: Mutex<Sessions>,
+    /// Refused sign-ins by client address (guessing tokens is throttled).
+    pub sign_in_limit: Mutex<SignInLimit>,
     /// The CSRF token of every page in no-auth mode (per process).
     pub csrf_secret: String,
     /// The shared event feed: JSON of each event, fanned out to every `/events` page.
@@ -65,6 +68,7 @@ impl App {
             trace_url: opts.trace_url,
             secure: opts.tls.is_some(),
             sessions: Mutex::new(Sessions::new(session::MAX_SESSIONS)),
+            sign_in_limit: Mutex::new(SignInLimit::new()),
             csrf_secret: session::random_hex(32)?,
             events,
             signed_in: Notify::new(),
@@ -74,6 +78,10 @@ impl App {
 
     pub fn sessions(&self) -> MutexGuard<'_, Sessions> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn sign_in_limit(&self) -> MutexGuard<'_, SignInLimit> {
+        self.sign_in_limit.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -333,8 +341,17 @@ struct LoginForm {
     token: String,
 }
 
+/// What a client past the sign-in limit is told, with the seconds to wait.
+pub fn too_many_sign_ins(wait_secs: u64) -> String {
+    format!(
+        "too many refused sign-ins from your address: try again in {wait_secs} s (at most {} a minute)",
+        crate::limit::MAX_FAILURES
+    )
+}
+
 async fn login(
     State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Form(f): Form<LoginForm>,
 ) -> Response {
@@ -354,12 +371,28 @@ async fn login(
     if token.is_empty() {
         return refuse("enter your operator token");
     }
-    if let Err(e) = Stamp::new(Some(token), None) {
-        return refuse(&e);
+    // Checked before the token: while blocked, a right token gets the same answer.
+    let blocked = app.sign_in_limit().blocked(peer.ip(), Instant::now());
+    if let Some(wait) = blocked {
+        let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let mut r = html(
+            StatusCode::TOO_MANY_REQUESTS,
+            render::render_login(&app.project, Some(&too_many_sign_ins(secs))),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        return r;
     }
-    let operator = match auth.operator(token) {
-        Ok(name) => name,
-        Err(why) => return refuse(why.lines().next().unwrap_or("refused")),
+    let checked = Stamp::new(Some(token), None).and_then(|_| auth.operator(token));
+    let operator = match checked {
+        Ok(name) => {
+            app.sign_in_limit().succeeded(peer.ip());
+            name
+        }
+        Err(why) => {
+            app.sign_in_limit().failed(peer.ip(), Instant::now());
+            return refuse(why.lines().next().unwrap_or("refused"));
+        }
     };
     let id = match app
         .sessions()

@@ -794,3 +794,50 @@ async fn task_page_renders_artifact_text_escaped_and_links_traces() {
     );
     assert!(!page.contains("jaeger"), "{page}");
 }
+
+/// Refused sign-ins are limited per client address: five a minute, then 429 with
+/// `Retry-After`, and while blocked even the right token is refused the same way.
+#[tokio::test]
+async fn sign_in_is_rate_limited_per_address() {
+    let (fake, _) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let (addr, _stop) = console(coordinator(fake).await, Some(auth)).await;
+    // A success forgets earlier failures.
+    for _ in 0..(automaton_console::MAX_FAILURES - 1) {
+        let r = http(addr, "POST", "/login", &form_headers(""), "token=guess").await;
+        assert_eq!(status(&r), 403, "{r}");
+    }
+    let r = http(addr, "POST", "/login", &form_headers(""), "token=good").await;
+    assert_eq!(status(&r), 303, "{r}");
+    for i in 0..automaton_console::MAX_FAILURES {
+        let r = http(addr, "POST", "/login", &form_headers(""), "token=guess").await;
+        assert_eq!(status(&r), 403, "attempt {i}: {r}");
+        assert!(r.contains("unknown token"), "{r}");
+    }
+    for token in ["guess", "good"] {
+        let r = http(
+            addr,
+            "POST",
+            "/login",
+            &form_headers(""),
+            &format!("token={token}"),
+        )
+        .await;
+        assert_eq!(status(&r), 429, "{token}: {r}");
+        let retry: u64 = r
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("retry-after:")
+                    .map(|v| v.trim().to_string())
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("a Retry-After header: {r}"));
+        assert!((1..=60).contains(&retry), "{retry}");
+        assert!(
+            r.contains("too many refused sign-ins from your address: try again in"),
+            "{r}"
+        );
+        assert!(!r.to_ascii_lowercase().contains("set-cookie"), "{r}");
+    }
+}
