@@ -910,6 +910,13 @@ fn console_bench_times_every_page_and_every_stream_gets_the_events() {
         assert_eq!(p["time"]["count"], 3, "{p}");
         assert!(p["bytes"].as_u64().unwrap_or(0) > 100, "{p}");
     }
+    let refresh = &report["refresh"];
+    assert_eq!(refresh["pages"], 4, "{refresh}");
+    assert_eq!(refresh["wall"]["count"], 5, "{refresh}");
+    assert!(
+        refresh["wall"]["p50_ms"].as_f64().unwrap_or(0.0) > 0.0,
+        "{refresh}"
+    );
     let s = &report["streams"];
     let sent = s["events_sent"].as_u64().unwrap_or(0);
     assert!(sent >= 4, "{s}");

@@ -16,6 +16,10 @@
 //!    coordinator's CPU (utime+stime from /proc/PID/stat) over that time, its resident
 //!    memory (VmRSS) when the streams are open and at the end (and the peak sampled), and
 //!    the events each stream received.
+//!
+//! Between the two, **refresh**: after an event, `--streams` `/board?fragment=1` requests at
+//! once (what that many open boards send), five rounds: the time until the last is served
+//! and the coordinator's CPU per round.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -77,6 +81,17 @@ struct PageResult {
 }
 
 #[derive(Serialize)]
+struct Refresh {
+    /// Boards re-fetched at once after an event.
+    pages: usize,
+    rounds: usize,
+    /// From the first request to the last response, per round.
+    wall: Percentiles,
+    /// The coordinator's CPU per round, in milliseconds.
+    coordinator_cpu_ms: f64,
+}
+
+#[derive(Serialize)]
 struct StreamResult {
     streams: usize,
     seconds: f64,
@@ -99,6 +114,7 @@ struct Report {
     tasks: usize,
     workers: usize,
     pages: Vec<PageResult>,
+    refresh: Refresh,
     streams: StreamResult,
 }
 
@@ -277,6 +293,50 @@ async fn create_tasks(channel: &Channel, n: usize) -> Result<()> {
     Ok(())
 }
 
+/// Rounds of [`refresh`].
+const REFRESH_ROUNDS: usize = 5;
+
+/// After an event, `--streams` concurrent `/board?fragment=1` requests (what that many open
+/// boards send): the time until the last is served, and the coordinator's CPU per round.
+async fn refresh(args: &ConsoleArgs, channel: &Channel, web: &str, pid: &str) -> Result<Refresh> {
+    let mut walls = Vec::new();
+    let mut ticks = 0u64;
+    let mut tasks = pb::tasks_client::TasksClient::new(channel.clone());
+    for round in 0..REFRESH_ROUNDS {
+        tasks
+            .create_task(pb::CreateTaskRequest {
+                task: format!("refresh-{round}"),
+            })
+            .await
+            .map_err(crate::rpc::status_err)?;
+        // The event reaches the console's feed (pages would re-fetch 500 ms after it).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let before = cpu_ticks(pid);
+        let started = Instant::now();
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..args.streams {
+            let web = web.to_string();
+            set.spawn(async move { get(&web, "/board?fragment=1").await });
+        }
+        while let Some(r) = set.join_next().await {
+            let (status, _, _) = r.context("join")??;
+            if status != 200 {
+                bail!("GET /board?fragment=1: HTTP {status}");
+            }
+        }
+        walls.push(started.elapsed());
+        if let (Some(a), Some(b)) = (before, cpu_ticks(pid)) {
+            ticks += b.saturating_sub(a);
+        }
+    }
+    Ok(Refresh {
+        pages: args.streams,
+        rounds: REFRESH_ROUNDS,
+        wall: Percentiles::of(walls),
+        coordinator_cpu_ms: ticks as f64 / CLK_TCK * 1e3 / REFRESH_ROUNDS as f64,
+    })
+}
+
 async fn measure(args: &ConsoleArgs, grpc_url: &str, web: &str, pid: &str) -> Result<Report> {
     let endpoint = Endpoint::from_shared(grpc_url.to_string())?;
     let channel = endpoint.connect().await.context("connect to the API")?;
@@ -357,6 +417,14 @@ async fn measure(args: &ConsoleArgs, grpc_url: &str, web: &str, pid: &str) -> Re
         pages.push(r);
     }
 
+    // Every open board re-fetches after an event: `--streams` boards at once, after each of
+    // a few events.
+    let refresh = refresh(args, &channel, web, pid).await?;
+    eprintln!(
+        "{} boards refreshing at once: all served in p50 {:.0} ms, coordinator CPU {:.0} ms a round",
+        refresh.pages, refresh.wall.p50_ms, refresh.coordinator_cpu_ms
+    );
+
     // The streams, with events flowing from a churn loop.
     let counters: Vec<Arc<AtomicU64>> = (0..args.streams)
         .map(|_| Arc::new(AtomicU64::new(0)))
@@ -428,6 +496,7 @@ async fn measure(args: &ConsoleArgs, grpc_url: &str, web: &str, pid: &str) -> Re
         tasks: args.tasks,
         workers: args.workers,
         pages,
+        refresh,
         streams: StreamResult {
             streams: args.streams,
             seconds,
@@ -454,6 +523,14 @@ fn table(r: &Report) -> String {
             p.page, p.requests, p.time.p50_ms, p.time.p99_ms, p.bytes
         ));
     }
+    out.push_str(&format!(
+        "\n{} boards re-fetched at once after an event ({} rounds): all served in p50 {:.0} ms (max {:.0} ms); coordinator CPU {:.0} ms a round\n",
+        r.refresh.pages,
+        r.refresh.rounds,
+        r.refresh.wall.p50_ms,
+        r.refresh.wall.max_ms,
+        r.refresh.coordinator_cpu_ms
+    ));
     let s = &r.streams;
     let mib = |v: Option<f64>| v.map(|m| format!("{m:.1}")).unwrap_or_else(|| "-".into());
     out.push_str(&format!(

@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -35,6 +36,16 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 pub const FEED_BUFFER: usize = 256;
 /// How much of a run's kept output a new output panel starts with.
 pub const OUTPUT_TAIL_BYTES: u64 = 64 * 1024;
+/// How long the board's task list may be reused when no event has arrived since it was
+/// fetched (the bound on its age when the feed is down).
+pub const TASKS_REUSE: Duration = Duration::from_secs(1);
+
+/// The task list as last fetched for a board, and where the feed stood then.
+pub(crate) struct TasksSnapshot {
+    changes: u64,
+    at: Instant,
+    tasks: Arc<Vec<pb::TaskSummary>>,
+}
 
 /// What every handler shares.
 pub(crate) struct App {
@@ -54,6 +65,13 @@ pub(crate) struct App {
     pub events: broadcast::Sender<String>,
     /// Someone signed in: the feed may have a token to watch with now.
     pub signed_in: Notify,
+    /// Events the feed has passed on (and its reconnects): a task list fetched before the
+    /// latest one is out of date.
+    pub changes: AtomicU64,
+    /// The board's last task list, shared by every page: after an event, each open board
+    /// re-fetches, and one `ListTasks` answers them all. The lock makes concurrent fetches
+    /// one.
+    pub tasks: tokio::sync::Mutex<Option<TasksSnapshot>>,
     /// Becomes true at shutdown: streams end.
     pub stop: watch::Receiver<bool>,
 }
@@ -72,6 +90,8 @@ impl App {
             csrf_secret: session::random_hex(32)?,
             events,
             signed_in: Notify::new(),
+            changes: AtomicU64::new(0),
+            tasks: tokio::sync::Mutex::new(None),
             stop,
         })
     }
@@ -82,6 +102,39 @@ impl App {
 
     pub fn sign_in_limit(&self) -> MutexGuard<'_, SignInLimit> {
         self.sign_in_limit.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The feed saw a change (or reconnected): shared task lists are out of date.
+    pub fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
+    }
+
+    /// The task list for a board: the shared one while no change has come since it was
+    /// fetched (for at most [`TASKS_REUSE`]), else a fresh `ListTasks` with `stamp`. Every
+    /// caller here is a signed-in operator (or loopback without tokens), and operators all
+    /// see the same list.
+    async fn board_tasks(&self, stamp: Stamp) -> Result<Arc<Vec<pb::TaskSummary>>, tonic::Status> {
+        let mut shared = self.tasks.lock().await;
+        let changes = self.changes.load(Ordering::Acquire);
+        if let Some(s) = shared.as_ref()
+            && s.changes == changes
+            && s.at.elapsed() < TASKS_REUSE
+        {
+            return Ok(s.tasks.clone());
+        }
+        let tasks = Arc::new(
+            grpc::tasks(&self.channel, stamp)
+                .list_tasks(pb::ListTasksRequest {})
+                .await?
+                .into_inner()
+                .tasks,
+        );
+        *shared = Some(TasksSnapshot {
+            changes,
+            at: Instant::now(),
+            tasks: tasks.clone(),
+        });
+        Ok(tasks)
     }
 }
 
@@ -473,14 +526,13 @@ async fn board(
         Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
-    let mut tasks = grpc::tasks(&app.channel, stamp.clone());
-    let mut workers = grpc::workers(&app.channel, stamp);
+    let mut workers = grpc::workers(&app.channel, stamp.clone());
     let (t, w) = tokio::join!(
-        tasks.list_tasks(pb::ListTasksRequest {}),
+        app.board_tasks(stamp),
         workers.list_workers(pb::ListWorkersRequest {})
     );
     let tasks = match t {
-        Ok(t) => t.into_inner().tasks,
+        Ok(t) => t,
         Err(s) => return refused(&app, &c, "Board", &s),
     };
     // The fleet only adds run ages: a board without them beats no board.

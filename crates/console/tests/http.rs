@@ -841,3 +841,63 @@ async fn sign_in_is_rate_limited_per_address() {
         assert!(!r.to_ascii_lowercase().contains("set-cookie"), "{r}");
     }
 }
+
+/// Open boards share one task list: a second board with no event since the first asks the
+/// coordinator nothing new; an event (or a second's age) makes the next board fetch afresh.
+#[tokio::test]
+async fn boards_share_one_task_list_until_an_event() {
+    let (fake, calls) = fake();
+    let events = fake.events.clone();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+    let list_calls = || {
+        calls
+            .lock()
+            .expect("calls")
+            .iter()
+            .filter(|c| c.starts_with("list_tasks"))
+            .count()
+    };
+    // The feed is up (it counts changes from here on).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !calls
+        .lock()
+        .expect("calls")
+        .iter()
+        .any(|c| c.starts_with("watch_events"))
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no feed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The feed counts its (re)connection as a change once its stream is open.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for path in [
+        "/board",
+        "/board?fragment=1",
+        "/board?needs=person&fragment=1",
+    ] {
+        let r = http(addr, "GET", path, "", "").await;
+        assert_eq!(status(&r), 200, "{r}");
+        assert!(r.contains("data-task=\"shop/api\""), "{r}");
+    }
+    assert_eq!(list_calls(), 1);
+    // An event reaches the console (seen on a page's stream): the next board fetches.
+    let sender = events.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = sender.send(pb::Event {
+            seq: 1,
+            kind: "transitioned".into(),
+            task: "shop".into(),
+            ..Default::default()
+        });
+    });
+    stream_until(addr, "/events", "", "\"kind\":\"transitioned\"").await;
+    http(addr, "GET", "/board?fragment=1", "", "").await;
+    assert_eq!(list_calls(), 2);
+    http(addr, "GET", "/board?fragment=1", "", "").await;
+    assert_eq!(list_calls(), 2);
+    // Without events, a list is reused for a second at most.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    http(addr, "GET", "/board", "", "").await;
+    assert_eq!(list_calls(), 3);
+}
