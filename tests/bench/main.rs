@@ -862,3 +862,68 @@ fn workers_failover_bench_resumes_every_session_with_its_lease() {
     assert_eq!(r["met"], true, "{r}");
     assert!(run.stdout.contains("all resumed, 0 lost"), "{}", run.stdout);
 }
+
+/// `automaton-bench console`: every page of the real coordinator's console is fetched
+/// without a failure and has a body, and every open event stream gets every churn event.
+#[test]
+fn console_bench_times_every_page_and_every_stream_gets_the_events() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("console.json");
+    let coordinator = coordinator_bin();
+    let run = bench(&[
+        "console",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--tasks",
+        "30",
+        "--workers",
+        "3",
+        "--requests",
+        "3",
+        "--streams",
+        "4",
+        "--stream-duration",
+        "2s",
+        "--churn-every",
+        "200ms",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("JSON");
+    let pages = report["pages"].as_array().expect("pages");
+    let names: Vec<&str> = pages.iter().filter_map(|p| p["page"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "/board",
+            "/board?fragment=1",
+            "/fleet",
+            "/task/bench-0001",
+            "ListTasks (gRPC)",
+            "ListWorkers (gRPC)"
+        ],
+        "{report}"
+    );
+    for p in pages {
+        assert_eq!(p["time"]["count"], 3, "{p}");
+        assert!(p["bytes"].as_u64().unwrap_or(0) > 100, "{p}");
+    }
+    let refresh = &report["refresh"];
+    assert_eq!(refresh["pages"], 4, "{refresh}");
+    assert_eq!(refresh["wall"]["count"], 5, "{refresh}");
+    assert!(
+        refresh["wall"]["p50_ms"].as_f64().unwrap_or(0.0) > 0.0,
+        "{refresh}"
+    );
+    let s = &report["streams"];
+    let sent = s["events_sent"].as_u64().unwrap_or(0);
+    assert!(sent >= 4, "{s}");
+    // Every stream got the churn's events (two of slack for the last ones in flight on a
+    // loaded machine when the streams close).
+    assert!(s["events_min"].as_u64().unwrap_or(0) + 2 >= sent, "{s}");
+    assert_eq!(s["streams_ended_early"], 0, "{s}");
+    assert!(s["rss_end_mib"].as_f64().unwrap_or(0.0) > 1.0, "{s}");
+    assert!(run.stdout.contains("| `/board` | 3 |"), "{}", run.stdout);
+}

@@ -347,6 +347,8 @@ pub struct Coord {
     pub url: String,
     /// The address exactly as printed on the `listening on` line.
     pub printed: String,
+    /// The console's URL (`--web-listen`), from its `console on URL` line.
+    pub console: Option<String>,
     pub child: Child,
     stderr: Arc<Mutex<String>>,
     /// When the `listening on` line was read.
@@ -393,24 +395,31 @@ impl Coord {
                 let mut sent = false;
                 while let Some(Ok(l)) = lines.next() {
                     if !sent {
+                        // The console's line (with `--web-listen`) comes first.
+                        sent = !l.starts_with("console on ");
                         let _ = tx.send(l);
-                        sent = true;
                     } else {
                         // The contract is one line; later lines are ignored (but drained).
                     }
                 }
             });
         }
-        let line = match rx.recv_timeout(START_TIMEOUT) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = child.kill();
-                let status = child.wait();
-                std::thread::sleep(Duration::from_millis(50));
-                panic!(
-                    "automaton-coordinator {args:?} printed no `listening on` line ({e:?}, exit {status:?});\nstderr:\n{}",
-                    stderr.lock().unwrap_or_else(|p| p.into_inner())
-                );
+        let mut console = None;
+        let line = loop {
+            match rx.recv_timeout(START_TIMEOUT) {
+                Ok(l) => match l.strip_prefix("console on ") {
+                    Some(url) => console = Some(url.trim().to_string()),
+                    None => break l,
+                },
+                Err(e) => {
+                    let _ = child.kill();
+                    let status = child.wait();
+                    std::thread::sleep(Duration::from_millis(50));
+                    panic!(
+                        "automaton-coordinator {args:?} printed no `listening on` line ({e:?}, exit {status:?});\nstderr:\n{}",
+                        stderr.lock().unwrap_or_else(|p| p.into_inner())
+                    );
+                }
             }
         };
         let printed = line
@@ -427,6 +436,7 @@ impl Coord {
             addr,
             url: format!("http://{addr}"),
             printed,
+            console,
             child,
             stderr,
             started: Instant::now(),

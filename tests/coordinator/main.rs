@@ -36,6 +36,7 @@ mod uploads;
 mod usage;
 mod views;
 mod waves;
+mod webdriver;
 mod webhooks;
 mod work;
 mod workers;

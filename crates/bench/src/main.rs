@@ -28,6 +28,7 @@
 //! needs no preparation: it grants any task.
 
 mod backend;
+mod console;
 mod coord;
 mod dispatch;
 mod echo;
@@ -103,6 +104,9 @@ enum Cmd {
     /// One wave of sub-tasks dispatched to many simulated workers of mixed budgets: the time
     /// from the decomposition's approval to the last assignment, every assignment checked.
     Dispatch(dispatch::DispatchArgs),
+    /// The operator's console (`--web-listen`) over a large project: board, fleet and task
+    /// page times and bytes; then many open event streams, the coordinator's CPU and memory.
+    Console(console::ConsoleArgs),
     /// An OTLP/gRPC trace sink that counts what it is sent and keeps nothing (export to it
     /// with OTEL_EXPORTER_OTLP_ENDPOINT=http://ADDR).
     OtlpSink {
@@ -904,6 +908,7 @@ async fn main() -> Result<()> {
         Cmd::HaLeases(args) => ha_leases::run(args).await,
         Cmd::Phases(args) => phases::run(args).await,
         Cmd::Dispatch(args) => dispatch::run(args).await,
+        Cmd::Console(args) => console::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
         Cmd::OtlpSink { listen } => otlp::serve(listen).await,
     }

@@ -68,10 +68,12 @@ async fn watch_once(app: &App, token: Option<&str>) -> Result<(), String> {
         .map_err(|s| grpc::http_status(&s).1)?
         .into_inner();
     // Pages may have missed events while the feed was down: they refresh once.
+    app.changed();
     let _ = app.events.send(r#"{"kind":"resync"}"#.to_string());
     loop {
         match stream.message().await {
             Ok(Some(e)) => {
+                app.changed();
                 // No receivers is fine: nobody has a page open.
                 let _ = app.events.send(event_json(&e));
             }

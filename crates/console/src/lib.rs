@@ -5,9 +5,10 @@
 //!
 //! What it owns: the HTML (server-rendered by the pure functions of [`render`], with a
 //! little embedded vanilla JavaScript and CSS, no inline script: the CSP forbids it), the
-//! sign-in sessions (in memory, bounded, 12 hours), the CSRF and cross-site checks of every
-//! POST, and two kinds of live stream: one shared `WatchEvents` feed per console fanned out
-//! to every open page as server-sent events, and a task's `TailOutput`.
+//! sign-in sessions (in memory, bounded, 12 hours) and their rate limit (5 refused sign-ins a
+//! minute per client address), the CSRF and cross-site checks of every POST, and two kinds
+//! of live stream: one shared `WatchEvents` feed per console fanned out to every open page
+//! as server-sent events, and a task's `TailOutput`.
 //!
 //! What it must not do: decide policy or keep state beyond sessions. It is a client of the
 //! coordinator's own gRPC API (`automaton_proto`): every page is a read the CLI could make,
@@ -19,6 +20,7 @@
 
 mod feed;
 mod grpc;
+mod limit;
 mod markdown;
 pub mod render;
 mod session;
@@ -27,6 +29,7 @@ mod web;
 
 pub use feed::{Utf8Carry, event_json, output_json};
 pub use grpc::http_status;
+pub use limit::{MAX_FAILURES, SignInLimit, WINDOW};
 pub use render::{
     BoardFilter, TaskView, escape, render_board, render_fleet, render_markdown, render_task,
 };
@@ -34,7 +37,7 @@ pub use session::{
     COOKIE, MAX_SESSIONS, SESSION_TTL, Session, Sessions, clear_cookie, constant_time_eq,
     cookie_id, session_cookie,
 };
-pub use web::{CSP, CSRF_REFUSED, cross_site, csrf_ok, is_loopback, safe_back};
+pub use web::{CSP, CSRF_REFUSED, cross_site, csrf_ok, is_loopback, safe_back, too_many_sign_ins};
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -1,8 +1,8 @@
 //! A small markdown-to-HTML renderer for artifacts, which are untrusted text: everything is
 //! escaped, and only the tags this module writes itself reach the page. It knows ATX
 //! headings, paragraphs, `-`/`*`/`+` and `1.` lists, `>` quotes, `---` rules, fenced code,
-//! inline code, `**bold**`, `*italic*`/`_italic_` and `[links](https://…)` (http and https
-//! only, `rel="noopener noreferrer"`); anything else is shown as the text it is.
+//! `|` tables, inline code, `**bold**`, `*italic*`/`_italic_` and `[links](https://…)` (http
+//! and https only, `rel="noopener noreferrer"`); anything else is shown as the text it is.
 
 /// Escapes text for HTML content and attribute values.
 pub fn escape(s: &str) -> String {
@@ -24,8 +24,13 @@ pub fn escape(s: &str) -> String {
 enum Block {
     None,
     Paragraph(Vec<String>),
-    List { ordered: bool, items: Vec<String> },
+    List {
+        ordered: bool,
+        items: Vec<String>,
+    },
     Quote(Vec<String>),
+    /// Lines starting with `|`: a table when its second line is a delimiter row.
+    Table(Vec<String>),
 }
 
 /// Renders `src` as HTML; every character of it is escaped.
@@ -74,6 +79,16 @@ pub fn to_html(src: &str) -> String {
                         ordered,
                         items: vec![text.to_string()],
                     };
+                }
+            }
+            continue;
+        }
+        if trimmed.starts_with('|') {
+            match &mut block {
+                Block::Table(lines) => lines.push(trimmed.to_string()),
+                _ => {
+                    flush(&mut out, &mut block);
+                    block = Block::Table(vec![trimmed.to_string()]);
                 }
             }
             continue;
@@ -135,7 +150,48 @@ fn flush(out: &mut String, block: &mut Block) {
                 inline(&lines.join(" "))
             ));
         }
+        Block::Table(lines) => table(out, &lines),
     }
+}
+
+/// The cells of a `| a | b |` row (the outer pipes optional).
+fn cells(row: &str) -> Vec<&str> {
+    let row = row.trim();
+    let row = row.strip_prefix('|').unwrap_or(row);
+    let row = row.strip_suffix('|').unwrap_or(row);
+    row.split('|').map(str::trim).collect()
+}
+
+/// `| --- | :---: |`: the row under a table's header.
+fn is_delimiter_row(row: &str) -> bool {
+    let c = cells(row);
+    !c.is_empty()
+        && c.iter().all(|cell| {
+            let inner = cell.trim_start_matches(':').trim_end_matches(':');
+            !inner.is_empty() && inner.chars().all(|ch| ch == '-')
+        })
+}
+
+/// A table (header, delimiter row, body rows); lines that are no table stay a paragraph.
+fn table(out: &mut String, lines: &[String]) {
+    if lines.len() < 2 || !is_delimiter_row(&lines[1]) {
+        out.push_str(&format!("<p>{}</p>\n", inline(&lines.join(" "))));
+        return;
+    }
+    let row = |tag: &str, line: &str| -> String {
+        let cols: String = cells(line)
+            .iter()
+            .map(|c| format!("<{tag}>{}</{tag}>", inline(c)))
+            .collect();
+        format!("<tr>{cols}</tr>")
+    };
+    out.push_str("<table><thead>");
+    out.push_str(&row("th", &lines[0]));
+    out.push_str("</thead><tbody>");
+    for line in &lines[2..] {
+        out.push_str(&row("td", line));
+    }
+    out.push_str("</tbody></table>\n");
 }
 
 /// "```" or "~~~" (three or more) opening a fence: the marker that closes it.
@@ -317,6 +373,26 @@ mod tests {
             "{html}"
         );
         assert!(html.contains("<h1>&lt;b&gt;hi&lt;/b&gt;</h1>"), "{html}");
+    }
+
+    #[test]
+    fn tables_with_escaped_cells_and_pipes_that_are_no_table() {
+        let html = to_html(
+            "| sub-task | depends on | k |\n| --- | :---: | ---: |\n| cart | - | 8 |\n| <b>x</b> | `a` | 1 |\n\nafter",
+        );
+        assert_eq!(
+            html,
+            "<table><thead><tr><th>sub-task</th><th>depends on</th><th>k</th></tr></thead>\
+             <tbody><tr><td>cart</td><td>-</td><td>8</td></tr>\
+             <tr><td>&lt;b&gt;x&lt;/b&gt;</td><td><code>a</code></td><td>1</td></tr></tbody></table>\n\
+             <p>after</p>\n"
+        );
+        // No delimiter row: the lines are a paragraph, escaped.
+        assert_eq!(
+            to_html("| a | <i> |\n| b |"),
+            "<p>| a | &lt;i&gt; | | b |</p>\n"
+        );
+        assert_eq!(to_html("|"), "<p>|</p>\n");
     }
 
     #[test]

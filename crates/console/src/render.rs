@@ -603,11 +603,9 @@ pub struct TaskView<'a> {
     /// With a session (or in no-auth mode): the CSRF token the action buttons carry. `None`:
     /// no buttons.
     pub csrf: Option<&'a str>,
-    /// Artifact texts to render (name, markdown). The coordinator's API carries artifact
-    /// names and sizes only, so the console passes none today.
-    pub artifacts: &'a [(String, String)],
-    /// A trace UI URL with `{trace_id}`, and the trace id to put in it, when known.
-    pub trace: Option<(&'a str, &'a str)>,
+    /// A trace UI URL with `{trace_id}` (config `trace_url`): each run's trace id links
+    /// there. `None`: the ids are shown as text.
+    pub trace_url: Option<&'a str>,
     /// The time ages are measured to.
     pub now: SystemTime,
 }
@@ -637,16 +635,8 @@ pub fn render_task(d: &pb::TaskDetail, view: &TaskView<'_>) -> String {
         out.push_str(&task_actions(d, &s, csrf));
     }
     out.push_str(&approval(d, &s));
-    out.push_str(&artifacts(d, view.artifacts));
-    out.push_str(&runs(&d.runs, view.now));
-    if let Some((template, id)) = view.trace {
-        let _ = write!(
-            out,
-            "<p class=\"trace\">trace <a href=\"{}\" rel=\"noopener noreferrer\">{}</a></p>",
-            escape(&trace_link(template, id)),
-            escape(id)
-        );
-    }
+    out.push_str(&artifacts(d));
+    out.push_str(&runs(&d.runs, view.trace_url, view.now));
     out.push_str(&guidance(d.guidance.as_ref()));
     out.push_str("</section>");
     out
@@ -825,8 +815,9 @@ fn approval(d: &pb::TaskDetail, s: &pb::TaskSummary) -> String {
     out
 }
 
-/// The artifact files, and any texts given, rendered from markdown (escaped).
-fn artifacts(d: &pb::TaskDetail, texts: &[(String, String)]) -> String {
+/// The artifact files, then each one's text (when the coordinator sent it, `with_contents`)
+/// rendered from markdown, escaped; a text cut at the API's limit says so.
+fn artifacts(d: &pb::TaskDetail) -> String {
     let mut out = String::from("<section id=\"artifacts\"><h2>Artifacts</h2>");
     if d.artifacts.is_empty() {
         out.push_str("<p class=\"empty\">none yet</p>");
@@ -843,21 +834,46 @@ fn artifacts(d: &pb::TaskDetail, texts: &[(String, String)]) -> String {
         }
         out.push_str("</ul>");
     }
-    for (name, text) in texts {
+    for a in d.artifacts.iter().filter(|a| !a.content.trim().is_empty()) {
+        let cut = if a.truncated {
+            format!(
+                "<p class=\"truncated\">truncated: the first {} of {} bytes are shown</p>",
+                a.content.len(),
+                a.bytes
+            )
+        } else {
+            String::new()
+        };
         let _ = write!(
             out,
-            "<article class=\"artifact-text\" data-artifact=\"{}\"><h3>{}</h3>{}</article>",
-            escape(name),
-            escape(name),
-            render_markdown(text)
+            "<article class=\"artifact-text{}\" data-artifact=\"{n}\"><h3>{n}</h3>{}{cut}</article>",
+            if a.truncated { " truncated" } else { "" },
+            render_markdown(&a.content),
+            n = escape(&a.artifact),
         );
     }
     out.push_str("</section>");
     out
 }
 
-/// The run history, oldest first: where, why, how it ended, peak context vs estimate.
-fn runs(runs: &[pb::Run], now: SystemTime) -> String {
+/// A run's trace id: a link through `trace_url` when one is configured, else the id.
+fn trace_cell(trace_id: &str, trace_url: Option<&str>) -> String {
+    if trace_id.is_empty() {
+        return "-".into();
+    }
+    match trace_url {
+        Some(t) => format!(
+            "<a class=\"trace\" href=\"{}\" rel=\"noopener noreferrer\"><code>{}</code></a>",
+            escape(&trace_link(t, trace_id)),
+            escape(trace_id)
+        ),
+        None => format!("<code class=\"trace\">{}</code>", escape(trace_id)),
+    }
+}
+
+/// The run history, oldest first: where, why, how it ended, peak context vs estimate, and
+/// its trace.
+fn runs(runs: &[pb::Run], trace_url: Option<&str>, now: SystemTime) -> String {
     let mut out = String::from("<section id=\"runs\"><h2>Runs</h2>");
     if runs.is_empty() {
         out.push_str("<p class=\"empty\">no runs yet</p></section>");
@@ -865,7 +881,7 @@ fn runs(runs: &[pb::Run], now: SystemTime) -> String {
     }
     out.push_str(
         "<table><thead><tr><th>worker</th><th>phase</th><th>state</th><th>started</th><th>took</th>\
-         <th>peak / estimate</th><th>why</th></tr></thead><tbody>",
+         <th>peak / estimate</th><th>why</th><th>trace</th></tr></thead><tbody>",
     );
     for r in runs {
         let took = match (since(r.started_at.as_ref(), now), r.ended_at.as_ref()) {
@@ -895,7 +911,7 @@ fn runs(runs: &[pb::Run], now: SystemTime) -> String {
         };
         let _ = write!(
             out,
-            "<tr class=\"run\" data-token=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {}</td><td class=\"why\">{}</td></tr>",
+            "<tr class=\"run\" data-token=\"{}\"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{} / {}</td><td class=\"why\">{}</td><td>{}</td></tr>",
             r.token,
             escape(&r.worker),
             escape(&r.phase),
@@ -905,9 +921,10 @@ fn runs(runs: &[pb::Run], now: SystemTime) -> String {
             escape(&peak),
             escape(&ktokens(r.estimated_tokens)),
             escape(&r.why),
+            trace_cell(&r.trace_id, trace_url),
         );
         if !r.warnings.is_empty() || !r.output_tail.is_empty() {
-            out.push_str("<tr class=\"run-extra\"><td colspan=\"7\">");
+            out.push_str("<tr class=\"run-extra\"><td colspan=\"8\">");
             for w in &r.warnings {
                 let _ = write!(out, "<p class=\"warning\">{}</p>", escape(w));
             }
@@ -1149,8 +1166,7 @@ mod tests {
     fn view(csrf: Option<&str>) -> TaskView<'_> {
         TaskView {
             csrf,
-            artifacts: &[],
-            trace: None,
+            trace_url: None,
             now: now(),
         }
     }
@@ -1163,19 +1179,42 @@ mod tests {
             artifact: "DESIGN.md".into(),
             ..Default::default()
         });
-        let texts = vec![(
-            "DESIGN.md".to_string(),
-            "# Plan\n<script>alert(1)</script>".to_string(),
-        )];
-        let v = TaskView {
-            artifacts: &texts,
-            ..view(Some("c"))
-        };
-        let html = render_task(&d, &v);
+        d.artifacts = vec![
+            pb::ArtifactFile {
+                artifact: "DESIGN.md".into(),
+                bytes: 34,
+                content: "# Plan\n<script>alert(1)</script>".into(),
+                ..Default::default()
+            },
+            pb::ArtifactFile {
+                artifact: "SPEC.md".into(),
+                bytes: 300_000,
+                content: "x".repeat(10),
+                truncated: true,
+                ..Default::default()
+            },
+            pb::ArtifactFile {
+                artifact: "blank.md".into(),
+                bytes: 1,
+                content: "\n".into(),
+                blank: true,
+                ..Default::default()
+            },
+        ];
+        let html = render_task(&d, &view(Some("c")));
         assert!(!html.contains("<script"), "{html}");
         assert!(html.contains("id=\"approve\""));
-        assert!(html.contains("<h3>DESIGN.md</h3><h1>Plan</h1>"));
+        assert!(
+            html.contains("data-artifact=\"DESIGN.md\"><h3>DESIGN.md</h3><h1>Plan</h1>"),
+            "{html}"
+        );
         assert!(html.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+        // A text cut at the API's limit says so; only it is marked.
+        assert_eq!(html.matches("class=\"artifact-text truncated\"").count(), 1);
+        assert!(html.contains("truncated: the first 10 of 300000 bytes are shown"));
+        // A blank file is listed, but has no text to render.
+        assert!(html.contains("blank.md (1 bytes, blank)"));
+        assert_eq!(html.matches("class=\"artifact-text").count(), 2);
         assert!(!render_task(&d, &view(None)).contains("id=\"approve\""));
         assert!(!render_task(&detail("implement"), &view(Some("c"))).contains("id=\"approve\""));
     }
@@ -1206,14 +1245,21 @@ mod tests {
             peak_context_source: "agent".into(),
             why: "largest free budget".into(),
             output_tail: "<oops>".into(),
+            trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
             ..Default::default()
         }];
         d.summary = Some(pb::TaskSummary {
             held: "3 failed runs".into(),
             ..task("shop", "design:approved")
         });
+        let plain = render_task(&d, &view(Some("c")));
+        assert!(
+            plain.contains("<code class=\"trace\">0af7651916cd43dd8448eb211c80319c</code>"),
+            "{plain}"
+        );
+        assert!(!plain.contains("href=\"http://j/"));
         let v = TaskView {
-            trace: Some(("http://j/trace/{trace_id}", "abc")),
+            trace_url: Some("http://j/trace/{trace_id}?x=<y>"),
             ..view(Some("c"))
         };
         let html = render_task(&d, &v);
@@ -1226,7 +1272,12 @@ mod tests {
         assert!(html.contains("&lt;oops&gt;"));
         assert!(html.contains("id=\"resume\""));
         assert!(!html.contains("id=\"stop\""));
-        assert!(html.contains("href=\"http://j/trace/abc\""));
+        assert!(
+            html.contains(
+                "<a class=\"trace\" href=\"http://j/trace/0af7651916cd43dd8448eb211c80319c?x=&lt;y&gt;\" rel=\"noopener noreferrer\"><code>0af7651916cd43dd8448eb211c80319c</code></a>"
+            ),
+            "{html}"
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -18,6 +19,7 @@ use serde::Deserialize;
 use tokio::sync::{Notify, broadcast, watch};
 
 use crate::grpc::{self, Stamp};
+use crate::limit::SignInLimit;
 use crate::render::{self, BoardFilter, TaskView};
 use crate::session::{self, Sessions};
 use crate::{Authenticate, Options};
@@ -34,21 +36,42 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 pub const FEED_BUFFER: usize = 256;
 /// How much of a run's kept output a new output panel starts with.
 pub const OUTPUT_TAIL_BYTES: u64 = 64 * 1024;
+/// How long the board's task list may be reused when no event has arrived since it was
+/// fetched (the bound on its age when the feed is down).
+pub const TASKS_REUSE: Duration = Duration::from_secs(1);
+
+/// The task list as last fetched for a board, and where the feed stood then.
+pub(crate) struct TasksSnapshot {
+    changes: u64,
+    at: Instant,
+    tasks: Arc<Vec<pb::TaskSummary>>,
+}
 
 /// What every handler shares.
 pub(crate) struct App {
     pub channel: tonic::transport::Channel,
     pub auth: Option<Arc<dyn Authenticate>>,
     pub project: String,
+    /// A trace UI URL with `{trace_id}`: each run's trace id on a task page links there.
+    pub trace_url: Option<String>,
     /// Mark the cookie `Secure` (https).
     pub secure: bool,
     pub sessions: Mutex<Sessions>,
+    /// Refused sign-ins by client address (guessing tokens is throttled).
+    pub sign_in_limit: Mutex<SignInLimit>,
     /// The CSRF token of every page in no-auth mode (per process).
     pub csrf_secret: String,
     /// The shared event feed: JSON of each event, fanned out to every `/events` page.
     pub events: broadcast::Sender<String>,
     /// Someone signed in: the feed may have a token to watch with now.
     pub signed_in: Notify,
+    /// Events the feed has passed on (and its reconnects): a task list fetched before the
+    /// latest one is out of date.
+    pub changes: AtomicU64,
+    /// The board's last task list, shared by every page: after an event, each open board
+    /// re-fetches, and one `ListTasks` answers them all. The lock makes concurrent fetches
+    /// one.
+    pub tasks: tokio::sync::Mutex<Option<TasksSnapshot>>,
     /// Becomes true at shutdown: streams end.
     pub stop: watch::Receiver<bool>,
 }
@@ -60,19 +83,58 @@ impl App {
             channel: opts.channel,
             auth: opts.auth,
             project: opts.project,
-            // `trace_url` waits for a trace id in the API: no run or task message carries
-            // one yet (render::TaskView::trace takes it when one does).
+            trace_url: opts.trace_url,
             secure: opts.tls.is_some(),
             sessions: Mutex::new(Sessions::new(session::MAX_SESSIONS)),
+            sign_in_limit: Mutex::new(SignInLimit::new()),
             csrf_secret: session::random_hex(32)?,
             events,
             signed_in: Notify::new(),
+            changes: AtomicU64::new(0),
+            tasks: tokio::sync::Mutex::new(None),
             stop,
         })
     }
 
     pub fn sessions(&self) -> MutexGuard<'_, Sessions> {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn sign_in_limit(&self) -> MutexGuard<'_, SignInLimit> {
+        self.sign_in_limit.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The feed saw a change (or reconnected): shared task lists are out of date.
+    pub fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
+    }
+
+    /// The task list for a board: the shared one while no change has come since it was
+    /// fetched (for at most [`TASKS_REUSE`]), else a fresh `ListTasks` with `stamp`. Every
+    /// caller here is a signed-in operator (or loopback without tokens), and operators all
+    /// see the same list.
+    async fn board_tasks(&self, stamp: Stamp) -> Result<Arc<Vec<pb::TaskSummary>>, tonic::Status> {
+        let mut shared = self.tasks.lock().await;
+        let changes = self.changes.load(Ordering::Acquire);
+        if let Some(s) = shared.as_ref()
+            && s.changes == changes
+            && s.at.elapsed() < TASKS_REUSE
+        {
+            return Ok(s.tasks.clone());
+        }
+        let tasks = Arc::new(
+            grpc::tasks(&self.channel, stamp)
+                .list_tasks(pb::ListTasksRequest {})
+                .await?
+                .into_inner()
+                .tasks,
+        );
+        *shared = Some(TasksSnapshot {
+            changes,
+            at: Instant::now(),
+            tasks: tasks.clone(),
+        });
+        Ok(tasks)
     }
 }
 
@@ -332,8 +394,17 @@ struct LoginForm {
     token: String,
 }
 
+/// What a client past the sign-in limit is told, with the seconds to wait.
+pub fn too_many_sign_ins(wait_secs: u64) -> String {
+    format!(
+        "too many refused sign-ins from your address: try again in {wait_secs} s (at most {} a minute)",
+        crate::limit::MAX_FAILURES
+    )
+}
+
 async fn login(
     State(app): State<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Form(f): Form<LoginForm>,
 ) -> Response {
@@ -353,12 +424,28 @@ async fn login(
     if token.is_empty() {
         return refuse("enter your operator token");
     }
-    if let Err(e) = Stamp::new(Some(token), None) {
-        return refuse(&e);
+    // Checked before the token: while blocked, a right token gets the same answer.
+    let blocked = app.sign_in_limit().blocked(peer.ip(), Instant::now());
+    if let Some(wait) = blocked {
+        let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let mut r = html(
+            StatusCode::TOO_MANY_REQUESTS,
+            render::render_login(&app.project, Some(&too_many_sign_ins(secs))),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        return r;
     }
-    let operator = match auth.operator(token) {
-        Ok(name) => name,
-        Err(why) => return refuse(why.lines().next().unwrap_or("refused")),
+    let checked = Stamp::new(Some(token), None).and_then(|_| auth.operator(token));
+    let operator = match checked {
+        Ok(name) => {
+            app.sign_in_limit().succeeded(peer.ip());
+            name
+        }
+        Err(why) => {
+            app.sign_in_limit().failed(peer.ip(), Instant::now());
+            return refuse(why.lines().next().unwrap_or("refused"));
+        }
     };
     let id = match app
         .sessions()
@@ -439,14 +526,13 @@ async fn board(
         Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
-    let mut tasks = grpc::tasks(&app.channel, stamp.clone());
-    let mut workers = grpc::workers(&app.channel, stamp);
+    let mut workers = grpc::workers(&app.channel, stamp.clone());
     let (t, w) = tokio::join!(
-        tasks.list_tasks(pb::ListTasksRequest {}),
+        app.board_tasks(stamp),
         workers.list_workers(pb::ListWorkersRequest {})
     );
     let tasks = match t {
-        Ok(t) => t.into_inner().tasks,
+        Ok(t) => t,
         Err(s) => return refused(&app, &c, "Board", &s),
     };
     // The fleet only adds run ages: a board without them beats no board.
@@ -494,7 +580,8 @@ async fn task(
     let detail = match grpc::tasks(&app.channel, stamp)
         .get_task(pb::GetTaskRequest {
             task: name.clone(),
-            with_contents: false,
+            // The page renders each artifact's text (escaped markdown).
+            with_contents: true,
         })
         .await
     {
@@ -503,8 +590,7 @@ async fn task(
     };
     let view = TaskView {
         csrf: Some(&c.csrf),
-        artifacts: &[],
-        trace: None,
+        trace_url: app.trace_url.as_deref(),
         now: SystemTime::now(),
     };
     let facts = render::render_task(&detail, &view);

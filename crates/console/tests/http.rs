@@ -53,11 +53,42 @@ impl pb::tasks_server::Tasks for Fake {
         req: Request<pb::GetTaskRequest>,
     ) -> Result<Response<pb::TaskDetail>, Status> {
         self.note("get_task", &req);
-        let name = req.into_inner().task;
+        let r = req.into_inner();
+        let name = r.task;
         if name != "shop/api" {
             return Err(Status::not_found(format!("no task '{name}'")));
         }
+        // As the coordinator does: the texts only when asked for.
+        let content = |text: &str| {
+            if r.with_contents {
+                text.to_string()
+            } else {
+                String::new()
+            }
+        };
         Ok(Response::new(pb::TaskDetail {
+            artifacts: vec![
+                pb::ArtifactFile {
+                    artifact: "DESIGN.md".into(),
+                    bytes: 52,
+                    content: content("# Design\n<script>alert('owned')</script> **bold**"),
+                    ..Default::default()
+                },
+                pb::ArtifactFile {
+                    artifact: "SPEC.md".into(),
+                    bytes: 400_000,
+                    content: content("# Spec\nlong"),
+                    truncated: r.with_contents,
+                    ..Default::default()
+                },
+            ],
+            runs: vec![pb::Run {
+                worker: "gpu-a".into(),
+                phase: "design".into(),
+                state: "stopped".into(),
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+                ..Default::default()
+            }],
             summary: Some(pb::TaskSummary {
                 task: name,
                 state: "design:awaiting_approval".into(),
@@ -275,13 +306,22 @@ async fn console(
     channel: tonic::transport::Channel,
     auth: Option<Arc<dyn Authenticate>>,
 ) -> (SocketAddr, oneshot::Sender<()>) {
+    console_with(channel, auth, None).await
+}
+
+/// [`console`] with a trace UI URL.
+async fn console_with(
+    channel: tonic::transport::Channel,
+    auth: Option<Arc<dyn Authenticate>>,
+    trace_url: Option<&str>,
+) -> (SocketAddr, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = oneshot::channel::<()>();
     let opts = Options {
         channel,
         auth,
-        trace_url: None,
+        trace_url: trace_url.map(str::to_string),
         project: "demo".into(),
         tls: None,
     };
@@ -708,4 +748,156 @@ async fn shutdown_ends_open_streams() {
         .expect("stops well before the grace period")
         .expect("join")
         .expect("served");
+}
+
+/// The task page asks for the artifacts' texts and renders them as escaped markdown (an
+/// artifact's `<script>` is text on the page), marks a truncated one, and links each run's
+/// trace id through `trace_url`; without `trace_url` the id is plain text.
+#[tokio::test]
+async fn task_page_renders_artifact_text_escaped_and_links_traces() {
+    let (fake, _) = fake();
+    let channel = coordinator(fake).await;
+    let (addr, _stop) = console_with(
+        channel.clone(),
+        None,
+        Some("http://jaeger:16686/trace/{trace_id}"),
+    )
+    .await;
+    let page = http(addr, "GET", "/task/shop/api", "", "").await;
+    assert_eq!(status(&page), 200, "{page}");
+    assert!(!page.contains("<script>alert"), "{page}");
+    assert!(
+        page.contains("&lt;script&gt;alert(&#39;owned&#39;)&lt;/script&gt; <strong>bold</strong>"),
+        "{page}"
+    );
+    assert!(page.contains("<h3>DESIGN.md</h3><h1>Design</h1>"), "{page}");
+    assert!(
+        page.contains("class=\"artifact-text truncated\" data-artifact=\"SPEC.md\""),
+        "{page}"
+    );
+    assert!(page.contains("truncated: the first 11 of 400000 bytes are shown"));
+    assert!(
+        page.contains(
+            "href=\"http://jaeger:16686/trace/4bf92f3577b34da6a3ce929d0e0e4736\" rel=\"noopener noreferrer\""
+        ),
+        "{page}"
+    );
+    // The refreshed fragment carries the same texts.
+    let fragment = http(addr, "GET", "/task/shop/api?fragment=1", "", "").await;
+    assert!(fragment.contains("&lt;script&gt;alert("), "{fragment}");
+
+    let (plain, _stop2) = console(channel, None).await;
+    let page = http(plain, "GET", "/task/shop/api", "", "").await;
+    assert!(
+        page.contains("<code class=\"trace\">4bf92f3577b34da6a3ce929d0e0e4736</code>"),
+        "{page}"
+    );
+    assert!(!page.contains("jaeger"), "{page}");
+}
+
+/// Refused sign-ins are limited per client address: five a minute, then 429 with
+/// `Retry-After`, and while blocked even the right token is refused the same way.
+#[tokio::test]
+async fn sign_in_is_rate_limited_per_address() {
+    let (fake, _) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let (addr, _stop) = console(coordinator(fake).await, Some(auth)).await;
+    // A success forgets earlier failures.
+    for _ in 0..(automaton_console::MAX_FAILURES - 1) {
+        let r = http(addr, "POST", "/login", &form_headers(""), "token=guess").await;
+        assert_eq!(status(&r), 403, "{r}");
+    }
+    let r = http(addr, "POST", "/login", &form_headers(""), "token=good").await;
+    assert_eq!(status(&r), 303, "{r}");
+    for i in 0..automaton_console::MAX_FAILURES {
+        let r = http(addr, "POST", "/login", &form_headers(""), "token=guess").await;
+        assert_eq!(status(&r), 403, "attempt {i}: {r}");
+        assert!(r.contains("unknown token"), "{r}");
+    }
+    for token in ["guess", "good"] {
+        let r = http(
+            addr,
+            "POST",
+            "/login",
+            &form_headers(""),
+            &format!("token={token}"),
+        )
+        .await;
+        assert_eq!(status(&r), 429, "{token}: {r}");
+        let retry: u64 = r
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("retry-after:")
+                    .map(|v| v.trim().to_string())
+            })
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("a Retry-After header: {r}"));
+        assert!((1..=60).contains(&retry), "{retry}");
+        assert!(
+            r.contains("too many refused sign-ins from your address: try again in"),
+            "{r}"
+        );
+        assert!(!r.to_ascii_lowercase().contains("set-cookie"), "{r}");
+    }
+}
+
+/// Open boards share one task list: a second board with no event since the first asks the
+/// coordinator nothing new; an event (or a second's age) makes the next board fetch afresh.
+#[tokio::test]
+async fn boards_share_one_task_list_until_an_event() {
+    let (fake, calls) = fake();
+    let events = fake.events.clone();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+    let list_calls = || {
+        calls
+            .lock()
+            .expect("calls")
+            .iter()
+            .filter(|c| c.starts_with("list_tasks"))
+            .count()
+    };
+    // The feed is up (it counts changes from here on).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !calls
+        .lock()
+        .expect("calls")
+        .iter()
+        .any(|c| c.starts_with("watch_events"))
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no feed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The feed counts its (re)connection as a change once its stream is open.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for path in [
+        "/board",
+        "/board?fragment=1",
+        "/board?needs=person&fragment=1",
+    ] {
+        let r = http(addr, "GET", path, "", "").await;
+        assert_eq!(status(&r), 200, "{r}");
+        assert!(r.contains("data-task=\"shop/api\""), "{r}");
+    }
+    assert_eq!(list_calls(), 1);
+    // An event reaches the console (seen on a page's stream): the next board fetches.
+    let sender = events.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = sender.send(pb::Event {
+            seq: 1,
+            kind: "transitioned".into(),
+            task: "shop".into(),
+            ..Default::default()
+        });
+    });
+    stream_until(addr, "/events", "", "\"kind\":\"transitioned\"").await;
+    http(addr, "GET", "/board?fragment=1", "", "").await;
+    assert_eq!(list_calls(), 2);
+    http(addr, "GET", "/board?fragment=1", "", "").await;
+    assert_eq!(list_calls(), 2);
+    // Without events, a list is reused for a second at most.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    http(addr, "GET", "/board", "", "").await;
+    assert_eq!(list_calls(), 3);
 }
