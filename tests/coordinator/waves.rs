@@ -110,6 +110,14 @@ fn the_demo_runs_to_complete_and_prints_the_summary() {
         "{v:#}"
     );
     assert_eq!(v["parent"]["attention"], "", "{v:#}");
+    // Issue 23: the demo serves the console and says where.
+    let console = v["console"].as_str().unwrap_or("");
+    assert!(console.starts_with("http://127.0.0.1:"), "{v:#}");
+    assert!(
+        run.stderr.contains(&format!("console      {console}")),
+        "{}",
+        run.stderr
+    );
     // The fleet's budgets, as the summary reports them.
     let budget = |w: &str| -> u64 {
         v["workers"]

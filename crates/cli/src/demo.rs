@@ -31,6 +31,10 @@ pub struct DemoArgs {
     /// Print the summary as JSON on stdout (progress goes to stderr).
     #[arg(long)]
     pub json: bool,
+    /// After the task ends, keep the coordinator, its console and the workers running until
+    /// Ctrl-C, to look around in the console (its URL is printed at the start).
+    #[arg(long)]
+    pub stay: bool,
     /// Give up when the parent has not ended within this many seconds.
     #[arg(long, value_name = "SECS", default_value_t = 60, hide = true)]
     pub timeout: u64,
@@ -439,20 +443,23 @@ fn k(tokens: u64) -> String {
     format!("{}k", (tokens + 500) / 1000)
 }
 
-/// Starts the coordinator; returns its URL once it printed `listening on ADDR`.
+/// Starts the coordinator with its console; returns its URL and the console's once it
+/// printed `console on URL` and `listening on ADDR`.
 fn start_coordinator(
     fleet: &mut Fleet,
     bin: &Path,
     project: &Path,
     home: &Path,
     log: &Path,
-) -> Result<String, Failed> {
+) -> Result<(String, String), Failed> {
     let mut c = Command::new(bin);
     scrub(&mut c);
     c.arg("--project")
         .arg(project)
         .args([
             "--listen",
+            "127.0.0.1:0",
+            "--web-listen",
             "127.0.0.1:0",
             "--session-timeout",
             "2s",
@@ -479,12 +486,23 @@ fn start_coordinator(
             let _ = tx.send(line);
         }
     });
-    let line = rx.recv_timeout(Duration::from_secs(20)).map_err(|_| {
+    let silent = || {
         Failed::setup(format!(
             "the coordinator printed no `listening on` line within 20 s: see {}",
             log.display()
         ))
-    })?;
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut console = String::new();
+    let line = loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .map_err(|_| silent())?;
+        match line.strip_prefix("console on ") {
+            Some(u) => console = u.trim().to_string(),
+            None => break line,
+        }
+    };
     let addr = line
         .strip_prefix("listening on ")
         .map(str::trim)
@@ -494,7 +512,7 @@ fn start_coordinator(
                 "the coordinator's first line is not `listening on ADDR`: {line:?}"
             ))
         })?;
-    Ok(format!("http://127.0.0.1:{}", addr.port()))
+    Ok((format!("http://127.0.0.1:{}", addr.port()), console))
 }
 
 fn start_worker(
@@ -603,7 +621,7 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
             " (git is not installed: no repository, agents write artifacts only)"
         }
     ));
-    let url = start_coordinator(
+    let (url, console) = start_coordinator(
         &mut fleet,
         &coord_bin,
         &project,
@@ -614,6 +632,16 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
         "  coordinator  {url}  (log {})\n",
         logs.join("coordinator.log").display()
     ));
+    if !console.is_empty() {
+        out.raw(&format!(
+            "  console      {console}  (open it in a browser{})\n",
+            if args.stay {
+                "; it stays up after the task ends, until Ctrl-C"
+            } else {
+                " while the demo runs; --stay keeps it up"
+            }
+        ));
+    }
     let channel = tonic::transport::Endpoint::from_shared(url.clone())
         .map_err(|e| Failed::setup(format!("bad coordinator address {url}: {e}")))?
         .connect_timeout(Duration::from_secs(5))
@@ -733,12 +761,19 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
     // The state as the coordinator has it now (the loop ends on the parent's end).
     let state = parent_state(&mut api).await;
     let summary = summary(&mut api, &project, &workers, &state, &why, out).await;
+    if args.stay {
+        out.raw(&format!(
+            "The fleet stays up: console {console}, coordinator {url}. Ctrl-C stops it.\n"
+        ));
+        let _ = tokio::signal::ctrl_c().await;
+    }
     fleet.stop();
     let code = if state == "complete" { 0 } else { 1 };
     if args.json {
         let mut v = summary;
         if let Some(o) = v.as_object_mut() {
             o.insert("kept".into(), serde_json::Value::Bool(args.keep));
+            o.insert("console".into(), serde_json::Value::String(console.clone()));
             o.insert(
                 "folder".into(),
                 serde_json::Value::String(base.display().to_string()),
