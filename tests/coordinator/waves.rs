@@ -83,6 +83,82 @@ fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
         .collect()
 }
 
+/// `automaton demo --stay`: after the task ends the console still answers, and Ctrl-C ends the
+/// demo with the task's code (0), stopping the fleet.
+#[test]
+fn the_demo_with_stay_keeps_the_console_up_until_ctrl_c() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let home = tempfile::tempdir().expect("home");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let mut c = Command::new(cli_bin());
+    c.args(["demo", "--stay"]);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    c.env_remove("CARGO")
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env("HOME", home.path())
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    let mut child = c.spawn().expect("automaton demo --stay");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut console = String::new();
+    let mut seen = String::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(line) = rx.recv_timeout(left) else {
+            let _ = child.kill();
+            panic!("no 'stays up' line within 60 s:\n{seen}");
+        };
+        seen.push_str(&line);
+        seen.push('\n');
+        if let Some(u) = line.trim().strip_prefix("console") {
+            console = u.split_whitespace().next().unwrap_or("").to_string();
+        }
+        if line.starts_with("The fleet stays up") {
+            break;
+        }
+    }
+    let addr = console
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let get = |path: &str| -> Option<String> {
+        let mut s = std::net::TcpStream::connect(&addr).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).ok()?;
+        Some(body)
+    };
+    let board = get("/board").unwrap_or_default();
+    assert!(board.starts_with("HTTP/1.1 200"), "{board:.300}\n{seen}");
+    assert!(
+        board.contains("checkout"),
+        "the board shows the demo's task"
+    );
+    signal(child.id(), "-INT");
+    let status =
+        wait_bounded(&mut child, Duration::from_secs(20)).expect("the demo ends on Ctrl-C");
+    assert_eq!(status.code(), Some(0), "{seen}");
+    assert!(
+        get("/board").is_none(),
+        "the console is gone with the fleet"
+    );
+}
+
 #[test]
 fn the_demo_runs_to_complete_and_prints_the_summary() {
     let home = tempfile::tempdir().expect("home");

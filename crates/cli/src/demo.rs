@@ -92,7 +92,10 @@ pub fn run(args: &DemoArgs) -> i32 {
     let result = runtime.block_on(async {
         tokio::select! {
             r = demo(args, &out) => r,
-            _ = interrupted() => Err(Failed::new(130, "interrupted: stopping the fleet")),
+            _ = interrupted() => match out.staying.get() {
+                Some(code) => Ok(code),
+                None => Err(Failed::new(130, "interrupted: stopping the fleet")),
+            },
         }
     });
     // The fleet and the folder are gone once `demo` returned or was dropped.
@@ -146,6 +149,8 @@ struct Out {
     colour: bool,
     /// When the fleet started (reset after any build), for the stamps and the summary.
     start: std::cell::Cell<Instant>,
+    /// With `--stay`: the demo is over (this is its exit code) and the fleet waits for Ctrl-C.
+    staying: std::cell::Cell<Option<i32>>,
 }
 
 impl Out {
@@ -160,6 +165,7 @@ impl Out {
             json,
             colour,
             start: std::cell::Cell::new(Instant::now()),
+            staying: std::cell::Cell::new(None),
         }
     }
 
@@ -761,13 +767,6 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
     // The state as the coordinator has it now (the loop ends on the parent's end).
     let state = parent_state(&mut api).await;
     let summary = summary(&mut api, &project, &workers, &state, &why, out).await;
-    if args.stay {
-        out.raw(&format!(
-            "The fleet stays up: console {console}, coordinator {url}. Ctrl-C stops it.\n"
-        ));
-        let _ = tokio::signal::ctrl_c().await;
-    }
-    fleet.stop();
     let code = if state == "complete" { 0 } else { 1 };
     if args.json {
         let mut v = summary;
@@ -799,6 +798,15 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
     if code != 0 {
         eprintln!("ERROR: the parent '{PARENT}' ended {state}: {why}");
     }
+    if args.stay {
+        out.raw(&format!(
+            "The fleet stays up: console {console}, coordinator {url}. Ctrl-C stops it.\n"
+        ));
+        // Ctrl-C (or SIGTERM) ends the demo with this code; dropping it stops the fleet.
+        out.staying.set(Some(code));
+        std::future::pending::<()>().await;
+    }
+    fleet.stop();
     Ok(code)
 }
 
