@@ -34,34 +34,6 @@ fn bad_console_config_is_refused_in_one_line_before_anything_binds() {
     }
 }
 
-/// An operator, an agent and three workers (`gpu-a`, `gpu-b`, `gpu-c`).
-const CONSOLE_TOKENS: &str = r#"
-[[tokens]]
-name = "ops"
-role = "operator"
-token = "operator-secret-0123456789"
-
-[[tokens]]
-name = "agent-a"
-role = "agent"
-token = "agent-secret-0123456789ab"
-
-[[tokens]]
-name = "gpu-a"
-role = "worker"
-token = "worker-a-secret-0123456789"
-
-[[tokens]]
-name = "gpu-b"
-role = "worker"
-token = "worker-b-secret-0123456789"
-
-[[tokens]]
-name = "gpu-c"
-role = "worker"
-token = "worker-c-secret-0123456789"
-"#;
-
 /// Where the browser test saves its screenshots: `target/console-screenshots/`.
 fn screenshot_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
@@ -88,7 +60,7 @@ async fn console_in_a_real_browser_signs_in_shows_fleet_and_board_waves_approves
         return;
     };
     let shots = screenshot_dir();
-    let env = Env::with_config(CONSOLE_TOKENS);
+    let env = Env::with_config(&tokens_with_gpu_c());
     git_init(&env);
     let mut args = FLEET.to_vec();
     args.extend(["--web-listen", "127.0.0.1:0"]);
@@ -116,7 +88,7 @@ async fn console_in_a_real_browser_signs_in_shows_fleet_and_board_waves_approves
     let _workers: Vec<_> = [
         ("gpu-a", "sim:24GiB", WORKER_A_TOKEN),
         ("gpu-b", "sim:24GiB", WORKER_B_TOKEN),
-        ("gpu-c", "sim:80GiB", "worker-c-secret-0123456789"),
+        ("gpu-c", "sim:80GiB", WORKER_C_TOKEN),
     ]
     .into_iter()
     .map(|(name, gpu, token)| {

@@ -60,6 +60,15 @@ token = "worker-b-secret-0123456789"
 /// Worker tokens, bound to `gpu-a` and `gpu-b`.
 pub const WORKER_A_TOKEN: &str = "worker-a-secret-0123456789";
 pub const WORKER_B_TOKEN: &str = "worker-b-secret-0123456789";
+/// A third worker's token, bound to `gpu-c` (in [`tokens_with_gpu_c`] only).
+pub const WORKER_C_TOKEN: &str = "worker-c-secret-0123456789";
+
+/// [`TOKENS_TOML`] and a third worker, `gpu-c`.
+pub fn tokens_with_gpu_c() -> String {
+    format!(
+        "{TOKENS_TOML}\n[[tokens]]\nname = \"gpu-c\"\nrole = \"worker\"\ntoken = \"{WORKER_C_TOKEN}\"\n"
+    )
+}
 
 /// Environment variables that would make a child depend on the machine running the tests.
 pub const SCRUBBED_ENV: &[&str] = &[

@@ -229,7 +229,7 @@ async fn kill_9_a_worker_mid_phase_the_other_takes_it_within_the_session_timeout
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_a_worker_mid_phase_past_the_timeout_then_sigcont_its_agent_group_is_gone_and_nothing_it_sent_lands()
  {
-    let env = Env::with_config(TOKENS_TOML);
+    let env = Env::with_config(&tokens_with_gpu_c());
     git_init(&env);
     let coord = Coord::start(&env, &FLEET);
     let mut ops = coord.api_as(OPERATOR_TOKEN).await;
@@ -271,10 +271,17 @@ async fn sigstop_a_worker_mid_phase_past_the_timeout_then_sigcont_its_agent_grou
     })
     .await;
     signal(a.pid(), "-STOP");
-    // Past the session timeout: the lease ends; gpu-b takes implement and finishes it.
+    // Past the session timeout: the lease ends; another worker takes implement and finishes
+    // it. (gpu-c is there to review it: with gpu-b alone, implement would wait for gpu-a, its
+    // only implementer, rather than leave nobody to review it.)
     let _b = Worker::start(
         &coord.url,
         &["--token", WORKER_B_TOKEN, "--agent", "scripted"],
+        &[],
+    );
+    let _c = Worker::start(
+        &coord.url,
+        &["--token", WORKER_C_TOKEN, "--agent", "scripted"],
         &[],
     );
     events
@@ -811,6 +818,72 @@ async fn a_rerun_of_implement_goes_to_its_past_implementer_so_a_reviewer_is_left
     };
     assert_eq!(by("implement"), ["gpu-b"]);
     assert_eq!(by("code_review"), ["gpu-a"]);
+}
+
+/// With two workers, an implementer killed mid-implement is not replaced by the other one:
+/// the task waits for it, saying why, and when it is back it implements and the other
+/// reviews. (Replacing it would make both implementers: once it is back, nobody could review.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn implement_waits_for_its_implementer_rather_than_take_the_last_reviewer() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut a = worker(
+        &coord,
+        "gpu-a",
+        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=3000")],
+    );
+    api.create("t").await.expect("create");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let state = api.state("t").await;
+        if state.ends_with(":awaiting_approval") {
+            let _ = api.approve("t", "ops").await;
+        } else if state.starts_with("implement")
+            && api.get("t").await.is_ok_and(|d| {
+                d.runs
+                    .iter()
+                    .any(|r| r.phase == "implement" && r.state == "active")
+            })
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "t never reached implement: {state}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    a.kill9();
+    let _b = worker(&coord, "gpu-b", &[]);
+    // gpu-a's session times out and its lease ends; gpu-b alone is idle, and may not take it.
+    let waiting = poll(
+        "t waits for its implementer",
+        Duration::from_secs(15),
+        || {
+            let mut api = api.clone();
+            async move {
+                let d = api.get("t").await.ok()?;
+                let w = d.summary?.waiting;
+                (d.lease.is_none() && w.contains("implement stays with")).then_some(w)
+            }
+        },
+    )
+    .await;
+    assert!(waiting.contains("gpu-a"), "{waiting}");
+    // gpu-a is back: it implements again and gpu-b reviews.
+    let _a = worker(&coord, "gpu-a", &[]);
+    assert_eq!(to_the_end(&mut api, "t").await, "complete");
+    let d = api.get("t").await.expect("GetTask");
+    assert_eq!(d.implementers, ["gpu-a"], "runs: {:#?}", d.runs);
+    let reviewers: Vec<&str> = d
+        .runs
+        .iter()
+        .filter(|r| r.phase == "code_review" && r.stop_reason == "completed")
+        .map(|r| r.worker.as_str())
+        .collect();
+    assert_eq!(reviewers, ["gpu-b"]);
 }
 
 /// Why the task is held from dispatch ("" when it is not).
