@@ -47,11 +47,14 @@ pub(crate) fn next_command(task: &TaskName, state: State, held: bool, running: b
     if held {
         return format!("automaton stop {task} --resume");
     }
+    // A gate waits for a person even while the lease that reached it is still ending.
+    if state.gate == Gate::AwaitingApproval {
+        return format!("automaton approve {task}");
+    }
     if running || state.phase.is_terminal() {
         return String::new();
     }
     match (state.phase, state.gate) {
-        (_, Gate::AwaitingApproval) => format!("automaton approve {task}"),
         // Its sub-tasks run, each on its own.
         (Phase::Decomposition, Gate::Approved) => String::new(),
         _ => format!("automaton run {task}"),
@@ -206,6 +209,28 @@ pub(crate) fn waiting_reason(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gate_awaiting_approval_says_approve_even_while_its_lease_is_still_ending() {
+        let t: TaskName = "t".parse().expect("task");
+        let at = |s: &str| -> State { s.parse().expect("state") };
+        for running in [false, true] {
+            assert_eq!(
+                next_command(&t, at("research:awaiting_approval"), false, running),
+                "automaton approve t"
+            );
+        }
+        assert_eq!(next_command(&t, at("research"), false, true), "");
+        assert_eq!(
+            next_command(&t, at("research"), false, false),
+            "automaton run t"
+        );
+        assert_eq!(
+            next_command(&t, at("research:awaiting_approval"), true, false),
+            "automaton stop t --resume"
+        );
+        assert_eq!(next_command(&t, at("complete"), false, false), "");
+    }
 
     #[test]
     fn a_failed_tasks_pause_doubles_from_one_second_to_thirty() {
