@@ -158,8 +158,10 @@ impl From<tonic::Status> for Failed {
 
 /// Whether a call's failure says nothing about the request, only that the coordinator was
 /// not there to answer it: no connection (`UNAVAILABLE`, which tonic gives connect errors
-/// too), no answer in time, or a connection that broke mid-call. Every other code is the
-/// coordinator's answer, and final.
+/// too), no answer in time, or a connection that broke mid-call (hyper's "operation was
+/// canceled": the connection went away under the call — the worker cancels nothing itself but
+/// by stopping the run, which `retrying` sees first). Every other code is the coordinator's
+/// answer, and final.
 fn transient(s: &tonic::Status) -> bool {
     match s.code() {
         tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => true,
@@ -169,6 +171,7 @@ fn transient(s: &tonic::Status) -> bool {
                 || m.contains("h2 protocol error")
                 || m.contains("connection")
                 || m.contains("broken pipe")
+                || m.contains("operation was canceled")
         }
         _ => false,
     }
@@ -1008,6 +1011,8 @@ mod tests {
             Status::unavailable("tcp connect error"),
             Status::deadline_exceeded("timeout expired"),
             Status::unknown("h2 protocol error: error reading a body from connection"),
+            // The coordinator killed under a call (issue20_c saw it end a run as agent_error).
+            Status::cancelled("operation was canceled"),
         ] {
             let (out, calls) = flaky(Duration::from_secs(10), &stop, s.clone(), 2).await;
             assert_eq!(out.unwrap(), 3, "{s:?}");
