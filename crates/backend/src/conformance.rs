@@ -28,6 +28,7 @@ pub async fn check_lease_log(backend: &dyn Backend) -> Result<(), String> {
     let log = backend.start(&[])?;
     acknowledged_grants_come_back(backend, &*log).await?;
     ends_and_supersessions_replay(backend, &*log).await?;
+    a_displaced_lease_stays_ended_once_its_successor_ends(backend, &*log).await?;
     order_is_the_order_queued(backend, &*log).await?;
     barriers_and_unawaited_ends(backend, &*log).await?;
     many_writers_lose_nothing(backend, &log).await?;
@@ -148,6 +149,32 @@ async fn ends_and_supersessions_replay(
     expect_live(backend, "the end of an unknown lease", &[&second])?;
     commit(log, &end_of(&second)).await?;
     expect_live(backend, "all ended", &[])?;
+    Ok(())
+}
+
+/// A grant that displaces a lapsed lease ends it in the same write: once the new lease ends
+/// too, nothing of the task is live, and the displaced lease's token never comes back (on
+/// etcd its key would outlive the new lease's without the end).
+async fn a_displaced_lease_stays_ended_once_its_successor_ends(
+    backend: &dyn Backend,
+    log: &dyn LeaseLog,
+) -> Result<(), String> {
+    let lapsed = grant("displaced", "agent-a", 15, None)?;
+    let taker = grant("displaced", "agent-b", 16, None)?;
+    commit(log, &lapsed).await?;
+    let (Some(g), Record::Grant { lease_id, .. }) = (taker.as_grant(), &lapsed) else {
+        return Err("the suite's grants are grants".into());
+    };
+    log.grant_displacing(g, lease_id)?
+        .await
+        .map_err(|e| format!("a displacing grant: {e}"))?;
+    expect_live(backend, "a grant that displaced a lapsed lease", &[&taker])?;
+    commit(log, &end_of(&taker)).await?;
+    expect_live(
+        backend,
+        "the displacing lease ended (the displaced one must not come back)",
+        &[],
+    )?;
     Ok(())
 }
 

@@ -33,8 +33,8 @@ use crate::{Backend, BoxFuture, Commit, Grant, LeaseLog, Record};
 /// (`--max-request-bytes`), and a transaction carries a file whole.
 pub const MAX_FILE_BYTES: usize = 1 << 20;
 
-/// Grants written since the last rewrite before one is wanted: a grant that displaces a
-/// lapsed lease writes no end, so its predecessor's key stays until a rewrite.
+/// Grants written since the last rewrite before one is wanted (a rewrite also clears keys a
+/// log written by an older version left behind).
 const REWRITE_AFTER_GRANTS: u64 = 100_000;
 
 /// How often the leader compacts etcd's history, to the revision it saw one period ago
@@ -449,6 +449,19 @@ impl LeaseLog for EtcdBackend {
         let mut line = String::with_capacity(96);
         grant.render(&mut line);
         self.queue(vec![Op::put(self.key("leases/", grant.lease_id), line)])
+    }
+
+    fn grant_displacing(&self, grant: Grant<'_>, ended: &str) -> Result<Commit, String> {
+        self.shared.grants.fetch_add(1, Ordering::Relaxed);
+        let mut line = String::with_capacity(96);
+        grant.render(&mut line);
+        // One job, the delete first: one transaction unless the batch it joins is split at
+        // 127 operations, and then the end's chunk commits first — a crash between the two
+        // loses only the grant, which was not acknowledged.
+        self.queue(vec![
+            Op::delete(self.key("leases/", ended)),
+            Op::put(self.key("leases/", grant.lease_id), line),
+        ])
     }
 
     fn ends(&self, lease_ids: &mut dyn Iterator<Item = &str>) -> Result<Commit, String> {

@@ -326,6 +326,13 @@ impl LeaseLog for FileLog {
         self.submit(text)
     }
 
+    fn grant_displacing(&self, grant: Grant<'_>, ended: &str) -> Result<Commit, String> {
+        let mut text = String::with_capacity(96 + ended.len());
+        crate::render_end(ended, &mut text);
+        grant.render(&mut text);
+        self.submit(text)
+    }
+
     fn ends(&self, lease_ids: &mut dyn Iterator<Item = &str>) -> Result<Commit, String> {
         let mut text = String::new();
         for id in lease_ids {

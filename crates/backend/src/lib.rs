@@ -41,8 +41,8 @@ pub enum Record {
         /// The worker session that owns the lease (it ends with the session).
         session: Option<String>,
     },
-    /// Released, expired, or ended by a transition. (A grant also ends every earlier grant
-    /// of its task: a claim that displaces a lapsed lease writes no `End` of its own.)
+    /// Released, expired, ended by a transition, or displaced by a new grant of its task
+    /// (written with that grant: [`LeaseLog::grant_displacing`]).
     End { lease_id: String },
     /// Every token up to this one may have been issued by a coordinator: written at the head
     /// of every rewrite, so a start can tell its own `.state.lock` views (never adopted: the
@@ -204,9 +204,10 @@ fn render_end(lease_id: &str, out: &mut String) {
 }
 
 /// Replays the log: the grants that no later record ended, at most one per task, and the
-/// highest token any coordinator may have issued. A grant ends every earlier grant of its
-/// task (a claim that displaced a lapsed lease wrote no end of its own); a grant older than
-/// one already seen for its task is superseded already.
+/// highest token any coordinator may have issued. Every end is in the log (a displacement
+/// writes its end with the grant); as a second line of defence, and for logs written before
+/// that, a grant also ends every earlier grant of its task, and a grant older than one already
+/// seen for its task is superseded already.
 pub fn replay(log: &[Record]) -> (HashMap<TaskName, Record>, u64) {
     let mut by_task: HashMap<TaskName, Record> = HashMap::new();
     let mut by_id: HashMap<String, TaskName> = HashMap::new();
@@ -312,6 +313,12 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub trait LeaseLog: Send + Sync + 'static {
     /// Queues a grant (a claim, or a renewal that lengthened the lease's TTL).
     fn grant(&self, grant: Grant<'_>) -> Result<Commit, String>;
+
+    /// Queues a grant that displaces `ended`, a lapsed lease of the same task whose end was
+    /// not queued yet: the end first, then the grant, in one write (so no backend can keep
+    /// the displaced lease once the grant is gone: on etcd its key would otherwise outlive
+    /// the new lease's and come back, live, at the next leader's replay).
+    fn grant_displacing(&self, grant: Grant<'_>, ended: &str) -> Result<Commit, String>;
 
     /// Queues the ends of these leases, as one write.
     fn ends(&self, lease_ids: &mut dyn Iterator<Item = &str>) -> Result<Commit, String>;

@@ -198,12 +198,16 @@ impl Engine {
                 pending: true,
             };
             live.view_expires = live.next_view_expires();
-            // A lease displaced here had lapsed; the grant's record is its end at replay.
+            // A lease displaced here had lapsed, and its end was not queued (an ending one's
+            // was): the end goes with the grant, so no backend keeps it once the grant ends.
             let displaced = table.insert(live.clone()).filter(|d| !d.ending);
             self.holders.granted(task, agent, state);
             // Queued under the table's lock, like every record: whatever is queued after
             // this grant became visible (a barrier, an end of it) is queued after it too.
-            let commit = self.log.grant(live.as_grant());
+            let commit = match &displaced {
+                Some(d) => self.log.grant_displacing(live.as_grant(), &d.lease_id),
+                None => self.log.grant(live.as_grant()),
+            };
             (live, displaced, commit)
         };
         drop(guard);
