@@ -365,6 +365,152 @@ mod tests {
             && s.phase == automaton_workflow::Phase::Implement));
     }
 
+    fn name<T: std::str::FromStr>(s: &str) -> T
+    where
+        T::Err: std::fmt::Debug,
+    {
+        s.parse().expect("a valid name")
+    }
+
+    fn options() -> crate::engine::Options {
+        crate::engine::Options {
+            grace: Duration::from_millis(500),
+            log_compact_bytes: 1 << 20,
+            ttl: TtlBounds {
+                min: Duration::from_millis(10),
+                max: Duration::from_secs(3600),
+            },
+            ..crate::engine::Options::default()
+        }
+    }
+
+    /// An engine over the project in `dir`, opened as a start opens it.
+    fn open(dir: &std::path::Path) -> Arc<Engine> {
+        Engine::open(Project::open(dir, None), options())
+            .expect("open")
+            .0
+    }
+
+    /// A fresh project with task `t` in `research`.
+    async fn project_with_task(dir: &std::path::Path) -> Arc<Engine> {
+        let coord = open(dir);
+        let task: TaskName = name("t");
+        coord.create_task(&task).await.expect("create");
+        coord
+            .transition(&task, name("research"), &crate::Presented::default())
+            .await
+            .expect("to research");
+        coord
+    }
+
+    /// A restart: everything queued is durable (as after a kill, where the page cache keeps
+    /// what was written), the engine goes, a new one opens the same project.
+    async fn restart(coord: Arc<Engine>, dir: &std::path::Path) -> Arc<Engine> {
+        coord
+            .log()
+            .barrier()
+            .expect("log open")
+            .await
+            .expect("durable");
+        drop(coord);
+        open(dir)
+    }
+
+    /// Issue 30, finding 3: a renewal (or the holder's re-claim) that read the clock before
+    /// taking the table's lock, while the expiry sweep took it, found the lease live at its
+    /// earlier instant although the sweep had just found it lapsed and queued its end: it
+    /// extended a lease that was ending and was answered OK. Once that end was durable the
+    /// lease was gone, from the table and from the log (so after any restart), inside the
+    /// TTL just promised; a re-claim with a longer TTL also logged a grant after the end, so
+    /// a restart brought back a lease announced as expired. Reproduced by holding the table's
+    /// lock while a renewal and a re-claim (`reclaim_ttl`) wait on it past the lease's
+    /// deadline, then letting the sweep in first; whatever was answered OK must hold, in the
+    /// table and after a restart.
+    async fn renewals_racing_the_sweep(reclaim_ttl: Duration) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut coord = project_with_task(dir.path()).await;
+        let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
+        let ttl = Duration::from_secs(1);
+        let mut raced = 0;
+        for attempt in 0..20 {
+            let g = coord.claim(&task, &agent, Some(ttl)).await.expect("claim");
+            let id = g.live.lease_id.clone();
+            let deadline = g.live.deadline;
+            let held = coord.table();
+            // Both read the clock just before the deadline, then wait on the lock: what
+            // they answer promises nearly a whole TTL ahead.
+            std::thread::sleep(
+                deadline.saturating_duration_since(Instant::now() + Duration::from_millis(20)),
+            );
+            let renewer = {
+                let (c, id) = (coord.clone(), id.clone());
+                std::thread::spawn(move || c.renew_with(&id, None, None, Live::clone).is_ok())
+            };
+            let reclaimer = {
+                let (c, t, a) = (coord.clone(), task.clone(), agent.clone());
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("runtime");
+                    rt.block_on(c.claim(&t, &a, Some(reclaim_ttl)))
+                        .map(|g| g.live.lease_id)
+                })
+            };
+            std::thread::sleep(
+                deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(5),
+            );
+            drop(held);
+            // Straight after the unlock this thread takes the lock again before the woken
+            // waiters run (nearly always; when not, they renew in time and this is retried).
+            let swept = coord.expire();
+            let renewed = renewer.join().expect("renewer");
+            let reclaimed = reclaimer.join().expect("re-claimer").ok();
+            // Until the sweep's end is durable and carried out.
+            let until = Instant::now() + Duration::from_secs(5);
+            while coord.table().entry(&task).is_some_and(|l| l.ending) {
+                assert!(Instant::now() < until, "the sweep's end never completed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if swept == 1 {
+                raced += 1;
+                let promised = reclaimed.clone().or(renewed.then(|| id.clone()));
+                let shown = coord.live_of(&task).map(|l| l.lease_id);
+                coord = restart(coord, dir.path()).await;
+                let after = coord.live_of(&task).map(|l| l.lease_id);
+                assert!(
+                    shown == promised && after == promised,
+                    "attempt {attempt}: the sweep ended {id}, then its renewal answered {renewed} and its re-claim {reclaimed:?}; the task's lease is now {shown:?}, after a restart {after:?}"
+                );
+            }
+            if let Some(l) = coord.live_of(&task) {
+                coord
+                    .release(&l.lease_id, None, None)
+                    .await
+                    .expect("release");
+            }
+            if raced >= 2 {
+                break;
+            }
+        }
+        assert!(
+            raced > 0,
+            "the sweep never went first: the race was not exercised"
+        );
+    }
+
+    /// The issue's shape: the re-claim asks for a shorter TTL (logged as a barrier only).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_renewal_that_read_the_clock_before_the_sweep_ended_its_lease_is_refused() {
+        renewals_racing_the_sweep(Duration::from_millis(500)).await;
+    }
+
+    /// A re-claim with a longer TTL logs a grant: never after the end of the lease it renews.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reclaim_that_read_the_clock_before_the_sweep_ended_its_lease_gets_a_new_one() {
+        renewals_racing_the_sweep(Duration::from_secs(3)).await;
+    }
+
     #[test]
     fn the_mark_covers_every_token_the_log_has_seen() {
         let log = [Record::Mark { token: 40 }, grant("t", "A", 7), end("A")];

@@ -40,9 +40,13 @@ pub struct Live {
 }
 
 impl Live {
-    /// Whether the lease is live at `now`: pending, or before its deadline.
+    /// Whether the lease is live at `now`: pending, or before its deadline, and not ending.
+    /// Once its end is queued nothing renews it, whatever instant the caller read: a
+    /// renewal that read the clock before the sweep took the table's lock would otherwise
+    /// see it live at that earlier instant and extend it, answered OK, while the end queued
+    /// before it removes it from the log (issue 30).
     pub fn is_live(&self, now: Instant) -> bool {
-        self.pending || self.deadline > now
+        !self.ending && (self.pending || self.deadline > now)
     }
 
     /// The wall-clock time this lease ends unless renewed (for people and files).
