@@ -1,9 +1,16 @@
 //! Issue 23's console, the coordinator's side: `--web-listen` / `web_listen` and its
 //! refusals, and the browser test: a real Chromium (over WebDriver) driving the console of a
-//! real coordinator with three real workers on a decomposed task.
+//! real coordinator with three real workers on a decomposed task. Issue 30's: a token-less
+//! console refuses another site's name (DNS rebinding), `back` never leaves the console, and
+//! live streams are capped per client and cut when their reader stalls
+//! (`web_max_streams`, `web_stall_timeout`).
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use automaton_proto::v1 as pb;
 
@@ -28,6 +35,14 @@ fn bad_console_config_is_refused_in_one_line_before_anything_binds() {
         (
             "web_listen = \"127.0.0.1:0\"\ntrace_url = \"http://jaeger:16686/trace/\"\n",
             "{trace_id}",
+        ),
+        (
+            "web_listen = \"127.0.0.1:0\"\nweb_max_streams = 0\n",
+            "web_max_streams = 0",
+        ),
+        (
+            "web_listen = \"127.0.0.1:0\"\nweb_stall_timeout = \"0ms\"\n",
+            "web_stall_timeout must be above 0",
         ),
     ] {
         crate::harness::refused_before_binding(toml, says);
@@ -290,4 +305,279 @@ async fn console_in_a_real_browser_signs_in_shows_fleet_and_board_waves_approves
     browser.script("document.getElementById('live').scrollIntoView(); return null;");
     browser.screenshot(&shots, "07-live-output");
     approver.abort();
+}
+
+/// The console's address, from the coordinator's `console on http://ADDR/` line.
+fn console_addr(coord: &Coord) -> SocketAddr {
+    let url = coord.console.clone().expect("a `console on URL` line");
+    url.trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap_or_else(|_| panic!("a console address in {url}"))
+}
+
+/// One HTTP/1.1 request to the console at `addr` naming `host` (connection closed after);
+/// the whole response as text.
+async fn http_to(
+    addr: SocketAddr,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> String {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n{headers}\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn http_status(resp: &str) -> u16 {
+    resp.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+fn csrf_of(page: &str) -> String {
+    let at = page.find("name=\"csrf\" value=\"").expect("a csrf field") + 19;
+    page[at..].split('"').next().expect("its value").to_string()
+}
+
+fn location(resp: &str) -> Option<String> {
+    resp.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case("location")
+            .then(|| v.trim().to_string())
+    })
+}
+
+/// A task waiting at `research:awaiting_approval`, made through the API.
+async fn gate(api: &mut Api, env: &Env, task: &str) {
+    api.claimable_task(task).await;
+    env.artifact(task, "SPEC.md", "# Spec\nwhat to build\n");
+    api.transition(task, "research:awaiting_approval")
+        .await
+        .unwrap_or_else(|s| panic!("Transition {task} research:awaiting_approval: {s:?}"));
+}
+
+/// Issue 30 §6, DNS rebinding: a page on `attacker.example` resolving to 127.0.0.1 names
+/// itself in `Host` and `Origin`. The token-less console refuses it 403 in one line on
+/// `GET /fleet` and on the approve POST (with the page's real CSRF token), and the gate is
+/// still awaiting approval; `127.0.0.1:PORT` and `localhost:PORT` still work (the approve
+/// through `localhost` goes through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_less_console_refuses_a_rebound_host_and_origin_and_the_gate_stays_unapproved() {
+    let env = Env::new();
+    let coord = Coord::start(&env, &["--web-listen", "127.0.0.1:0", "--no-dispatch"]);
+    let console = console_addr(&coord);
+    let port = console.port();
+    let mut api = coord.api().await;
+    gate(&mut api, &env, "research").await;
+
+    let own = format!("127.0.0.1:{port}");
+    let page = http_to(console, &own, "GET", "/task/research", "", "").await;
+    assert_eq!(http_status(&page), 200, "{page}");
+    let csrf = csrf_of(&page);
+    let approvals = env.task_file("research", ".state.approvals");
+
+    let evil = format!("attacker.example:{port}");
+    let evil_origin = format!("Origin: http://attacker.example:{port}\r\n");
+    let refusal = format!(
+        "this console has no tokens, so it answers only requests to localhost, 127.0.0.1 or [::1] on port {port}"
+    );
+    let fleet = http_to(console, &evil, "GET", "/fleet", &evil_origin, "").await;
+    assert_eq!(http_status(&fleet), 403, "{fleet}");
+    assert!(fleet.contains(&refusal), "{fleet}");
+    assert!(
+        !fleet.contains("name=\"csrf\""),
+        "no CSRF token handed out: {fleet}"
+    );
+    let approve = format!("task=research&csrf={csrf}&back=%2Ftask%2Fresearch");
+    let r = http_to(
+        console,
+        &evil,
+        "POST",
+        "/action/approve",
+        &evil_origin,
+        &approve,
+    )
+    .await;
+    assert_eq!(http_status(&r), 403, "{r}");
+    assert!(r.contains(&refusal), "{r}");
+    assert_eq!(api.state("research").await, "research:awaiting_approval");
+    assert_eq!(env.task_file("research", ".state.approvals"), approvals);
+
+    for host in [own.clone(), format!("localhost:{port}")] {
+        let r = http_to(console, &host, "GET", "/fleet", "", "").await;
+        assert_eq!(http_status(&r), 200, "{host}: {r}");
+    }
+    let origin = format!("Origin: http://localhost:{port}\r\n");
+    let host = format!("localhost:{port}");
+    let r = http_to(console, &host, "POST", "/action/approve", &origin, &approve).await;
+    assert_eq!(http_status(&r), 303, "{r}");
+    assert_eq!(api.state("research").await, "research:approved");
+}
+
+/// Issue 30 §7: a TAB (or another control character, or whitespace) in an action's `back`
+/// does not become the `Location`: the action is done and the answer goes to `/board`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tab_or_control_character_in_back_redirects_to_the_board() {
+    let env = Env::new();
+    let coord = Coord::start(&env, &["--web-listen", "127.0.0.1:0", "--no-dispatch"]);
+    let console = console_addr(&coord);
+    let own = console.to_string();
+    let mut api = coord.api().await;
+    for (i, back) in [
+        "%2F%09%2Fevil.example%2F",
+        "%2F%0B%2Fevil.example%2F",
+        "%2F+%2Fevil.example%2F",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let task = format!("gate{i}");
+        gate(&mut api, &env, &task).await;
+        let page = http_to(console, &own, "GET", &format!("/task/{task}"), "", "").await;
+        let body = format!("task={task}&csrf={}&back={back}", csrf_of(&page));
+        let r = http_to(console, &own, "POST", "/action/approve", "", &body).await;
+        assert_eq!(http_status(&r), 303, "{back}: {r}");
+        assert_eq!(location(&r).as_deref(), Some("/board"), "{back}: {r}");
+        assert_eq!(api.state(&task).await, "research:approved");
+    }
+}
+
+/// Opens `GET /events` (or another stream) and reads only its answer's headers; the socket
+/// stays open, read no further. Not 200: the whole answer as text.
+async fn open_stream(socket: tokio::net::TcpSocket, addr: SocketAddr) -> Result<TcpStream, String> {
+    let mut s = socket.connect(addr).await.expect("connect");
+    let req = format!("GET /events HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte))
+            .await
+            .expect("headers in time")
+            .expect("read");
+        if n == 0 {
+            break;
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    if http_status(&head) == 200 {
+        return Ok(s);
+    }
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;
+    Err(format!("{head}{}", String::from_utf8_lossy(&rest)))
+}
+
+fn socket() -> tokio::net::TcpSocket {
+    tokio::net::TcpSocket::new_v4().expect("socket")
+}
+
+/// Issue 30 §7: `web_max_streams` caps the live streams of one client (no tokens: one
+/// address): the one past it is refused 429 in one line; a closed one frees its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_past_web_max_streams_is_refused_429() {
+    let env = Env::with_config("web_max_streams = 2\n");
+    let coord = Coord::start(&env, &["--web-listen", "127.0.0.1:0", "--no-dispatch"]);
+    let console = console_addr(&coord);
+    let first = open_stream(socket(), console).await.expect("first");
+    let _second = open_stream(socket(), console).await.expect("second");
+    let third = open_stream(socket(), console).await.expect_err("third");
+    assert_eq!(http_status(&third), 429, "{third}");
+    assert!(
+        third.contains("too many live streams open for your address (2 at most, web_max_streams)"),
+        "{third}"
+    );
+    drop(first);
+    poll(
+        "the closed stream's place",
+        Duration::from_secs(10),
+        || async { open_stream(socket(), console).await.ok() },
+    )
+    .await;
+}
+
+/// Issue 30 §7: a client that opens `/events` and never reads (a small receive buffer)
+/// while refused claims flood the feed is disconnected within `web_stall_timeout` of its
+/// buffers filling (its place under `web_max_streams = 1` is free again and its connection
+/// ends), and `GET /board` answers meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_events_reader_is_cut_within_web_stall_timeout_while_the_board_answers() {
+    let env = Env::with_config("web_max_streams = 1\nweb_stall_timeout = \"1s\"\n");
+    let coord = Coord::start(&env, &["--web-listen", "127.0.0.1:0", "--no-dispatch"]);
+    let console = console_addr(&coord);
+    let small = socket();
+    small.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stalled = open_stream(small, console)
+        .await
+        .expect("the stalled stream");
+    // The feed flooded: each refused claim is a `lease_refused` event of some 400 bytes on
+    // the page's stream.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut flooders = Vec::new();
+    for f in 0..8 {
+        let mut api = coord.api().await;
+        let (stop, sent) = (stop.clone(), sent.clone());
+        flooders.push(tokio::spawn(async move {
+            let task = format!("{f}{}", "t".repeat(63));
+            let agent = format!("{f}{}", "a".repeat(63));
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = api.claim(&task, &agent, 0).await;
+                sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }));
+    }
+    let started = Instant::now();
+    // While the stalled reader holds the one place, the board answers.
+    let board = http_to(console, &console.to_string(), "GET", "/board", "", "").await;
+    assert_eq!(http_status(&board), 200, "{board}");
+    let held = open_stream(socket(), console)
+        .await
+        .expect_err("the stalled stream holds the place");
+    assert_eq!(http_status(&held), 429, "{held}");
+    let freed = loop {
+        if open_stream(socket(), console).await.is_ok() {
+            break started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the stalled reader still holds its stream after {:?} ({} claims refused)",
+            started.elapsed(),
+            sent.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for f in flooders {
+        let _ = f.await;
+    }
+    eprintln!(
+        "stalled reader cut {freed:?} after the flood began ({} claims refused)",
+        sent.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), stalled.read_to_end(&mut rest)).await;
+    assert!(ended.is_ok(), "the stalled connection was closed");
+    assert!(
+        coord.wait_stderr(
+            "a client read nothing for the stall timeout",
+            Duration::from_secs(5)
+        ),
+        "{}",
+        coord.stderr()
+    );
 }

@@ -191,3 +191,32 @@ fn bad_webhooks_config_is_refused_in_one_line_before_anything_binds() {
         crate::harness::refused_before_binding(toml, says);
     }
 }
+
+/// Issue 30 §7: `--print-config` shows a webhook's URL as the logs do, scheme, host and port
+/// only: a Slack-style URL's path is its secret, and a user and password never show either.
+#[test]
+fn print_config_masks_webhook_urls() {
+    let secret = "T00000000/B00000000/XXXXXXXXXXXXsecretXXXXXXXX";
+    let toml = format!(
+        "[[webhooks]]\nurl = \"https://hooks.slack.example/services/{secret}?token=q1\"\nevents = [\"*\"]\nformat = \"slack\"\n\n[[webhooks]]\nurl = \"http://127.0.0.1:9/hook/{secret}\"\nevents = [\"held\"]\n"
+    );
+    let env = Env::with_config(&toml);
+    let run = env.run_coordinator(&["--print-config"], &[], Duration::from_secs(20));
+    assert_eq!(run.code, 0, "{run:?}");
+    assert!(!run.stdout.contains("secret"), "{}", run.stdout);
+    assert!(!run.stdout.contains("T00000000"), "{}", run.stdout);
+    assert!(!run.stdout.contains("token=q1"), "{}", run.stdout);
+    let v: toml::Value = toml::from_str(&run.stdout).expect("--print-config prints TOML");
+    let urls: Vec<&str> = v["webhooks"]
+        .as_array()
+        .expect("webhooks")
+        .iter()
+        .filter_map(|h| h["url"].as_str())
+        .collect();
+    assert_eq!(
+        urls,
+        ["https://hooks.slack.example", "http://127.0.0.1:9"],
+        "{}",
+        run.stdout
+    );
+}

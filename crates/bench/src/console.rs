@@ -1,7 +1,8 @@
 //! `automaton-bench console`: the operator's console (issue 23) under a large project.
 //!
 //! A coordinator is spawned with `--web-listen 127.0.0.1:0` (no tokens: the console serves
-//! loopback clients without sign-in), `--tasks` tasks are created through the API (every
+//! loopback clients without sign-in; `AUTOMATON_WEB_MAX_STREAMS` above `--streams`, since
+//! every stream comes from one address), `--tasks` tasks are created through the API (every
 //! other one moved on to `research`, so the board has two full columns) and `--workers`
 //! worker sessions register over `Workers.Session`, each with one simulated GPU, and
 //! heartbeat for the whole run. Then:
@@ -565,7 +566,10 @@ pub async fn run(args: ConsoleArgs) -> Result<()> {
             "--session-timeout".to_string(),
             "10s".to_string(),
         ];
-        let mut s = spawn::coordinator_with(&args.spawn_coordinator, &project, &scratch, &extra)?;
+        // Every stream comes from one address with no tokens: room for all of them.
+        let cap = ("AUTOMATON_WEB_MAX_STREAMS", (args.streams + 16).to_string());
+        let mut s =
+            spawn::coordinator_env(&args.spawn_coordinator, &project, &scratch, &extra, &[cap])?;
         let web = console_addr(&scratch.join("coordinator.stdout"))?;
         eprintln!(
             "spawned coordinator at {} (pid {}), console on http://{web}/",

@@ -250,9 +250,11 @@ mod tests {
             trace_url: None,
             project: "p".into(),
             tls: None,
+            streams: crate::StreamLimits::default(),
         };
         let (_stop_tx, stop) = watch::channel(false);
-        let app = App::new(opts, stop).expect("app");
+        let local = "127.0.0.1:8080".parse().expect("addr");
+        let app = App::new(opts, local, stop).expect("app");
         let mut page = std::pin::pin!(subscribe(&app));
         for i in 0..crate::web::FEED_BUFFER * 2 {
             let _ = app.events.send(format!("{{\"seq\":{i}}}"));

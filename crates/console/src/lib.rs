@@ -6,9 +6,11 @@
 //! What it owns: the HTML (server-rendered by the pure functions of [`render`], with a
 //! little embedded vanilla JavaScript and CSS, no inline script: the CSP forbids it), the
 //! sign-in sessions (in memory, bounded, 12 hours) and their rate limit (5 refused sign-ins a
-//! minute per client address), the CSRF and cross-site checks of every POST, and two kinds
-//! of live stream: one shared `WatchEvents` feed per console fanned out to every open page
-//! as server-sent events, and a task's `TailOutput`.
+//! minute per client address), the CSRF and cross-site checks of every POST, without tokens
+//! the check that every request names this console by a loopback name (no DNS rebinding),
+//! and two kinds of live stream: one shared `WatchEvents` feed per console fanned out to
+//! every open page as server-sent events, and a task's `TailOutput`, both bounded per
+//! session and cut when their client stops reading (`streams.rs`).
 //!
 //! What it must not do: decide policy or keep state beyond sessions. It is a client of the
 //! coordinator's own gRPC API (`automaton_proto`): every page is a read the CLI could make,
@@ -24,6 +26,7 @@ mod limit;
 mod markdown;
 pub mod render;
 mod session;
+mod streams;
 mod tls;
 mod web;
 
@@ -37,7 +40,11 @@ pub use session::{
     COOKIE, MAX_SESSIONS, SESSION_TTL, Session, Sessions, clear_cookie, constant_time_eq,
     cookie_id, session_cookie,
 };
-pub use web::{CSP, CSRF_REFUSED, cross_site, csrf_ok, is_loopback, safe_back, too_many_sign_ins};
+pub use streams::{DEFAULT_STALL_TIMEOUT, DEFAULT_STREAMS_PER_SESSION, StreamLimits};
+pub use web::{
+    CSP, CSRF_REFUSED, cross_site, csrf_ok, is_loopback, loopback_named, safe_back,
+    too_many_sign_ins,
+};
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -70,6 +77,8 @@ pub struct Options {
     pub project: String,
     /// PEM certificate chain and key: serve https (and mark the cookie `Secure`).
     pub tls: Option<(Vec<u8>, Vec<u8>)>,
+    /// How many live streams one session may hold, and how long a client may read nothing.
+    pub streams: StreamLimits,
 }
 
 /// What can stop the console from serving.
@@ -84,7 +93,8 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Serves the console on `listener` until `shutdown` resolves: https when `opts.tls` is
 /// set, else http. Each connection knows its peer's address (the loopback check of no-auth
-/// mode). At shutdown the listener closes, event and output streams end, and connections get
+/// mode), and a write to it that makes no progress for `opts.streams.stall_timeout` ends it.
+/// At shutdown the listener closes, event and output streams end, and connections get
 /// [`SHUTDOWN_GRACE`] to finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -95,8 +105,12 @@ pub async fn serve(
         Some((chain, key)) => Some(tls::acceptor(chain, key).map_err(Error::Serve)?),
         None => None,
     };
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::Serve(format!("cannot read the console's address: {e}")))?;
+    let stall = opts.streams.stall_timeout;
     let (stop_tx, stop_rx) = watch::channel(false);
-    let app = Arc::new(web::App::new(opts, stop_rx.clone()).map_err(Error::Serve)?);
+    let app = Arc::new(web::App::new(opts, local, stop_rx.clone()).map_err(Error::Serve)?);
     let feed = tokio::spawn(feed::run(app.clone()));
     let router = web::router(app);
     let mut conns = JoinSet::new();
@@ -107,6 +121,8 @@ pub async fn serve(
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    // Under TLS too: a client that stops reading stalls the raw socket.
+                    let stream = streams::WriteDeadline::new(stream, stall, peer);
                     conns.spawn(connection(stream, peer, router.clone(), acceptor.clone(), stop_rx.clone()));
                 }
                 Err(e) => {
@@ -132,7 +148,7 @@ pub async fn serve(
 
 /// One connection: TLS first when configured, then HTTP/1.1 until it closes or shutdown.
 async fn connection(
-    stream: tokio::net::TcpStream,
+    stream: streams::WriteDeadline<tokio::net::TcpStream>,
     peer: SocketAddr,
     router: axum::Router,
     acceptor: Option<tokio_rustls::TlsAcceptor>,

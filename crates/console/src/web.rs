@@ -1,5 +1,7 @@
-//! The routes: who may see a page (a session, or loopback in no-auth mode), the CSRF and
-//! cross-site checks of every POST, and the calls each page and button makes.
+//! The routes: who may see a page (a session, or loopback in no-auth mode, where every
+//! request must also name this console by a loopback name), the CSRF and cross-site checks
+//! of every POST, the live streams' bound per session, and the calls each page and button
+//! makes.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -22,6 +24,7 @@ use crate::grpc::{self, Stamp};
 use crate::limit::SignInLimit;
 use crate::render::{self, BoardFilter, TaskView};
 use crate::session::{self, Sessions};
+use crate::streams::{Held, Holder, Slots};
 use crate::{Authenticate, Options};
 
 /// The security headers of every response.
@@ -74,10 +77,18 @@ pub(crate) struct App {
     pub tasks: tokio::sync::Mutex<Option<TasksSnapshot>>,
     /// Becomes true at shutdown: streams end.
     pub stop: watch::Receiver<bool>,
+    /// The address the console listens on: without tokens, requests must name it.
+    pub local: SocketAddr,
+    /// The live streams each session (or client address) holds open.
+    pub slots: Slots,
 }
 
 impl App {
-    pub fn new(opts: Options, stop: watch::Receiver<bool>) -> Result<App, String> {
+    pub fn new(
+        opts: Options,
+        local: SocketAddr,
+        stop: watch::Receiver<bool>,
+    ) -> Result<App, String> {
         let (events, _) = broadcast::channel(FEED_BUFFER);
         Ok(App {
             channel: opts.channel,
@@ -93,6 +104,8 @@ impl App {
             changes: AtomicU64::new(0),
             tasks: tokio::sync::Mutex::new(None),
             stop,
+            local,
+            slots: Slots::new(opts.streams.per_session),
         })
     }
 
@@ -145,6 +158,8 @@ pub(crate) struct Caller {
     pub operator: Option<String>,
     pub token: Option<String>,
     pub csrf: String,
+    /// Whose count its live streams go to.
+    pub holder: Holder,
 }
 
 impl Caller {
@@ -219,13 +234,107 @@ pub fn csrf_ok(headers: &HeaderMap, expected: &str, given: &str) -> bool {
         && session::constant_time_eq(expected.as_bytes(), given.as_bytes())
 }
 
-/// A local path to go back to after an action; anything else goes to the board.
+/// A local path to go back to after an action; anything else goes to the board. No
+/// control character or whitespace at all: browsers drop a TAB or a newline from a
+/// `Location`, so `/\t/evil.example/` would be `//evil.example/`, another site.
 pub fn safe_back(back: &str) -> &str {
-    if back.starts_with('/') && !back.starts_with("//") && !back.contains(['\\', '\r', '\n']) {
-        back
-    } else {
-        "/board"
+    let local = back.starts_with('/')
+        && !back.starts_with("//")
+        && !back
+            .chars()
+            .any(|c| c == '\\' || c.is_control() || c.is_whitespace());
+    if local { back } else { "/board" }
+}
+
+/// Without tokens, a request must name this console by a loopback name: `Host` (and
+/// `Origin`, when sent) is `localhost`, `127.0.0.1`, `[::1]` or the console's own loopback
+/// address, with its port (bare on the scheme's default port). A page of another site whose
+/// name resolves to 127.0.0.1 (DNS rebinding) sends its own name, so it is refused: else it
+/// could read every page, take the CSRF token and press every button. `Err` is the line
+/// shown (403).
+pub fn loopback_named(headers: &HeaderMap, local: SocketAddr, secure: bool) -> Result<(), String> {
+    let scheme = if secure { "https" } else { "http" };
+    let port = local.port();
+    let refuse = |what: &str, value: &str| {
+        let shown: String = value.chars().take(80).collect();
+        Err(format!(
+            "this console has no tokens, so it answers only requests to localhost, 127.0.0.1 or [::1] on port {port}; {what} was '{shown}': open {scheme}://127.0.0.1:{port}/ (or configure operator tokens)"
+        ))
+    };
+    let named = |authority: &str| {
+        let (host, given_port) = match authority.rsplit_once(':') {
+            Some((h, p))
+                if !authority.ends_with(']') && (h.starts_with('[') || !h.contains(':')) =>
+            {
+                (h, p.parse::<u16>().ok())
+            }
+            _ => (authority, Some(if secure { 443 } else { 80 })),
+        };
+        let own = match local.ip() {
+            std::net::IpAddr::V4(ip) => ip.to_string(),
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+        };
+        given_port == Some(port)
+            && (host.eq_ignore_ascii_case("localhost")
+                || host == "127.0.0.1"
+                || host == "[::1]"
+                || (local.ip().is_loopback() && host == own))
+    };
+    let one = |name: header::HeaderName| -> Result<Option<String>, String> {
+        let mut all = headers.get_all(&name).iter();
+        let first = all.next();
+        if all.next().is_some() {
+            return Err(format!("more than one {name} header"));
+        }
+        match first.map(|v| v.to_str()) {
+            None => Ok(None),
+            Some(Ok(v)) => Ok(Some(v.to_string())),
+            Some(Err(_)) => Err(format!("{name} is not text")),
+        }
+    };
+    let host = match one(header::HOST) {
+        Ok(Some(h)) => h,
+        Ok(None) => return refuse("Host", "(none)"),
+        Err(e) => return refuse("the request", &e),
+    };
+    if !named(&host) {
+        return refuse("Host", &host);
     }
+    match one(header::ORIGIN) {
+        Ok(None) => Ok(()),
+        Ok(Some(origin)) => {
+            let authority = origin
+                .strip_prefix(scheme)
+                .and_then(|r| r.strip_prefix("://"));
+            match authority {
+                Some(a) if named(a) => Ok(()),
+                _ => refuse("Origin", &origin),
+            }
+        }
+        Err(e) => refuse("the request", &e),
+    }
+}
+
+/// Without tokens, every request (pages, streams, actions, static files) is checked before
+/// any route runs: a loopback peer that names this console by a loopback name.
+async fn loopback_only(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if app.auth.is_none() {
+        let peer = req
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0);
+        if !peer.is_some_and(|p| is_loopback(&p)) {
+            return plain(StatusCode::FORBIDDEN, LOOPBACK_ONLY);
+        }
+        if let Err(why) = loopback_named(req.headers(), app.local, app.secure) {
+            return plain(StatusCode::FORBIDDEN, &why);
+        }
+    }
+    next.run(req).await
 }
 
 /// [`caller`] and the stamp its gRPC calls carry (`deadline` on each unary call).
@@ -250,6 +359,7 @@ fn caller(app: &App, headers: &HeaderMap, peer: &SocketAddr, want: Want) -> Resu
             operator: None,
             token: None,
             csrf: app.csrf_secret.clone(),
+            holder: Holder::Peer(peer.ip().to_canonical()),
         });
     };
     let session = headers
@@ -257,12 +367,13 @@ fn caller(app: &App, headers: &HeaderMap, peer: &SocketAddr, want: Want) -> Resu
         .iter()
         .filter_map(|v| v.to_str().ok())
         .find_map(session::cookie_id)
-        .and_then(|id| app.sessions().get(id, Instant::now()));
+        .and_then(|id| Some((id, app.sessions().get(id, Instant::now())?)));
     match session {
-        Some(s) => Ok(Caller {
+        Some((id, s)) => Ok(Caller {
             operator: Some(s.operator),
             token: Some(s.token),
             csrf: s.csrf,
+            holder: Holder::Session(id.to_string()),
         }),
         None if want == Want::Page => Err(Denied::SignIn),
         None => Err(Denied::Unauthenticated),
@@ -284,7 +395,9 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/static/console.js", get(script))
         .route("/static/console.css", get(style))
         .fallback(|| async { html(StatusCode::NOT_FOUND, render::render_error("no such page")) })
-        .with_state(app)
+        .with_state(app.clone())
+        // Before any route: without tokens, only this machine, by a loopback name.
+        .layer(axum::middleware::from_fn_with_state(app, loopback_only))
         .layer(axum::middleware::map_response(security_headers))
 }
 
@@ -718,10 +831,18 @@ async fn call_action(app: &App, stamp: Stamp, kind: &str, f: &ActionForm) -> Res
 
 type EventStream = std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>>;
 
-fn sse(stream: EventStream) -> Response {
-    Sse::new(stream)
+/// A stream's response; it holds `slot` until it ends or its connection closes.
+fn sse(stream: EventStream, slot: crate::streams::Slot) -> Response {
+    Sse::new(Held::new(stream, slot))
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
         .into_response()
+}
+
+/// One more live stream for `c`, or the 429 that says why not.
+fn stream_slot(app: &App, c: &Caller) -> Result<crate::streams::Slot, Denied> {
+    app.slots
+        .take(c.holder.clone())
+        .map_err(|why| Denied::Refused(StatusCode::TOO_MANY_REQUESTS, why))
 }
 
 async fn events(
@@ -729,10 +850,11 @@ async fn events(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(r) = caller(&app, &headers, &peer, Want::Api) {
-        return r.into_response();
-    }
-    sse(Box::pin(crate::feed::subscribe(&app)))
+    let slot = match caller(&app, &headers, &peer, Want::Api).and_then(|c| stream_slot(&app, &c)) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
+    sse(Box::pin(crate::feed::subscribe(&app)), slot)
 }
 
 async fn output(
@@ -741,8 +863,13 @@ async fn output(
     headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Response {
-    let (_, stamp) = match calling(&app, &headers, &peer, Want::Api, None) {
+    let (c, stamp) = match calling(&app, &headers, &peer, Want::Api, None) {
         Ok(cs) => cs,
+        Err(r) => return r.into_response(),
+    };
+    // Taken before the call: a refused stream costs the coordinator nothing.
+    let slot = match stream_slot(&app, &c) {
+        Ok(s) => s,
         Err(r) => return r.into_response(),
     };
     let req = pb::TailOutputRequest {
@@ -755,12 +882,18 @@ async fn output(
         Ok(s) => s.into_inner(),
         Err(s) => {
             let (_, msg) = grpc::http_status(&s);
-            return sse(Box::pin(futures_util::stream::once(async move {
-                Ok(Event::default().event("error").data(msg))
-            })));
+            return sse(
+                Box::pin(futures_util::stream::once(async move {
+                    Ok(Event::default().event("error").data(msg))
+                })),
+                slot,
+            );
         }
     };
-    sse(Box::pin(crate::feed::output(stream, app.stop.clone())))
+    sse(
+        Box::pin(crate::feed::output(stream, app.stop.clone())),
+        slot,
+    )
 }
 
 #[cfg(test)]
@@ -813,5 +946,108 @@ mod tests {
         assert_eq!(safe_back("https://evil.example"), "/board");
         assert_eq!(safe_back("/\\evil"), "/board");
         assert_eq!(safe_back(""), "/board");
+    }
+
+    /// A TAB, any other control character or any whitespace in `back` sends to the board:
+    /// browsers strip TAB and newlines from a `Location`, so `/\t/evil.example/` would leave.
+    #[test]
+    fn back_with_a_control_character_or_whitespace_is_refused() {
+        for bad in [
+            "/\t/evil.example/",
+            "/\n/evil.example/",
+            "/\r/evil.example/",
+            "/\x0b/evil.example/",
+            "/\x0c/evil.example/",
+            "/\x00/evil.example/",
+            "/\x7f/evil.example/",
+            "/\u{85}/evil.example/",
+            "/ /evil.example/",
+            "/\u{a0}/evil.example/",
+            "/\u{2028}/evil.example/",
+            "/task/a b",
+        ] {
+            assert_eq!(safe_back(bad), "/board", "{bad:?}");
+        }
+        assert_eq!(safe_back("/task/shop/api?x=1"), "/task/shop/api?x=1");
+    }
+
+    fn local() -> SocketAddr {
+        "127.0.0.1:8080".parse().expect("addr")
+    }
+
+    /// DNS rebinding: without tokens only loopback names with the console's port pass, in
+    /// `Host` and in `Origin`.
+    #[test]
+    fn only_loopback_names_with_the_port_pass_without_tokens() {
+        for (host, origin) in [
+            ("127.0.0.1:8080", None),
+            ("localhost:8080", Some("http://localhost:8080")),
+            ("LOCALHOST:8080", Some("http://127.0.0.1:8080")),
+            ("[::1]:8080", Some("http://[::1]:8080")),
+        ] {
+            let mut h = headers(&[("host", host)]);
+            if let Some(o) = origin {
+                h.insert(header::ORIGIN, HeaderValue::from_static(o));
+            }
+            assert_eq!(
+                loopback_named(&h, local(), false),
+                Ok(()),
+                "{host} {origin:?}"
+            );
+        }
+        for (host, origin) in [
+            ("attacker.example:8080", None),
+            (
+                "attacker.example:8080",
+                Some("http://attacker.example:8080"),
+            ),
+            ("127.0.0.1:8080", Some("http://attacker.example:8080")),
+            ("127.0.0.1:8081", None),
+            ("127.0.0.1", None),
+            ("localhost.:8080", None),
+            ("127.0.0.1.attacker.example:8080", None),
+            ("", None),
+            ("127.0.0.1:8080", Some("null")),
+            ("127.0.0.1:8080", Some("https://127.0.0.1:8080")),
+            ("127.0.0.1:8080", Some("http://127.0.0.1:8080/x")),
+            ("127.0.0.1:8080", Some("http://127.0.0.1")),
+        ] {
+            let mut h = headers(&[("host", host)]);
+            if let Some(o) = origin {
+                h.insert(header::ORIGIN, HeaderValue::from_static(o));
+            }
+            let why = loopback_named(&h, local(), false).expect_err(host);
+            assert!(
+                why.contains("only requests to localhost, 127.0.0.1 or [::1] on port 8080"),
+                "{why}"
+            );
+            assert!(!why.contains('\n'), "{why}");
+        }
+        let why = loopback_named(&HeaderMap::new(), local(), false).expect_err("no host");
+        assert!(why.contains("Host was '(none)'"), "{why}");
+        let mut two = headers(&[("host", "127.0.0.1:8080")]);
+        two.append(
+            header::HOST,
+            HeaderValue::from_static("attacker.example:8080"),
+        );
+        assert!(loopback_named(&two, local(), false).is_err());
+        // On the scheme's default port the port may be left out; https wants https origins.
+        let on_80: SocketAddr = "127.0.0.1:80".parse().expect("addr");
+        assert_eq!(
+            loopback_named(&headers(&[("host", "localhost")]), on_80, false),
+            Ok(())
+        );
+        let tls = headers(&[
+            ("host", "localhost:8080"),
+            ("origin", "https://localhost:8080"),
+        ]);
+        assert_eq!(loopback_named(&tls, local(), true), Ok(()));
+        // The console's own loopback address passes too (an IP literal cannot be rebound).
+        let own: SocketAddr = "127.0.0.2:8080".parse().expect("addr");
+        assert_eq!(
+            loopback_named(&headers(&[("host", "127.0.0.2:8080")]), own, false),
+            Ok(())
+        );
+        assert!(loopback_named(&headers(&[("host", "127.0.0.2:8080")]), local(), false).is_err());
     }
 }

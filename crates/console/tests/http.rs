@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use automaton_console::{Authenticate, Options, serve};
+use automaton_console::{Authenticate, Options, StreamLimits, serve};
 use automaton_proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -315,6 +315,16 @@ async fn console_with(
     auth: Option<Arc<dyn Authenticate>>,
     trace_url: Option<&str>,
 ) -> (SocketAddr, oneshot::Sender<()>) {
+    console_limited(channel, auth, trace_url, StreamLimits::default()).await
+}
+
+/// [`console_with`] with bounds on its live streams.
+async fn console_limited(
+    channel: tonic::transport::Channel,
+    auth: Option<Arc<dyn Authenticate>>,
+    trace_url: Option<&str>,
+    streams: StreamLimits,
+) -> (SocketAddr, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = oneshot::channel::<()>();
@@ -324,6 +334,7 @@ async fn console_with(
         trace_url: trace_url.map(str::to_string),
         project: "demo".into(),
         tls: None,
+        streams,
     };
     tokio::spawn(serve(listener, opts, async move {
         let _ = rx.await;
@@ -333,9 +344,21 @@ async fn console_with(
 
 /// One HTTP/1.1 request (connection closed after); the whole response as text.
 async fn http(addr: SocketAddr, method: &str, path: &str, headers: &str, body: &str) -> String {
+    http_to(addr, &addr.to_string(), method, path, headers, body).await
+}
+
+/// [`http`] with `host` as its `Host` header.
+async fn http_to(
+    addr: SocketAddr,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> String {
     let mut s = TcpStream::connect(addr).await.expect("connect");
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n{headers}\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: {}\r\n{headers}\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).await.expect("write");
@@ -438,19 +461,28 @@ async fn no_auth_pages_actions_and_streams() {
     assert_eq!(status(&missing), 404, "{missing}");
     assert!(missing.contains("no task &#39;nope&#39;"));
 
-    // No CSRF token, a wrong one, or another site: refused before any call.
+    // No CSRF token, a wrong one, or another site: refused before any call (another site's
+    // Origin already by the no-tokens check of every request).
     let before = calls.lock().expect("calls").len();
-    for (body, extra) in [
-        ("task=shop%2Fapi".to_string(), ""),
-        ("task=shop%2Fapi&csrf=wrong".to_string(), ""),
+    let csrf_refused = "missing or wrong CSRF token";
+    let not_loopback = "this console has no tokens, so it answers only requests to localhost";
+    for (body, extra, says) in [
+        ("task=shop%2Fapi".to_string(), "", csrf_refused),
+        ("task=shop%2Fapi&csrf=wrong".to_string(), "", csrf_refused),
+        (
+            format!("task=shop%2Fapi&csrf={token}"),
+            "Sec-Fetch-Site: cross-site\r\n",
+            csrf_refused,
+        ),
         (
             format!("task=shop%2Fapi&csrf={token}"),
             "Origin: http://evil.example\r\n",
+            not_loopback,
         ),
     ] {
         let r = http(addr, "POST", "/action/approve", &form_headers(extra), &body).await;
         assert_eq!(status(&r), 403, "{r}");
-        assert!(r.contains("missing or wrong CSRF token"), "{r}");
+        assert!(r.contains(says), "{r}");
     }
     assert_eq!(calls.lock().expect("calls").len(), before);
 
@@ -663,6 +695,7 @@ async fn https_with_a_secure_cookie() {
             include_bytes!("fixtures/cert.pem").to_vec(),
             include_bytes!("fixtures/key.pem").to_vec(),
         )),
+        streams: Default::default(),
     };
     let (tx, rx) = oneshot::channel::<()>();
     let served = tokio::spawn(serve(listener, opts, async move {
@@ -711,6 +744,7 @@ async fn bad_tls_material_is_an_error() {
         trace_url: None,
         project: "demo".into(),
         tls: Some((b"junk".to_vec(), b"junk".to_vec())),
+        streams: Default::default(),
     };
     let e = serve(listener, opts, async {}).await.expect_err("refused");
     assert!(e.to_string().contains("console TLS certificate"), "{e}");
@@ -727,6 +761,7 @@ async fn shutdown_ends_open_streams() {
         trace_url: None,
         project: "demo".into(),
         tls: None,
+        streams: Default::default(),
     };
     let (tx, rx) = oneshot::channel::<()>();
     let served = tokio::spawn(serve(listener, opts, async move {
@@ -900,4 +935,235 @@ async fn boards_share_one_task_list_until_an_event() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     http(addr, "GET", "/board", "", "").await;
     assert_eq!(list_calls(), 3);
+}
+
+/// Issue 30 (DNS rebinding): without tokens, a request that names the console by another
+/// name — `Host` or `Origin` of `attacker.example` resolving to 127.0.0.1 — is refused 403
+/// with one line on every route, pages, streams, static files and actions alike, and no call
+/// reaches the coordinator; `127.0.0.1:PORT`, `localhost:PORT` and `[::1]:PORT` still work.
+#[tokio::test]
+async fn no_tokens_refuses_a_rebound_host_or_origin_on_every_request() {
+    let (fake, calls) = fake();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+    let port = addr.port();
+    let page = http(addr, "GET", "/task/shop/api", "", "").await;
+    let token = csrf(&page);
+    let before = calls.lock().expect("calls").len();
+    let evil = format!("attacker.example:{port}");
+    let evil_origin = format!("Origin: http://attacker.example:{port}\r\n");
+    let approve = format!("task=shop%2Fapi&csrf={token}");
+    for (host, method, path, extra, body) in [
+        (evil.as_str(), "GET", "/fleet", "", ""),
+        (evil.as_str(), "GET", "/board", "", ""),
+        (evil.as_str(), "GET", "/events", "", ""),
+        (evil.as_str(), "GET", "/output/shop/api", "", ""),
+        (evil.as_str(), "GET", "/static/console.js", "", ""),
+        (evil.as_str(), "GET", "/nowhere", "", ""),
+        (
+            evil.as_str(),
+            "POST",
+            "/action/approve",
+            evil_origin.as_str(),
+            approve.as_str(),
+        ),
+        (
+            evil.as_str(),
+            "POST",
+            "/action/drain",
+            evil_origin.as_str(),
+            "worker=gpu-a",
+        ),
+        (
+            &addr.to_string(),
+            "POST",
+            "/action/approve",
+            evil_origin.as_str(),
+            approve.as_str(),
+        ),
+        (&addr.to_string(), "GET", "/fleet", evil_origin.as_str(), ""),
+    ] {
+        let headers = format!("Content-Type: application/x-www-form-urlencoded\r\n{extra}");
+        let r = http_to(addr, host, method, path, &headers, body).await;
+        assert_eq!(status(&r), 403, "{host} {method} {path}: {r}");
+        assert!(
+            r.contains(&format!(
+                "this console has no tokens, so it answers only requests to localhost, 127.0.0.1 or [::1] on port {port}"
+            )),
+            "{r}"
+        );
+        assert!(!r.contains("gpu-a\""), "nothing of the fleet shown: {r}");
+    }
+    assert_eq!(
+        calls.lock().expect("calls").len(),
+        before,
+        "no refused request reached the coordinator"
+    );
+    for host in [
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("LocalHost:{port}"),
+    ] {
+        let r = http_to(addr, &host, "GET", "/fleet", "", "").await;
+        assert_eq!(status(&r), 200, "{host}: {r}");
+        let origin = format!("{}Origin: http://{host}\r\n", form_headers(""));
+        let r = http_to(addr, &host, "POST", "/action/approve", &origin, &approve).await;
+        assert_eq!(status(&r), 303, "{host}: {r}");
+    }
+}
+
+/// Sends `GET path` with `headers` and reads up to the end of the response's headers; the
+/// socket is left open, nothing more read. When the answer is not 200: its status line,
+/// headers and body as text.
+async fn open_stream(addr: SocketAddr, path: &str, headers: &str) -> Result<TcpStream, String> {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !seen.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut byte))
+            .await
+            .expect("headers in time")
+            .expect("read");
+        if n == 0 {
+            break;
+        }
+        seen.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&seen).into_owned();
+    if status(&head) == 200 {
+        return Ok(s);
+    }
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut rest)).await;
+    Err(format!("{head}{}", String::from_utf8_lossy(&rest)))
+}
+
+/// Signs in with the fake's good token; the `Cookie:` header line of the new session.
+async fn sign_in(addr: SocketAddr) -> String {
+    let r = http(addr, "POST", "/login", &form_headers(""), "token=good").await;
+    let id = r
+        .lines()
+        .find_map(|l| l.split_once("automaton_console="))
+        .and_then(|(_, v)| v.split(';').next())
+        .unwrap_or_else(|| panic!("a session cookie: {r}"))
+        .to_string();
+    format!("Cookie: automaton_console={id}\r\n")
+}
+
+/// Issue 30: live streams are capped per signed-in session: past the cap a stream (events or
+/// output) is refused 429 with one line, another session is not affected, and a closed
+/// stream frees its place.
+#[tokio::test]
+async fn live_streams_are_capped_per_session_and_the_next_is_429() {
+    let (fake, _) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let limits = StreamLimits {
+        per_session: 2,
+        ..StreamLimits::default()
+    };
+    let (addr, _stop) = console_limited(coordinator(fake).await, Some(auth), None, limits).await;
+    let ann = sign_in(addr).await;
+    let other = sign_in(addr).await;
+    let first = open_stream(addr, "/events", &ann)
+        .await
+        .expect("first stream");
+    let _second = open_stream(addr, "/events", &ann)
+        .await
+        .expect("second stream");
+    for path in ["/events", "/output/shop/api"] {
+        let refused = open_stream(addr, path, &ann)
+            .await
+            .expect_err("over the cap");
+        assert_eq!(status(&refused), 429, "{refused}");
+        assert!(
+            refused.contains(
+                "too many live streams open for this session (2 at most, web_max_streams)"
+            ),
+            "{refused}"
+        );
+    }
+    let _theirs = open_stream(addr, "/events", &other)
+        .await
+        .expect("another session has its own places");
+    drop(first);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match open_stream(addr, "/events", &ann).await {
+            Ok(_) => break,
+            Err(r) => {
+                assert_eq!(status(&r), 429, "{r}");
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "a closed stream frees its place"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Issue 30: a client that opens `/events` and never reads is cut once a write to it has
+/// made no progress for the stall timeout (its place is free again, its connection closed),
+/// while the console keeps answering everyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_events_reader_is_cut_after_the_stall_timeout_while_pages_answer() {
+    let (fake, _) = fake();
+    let events = fake.events.clone();
+    let stall = Duration::from_secs(1);
+    let limits = StreamLimits {
+        per_session: 1,
+        stall_timeout: stall,
+    };
+    let (addr, _stop) = console_limited(coordinator(fake).await, None, None, limits).await;
+    // A reader with a small receive buffer that reads nothing past the headers.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stalled = socket.connect(addr).await.expect("connect");
+    let req = format!("GET /events HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    stalled.write_all(req.as_bytes()).await.expect("write");
+    let mut head = [0u8; 64];
+    let n = stalled.read(&mut head).await.expect("the headers");
+    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"));
+    // 16 MiB of events: more than the kernel's buffers and hyper's hold together.
+    let detail = "x".repeat(256 * 1024);
+    for seq in 0..64 {
+        let _ = events.send(pb::Event {
+            seq,
+            kind: "transitioned".into(),
+            task: "shop".into(),
+            detail: detail.clone(),
+            ..Default::default()
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let sent = std::time::Instant::now();
+    // The stalled stream holds the one place; the console still answers pages.
+    let refused = open_stream(addr, "/events", "")
+        .await
+        .expect_err("the place is held");
+    assert_eq!(status(&refused), 429, "{refused}");
+    let board = http(addr, "GET", "/board", "", "").await;
+    assert_eq!(status(&board), 200, "{board}");
+    // Within the stall timeout (and some slack) the stalled stream is dropped: its place is
+    // free.
+    loop {
+        match open_stream(addr, "/events", "").await {
+            Ok(_) => break,
+            Err(r) => {
+                assert_eq!(status(&r), 429, "{r}");
+                assert!(
+                    sent.elapsed() < stall + Duration::from_secs(3),
+                    "the stalled stream still holds its place after {:?}",
+                    sent.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    // And its connection is closed: what was buffered, then the end.
+    let mut rest = Vec::new();
+    let drained =
+        tokio::time::timeout(Duration::from_secs(10), stalled.read_to_end(&mut rest)).await;
+    assert!(drained.is_ok(), "the stalled connection was closed");
 }

@@ -211,6 +211,13 @@ pub struct Config {
     /// `http://jaeger:16686/trace/{trace_id}`): the console links trace ids there.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trace_url: Option<String>,
+    /// Event and output streams one signed-in console session (without tokens: one client
+    /// address) may hold open at once; one more is refused 429.
+    pub web_max_streams: usize,
+    /// A console client that reads nothing for this long while a write to it waits is
+    /// disconnected (its streams end).
+    #[serde(with = "duration")]
+    pub web_stall_timeout: Duration,
     /// Serve a non-loopback address without any token.
     pub insecure: bool,
     /// After a restart every lease lives at least this long, so holders can reconnect.
@@ -281,6 +288,8 @@ impl Default for Config {
             metrics_listen: None,
             web_listen: None,
             trace_url: None,
+            web_max_streams: automaton_console::DEFAULT_STREAMS_PER_SESSION,
+            web_stall_timeout: automaton_console::DEFAULT_STALL_TIMEOUT,
             insecure: false,
             grace_period: Duration::from_secs(30),
             rpc_timeout: Duration::from_secs(30),
@@ -508,6 +517,7 @@ impl Config {
             ("AUTOMATON_HEARTBEAT_INTERVAL", &mut self.heartbeat_interval),
             ("AUTOMATON_MAX_PHASE_TIME", &mut self.max_phase_time),
             ("AUTOMATON_MAX_TOTAL_TIME", &mut self.max_total_time),
+            ("AUTOMATON_WEB_STALL_TIMEOUT", &mut self.web_stall_timeout),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = parse_duration(&v).ok_or_else(|| bad(key, &v, "a duration like 30s"))?;
@@ -517,6 +527,7 @@ impl Config {
             ("AUTOMATON_MAX_IN_FLIGHT", &mut self.max_in_flight),
             ("AUTOMATON_MAX_MESSAGE_BYTES", &mut self.max_message_bytes),
             ("AUTOMATON_KEEPALIVE_MAX_IDS", &mut self.keepalive_max_ids),
+            ("AUTOMATON_WEB_MAX_STREAMS", &mut self.web_max_streams),
         ] {
             if let Some(v) = env_var(key) {
                 *slot = v.parse().map_err(|_| bad(key, &v, "a number"))?;
@@ -609,6 +620,16 @@ impl Config {
                     "refusing to serve the console on {w} without authentication: configure [[tokens]] (or AUTOMATON_OPERATOR_TOKEN) so operators sign in, or serve it on 127.0.0.1"
                 )));
             }
+        }
+        if self.web_max_streams == 0 {
+            return Err(Error::Config(
+                "web_max_streams = 0 would refuse every console page its live updates: give at least 1 (default 16)".into(),
+            ));
+        }
+        if self.web_stall_timeout.is_zero() {
+            return Err(Error::Config(
+                "web_stall_timeout must be above 0 (default 10s): it is how long a console client may read nothing".into(),
+            ));
         }
         if let Some(u) = &self.trace_url
             && (!(u.starts_with("http://") || u.starts_with("https://"))
@@ -856,7 +877,8 @@ impl Config {
         !self.tokens.is_empty() || !self.worker_pools.is_empty()
     }
 
-    /// The effective configuration as TOML, tokens and pool secrets masked.
+    /// The effective configuration as TOML, tokens and pool secrets masked, and webhook URLs
+    /// cut to what the logs show of them (a Slack webhook's path is its secret).
     pub fn to_toml(&self) -> String {
         let mut shown = self.clone();
         for t in &mut shown.tokens {
@@ -864,6 +886,9 @@ impl Config {
         }
         for p in &mut shown.worker_pools {
             p.secret = "********".into();
+        }
+        for h in &mut shown.webhooks {
+            h.url = automaton_webhooks::redact(&h.url);
         }
         toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }

@@ -86,6 +86,10 @@ pub fn console_options(
         trace_url: cfg.trace_url.clone(),
         project,
         tls,
+        streams: automaton_console::StreamLimits {
+            per_session: cfg.web_max_streams,
+            stall_timeout: cfg.web_stall_timeout,
+        },
     })
 }
 
