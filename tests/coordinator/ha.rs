@@ -238,6 +238,93 @@ async fn ha_a_stopped_leader_woken_after_another_took_over_writes_nothing_and_st
     assert_eq!(api.state("u").await, "research");
 }
 
+/// Issue 30 (1): a leader stopped past its election TTL, woken with a renewal waiting on its
+/// connection after another coordinator took over, refuses it (`UNAVAILABLE`) rather than
+/// acknowledge it from memory — and so no second holder is granted the task inside a window
+/// the first was promised. With a 1 s grace and a 4 s lease the new leader grants the task
+/// 4 s after its start: inside the 4 s an acknowledged renewal, sent after that start, would
+/// promise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_renewal_queued_across_the_leaders_pause_is_refused_and_no_second_holder_overlaps() {
+    let cluster = Cluster::three().await;
+    let endpoints: Vec<String> = cluster
+        .endpoints()
+        .iter()
+        .map(|e| format!("{e:?}"))
+        .collect();
+    let cfg = format!(
+        "grace_period = \"1s\"\nstore = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"ha-pause\"\nelection_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
+        endpoints.join(", ")
+    );
+    let a = Coord::start(&Env::with_config(&cfg), &[]);
+    let b = Coord::start(&Env::with_config(&cfg), &[]);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let (old, new) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    let mut api = Api::new(connect(&old.url).await, None);
+    api.claimable_task("t").await;
+    const TTL_MS: u64 = 4_000;
+    let held = api.claim("t", "agent-a", TTL_MS).await.expect("claim");
+    // The connection is up before the pause: the renewal waits in the stopped leader's socket.
+    api.lease_of("t").await.expect("the leader answers");
+    signal(old.pid(), "-STOP");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ask(&new.url).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "no takeover within 20 s; stderr:\n{}",
+            new.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let serving = Instant::now();
+    let sent = Instant::now();
+    let renewal = {
+        let (id, token) = (held.lease_id.clone(), held.token);
+        tokio::spawn(async move { api.renew(&id, token).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(old.pid(), "-CONT");
+    let answered = renewal.await.expect("the renewal task");
+    // Another agent claims at the new leader until it is granted the task.
+    let mut other = Api::new(connect(&new.url).await, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let granted_at = loop {
+        match other.claim("t", "agent-b", 60_000).await {
+            Ok(_) => break Instant::now(),
+            Err(s) if s.code() == Code::FailedPrecondition && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(s) => panic!(
+                "agent-b never got the task: {s:?}; stderr:\n{}",
+                new.stderr()
+            ),
+        }
+    };
+    println!(
+        "new leader serving to agent-b's grant: {:?}; the renewal's answer: {:?}",
+        granted_at - serving,
+        answered.as_ref().map(|l| l.token).map_err(|s| s.code())
+    );
+    match answered {
+        Ok(l) => panic!(
+            "the deposed leader acknowledged a renewal (token {}) promising the lease until {:?} after it was sent; agent-b was granted the task {:?} after it was sent",
+            l.token,
+            Duration::from_millis(TTL_MS),
+            granted_at - sent
+        ),
+        Err(s) => {
+            assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+            assert!(s.message().contains("cannot prove it still leads"), "{s:?}");
+        }
+    }
+    // And it stepped down.
+    assert!(
+        old.wait_stderr("stepped down", Duration::from_secs(10)),
+        "{}",
+        old.stderr()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
     let cluster = Cluster::three().await;

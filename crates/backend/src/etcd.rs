@@ -495,6 +495,16 @@ impl LeaseLog for EtcdBackend {
         })
     }
 
+    fn serving(&self) -> Result<(), String> {
+        if self.shared.leadership.is_leader() {
+            return Ok(());
+        }
+        Err(format!(
+            "this coordinator cannot prove it still leads (no keepalive of its etcd leadership was acknowledged in time, or it was deposed): nothing answered; retry, and a client given every coordinator finds the leader ({})",
+            self.shared.leadership.key_name()
+        ))
+    }
+
     fn wants_rewrite(&self) -> bool {
         self.shared.grants.load(Ordering::Relaxed) > REWRITE_AFTER_GRANTS
             && !self.shared.rewriting.load(Ordering::Relaxed)

@@ -337,6 +337,14 @@ pub trait LeaseLog: Send + Sync + 'static {
     /// Resolves with the reason once the log has stopped for good.
     fn failed(&self) -> BoxFuture<'_, String>;
 
+    /// Whether this writer may still promise anything now: checked by the engine right
+    /// before every answer that promises a lease (a grant, a renewal, a release, a session's
+    /// heartbeat). A backend whose writer is one of several (etcd) answers `Err` once it can
+    /// no longer prove it leads; a log only one process can open always may.
+    fn serving(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Whether the log has grown enough since its last rewrite to be worth one.
     fn wants_rewrite(&self) -> bool;
 

@@ -86,7 +86,7 @@ pub fn status(e: Error) -> Status {
             (tonic::Code::FailedPrecondition, ErrorKind::Refused)
         }
         Error::Internal(_) => (tonic::Code::Internal, ErrorKind::Io),
-        Error::Unavailable(_) => (tonic::Code::Unavailable, ErrorKind::Io),
+        Error::Unavailable(_) | Error::NotLeading(_) => (tonic::Code::Unavailable, ErrorKind::Io),
     };
     let mut status = Status::new(code, e.to_string());
     status.metadata_mut().insert(

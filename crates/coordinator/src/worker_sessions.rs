@@ -231,6 +231,8 @@ impl Coordinator {
 
     /// A heartbeat on stream `generation` of session `id`.
     pub(crate) fn heartbeat(&self, id: &str, generation: u64) -> Result<(), Status> {
+        // An ack promises the session (and so its leases) lives on: only from a leader.
+        self.engine.leading().map_err(crate::status)?;
         self.sessions.heard(id, generation)
     }
 

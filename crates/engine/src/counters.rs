@@ -94,7 +94,7 @@ impl Refusal {
             Error::Invalid(_) => Refusal::Invalid,
             Error::PermissionDenied(_) => Refusal::PermissionDenied,
             Error::Refused(_) => Refusal::NoSession,
-            Error::Unavailable(_) => Refusal::Unavailable,
+            Error::Unavailable(_) | Error::NotLeading(_) => Refusal::Unavailable,
             _ => Refusal::Other,
         }
     }

@@ -27,6 +27,9 @@ pub enum Error {
     Config(String),
     #[error("{0}")]
     Internal(String),
+    /// This coordinator cannot prove it still leads (`store = etcd`): nothing is answered.
+    #[error("{0}")]
+    NotLeading(String),
     /// The lease log cannot be written: the coordinator is stopping (fail-stop).
     #[error(
         "the coordinator cannot make changes durable ({0}); it is stopping: retry against its next start"

@@ -151,6 +151,9 @@ impl Engine {
                 .map_err(Error::Unavailable)?
                 .await
                 .map_err(Error::Unavailable)?;
+            // A barrier may have cost no write at all: the promise below is made only while
+            // this process can prove it leads.
+            self.leading()?;
             // The TTL runs from the acknowledgement, which is now: the wait for the log may
             // have taken a good part of it. A lease that lapsed meanwhile has ended.
             let (l, rewrite) = {
@@ -242,6 +245,10 @@ impl Engine {
         .finish()
         .await;
         logged.map_err(Error::Unavailable)?;
+        // The grant is durable (a fenced write on etcd); it is promised only while this
+        // process can still prove it leads. Refused, it stays: a new leader replays it with
+        // its grace, and the agent's next claim renews it there.
+        self.leading()?;
         let (live, _) = live;
         // The lease as acknowledged (its deadline from now); gone only if its worker session
         // ended while the grant was being logged (its end follows the grant in the log).
@@ -255,6 +262,13 @@ impl Engine {
             live,
             renewed: false,
         })
+    }
+
+    /// Ok while this process may promise leases: always with the files store; with etcd,
+    /// only while its leadership is provably held (the last acknowledged keepalive's send
+    /// time + the election TTL − a margin, on the monotonic clock, not passed).
+    pub fn leading(&self) -> Result<(), Error> {
+        self.log.serving().map_err(Error::NotLeading)
     }
 
     /// The session a claim goes into (see [`crate::Hooks::session_for_claim`]); without
@@ -350,6 +364,14 @@ impl Engine {
                 },
             )));
         }
+        // A renewal writes nothing: the only proof that this process may still promise
+        // anything is its leadership's deadline, checked here, after the request arrived and
+        // before the answer (docs/backends.md, "A leader that cannot prove it leads").
+        if let Err(e) = self.leading() {
+            drop(table);
+            self.counters.refused(Refusal::Unavailable);
+            return Err(Refused::Now(e));
+        }
         let rewrite = l.extend(now);
         self.counters.renewed();
         let out = answer(l);
@@ -432,6 +454,8 @@ impl Engine {
         token: Option<u64>,
         who: Option<&AgentId>,
     ) -> Result<Live, Error> {
+        // A deposed leader's end could not be written anyway; its table may be stale.
+        self.leading()?;
         let now = Instant::now();
         let found = {
             let mut table = self.table();

@@ -183,7 +183,7 @@ impl Table {
     }
 
     /// Inserts `live`, returning the lease it displaces on its task (a lapsed one: a live
-    /// lease is never displaced). Replay treats the new grant as that lease's end.
+    /// lease is never displaced). The caller queues that lease's end with the grant.
     pub fn insert(&mut self, live: Live) -> Option<Live> {
         let old = self.remove(&live.task);
         self.by_id.insert(live.lease_id.clone(), live.task.clone());

@@ -374,7 +374,8 @@ impl Leadership {
         Ok(out)
     }
 
-    fn key_name(&self) -> String {
+    /// The leader key, for messages.
+    pub fn key_name(&self) -> String {
         String::from_utf8_lossy(&self.shared.key).into_owned()
     }
 }
