@@ -325,6 +325,68 @@ async fn ha_a_renewal_queued_across_the_leaders_pause_is_refused_and_no_second_h
     );
 }
 
+/// Issue 30 (4): a follower names the leader etcd names now, not one it remembers. The
+/// leader of three is stopped; the moment etcd's leader key names another coordinator, the
+/// third one, asked, names that one (a follower that polled its view named the stopped
+/// leader for up to a poll period, costing a client one more deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_follower_names_the_leader_etcd_names_now_not_the_stopped_one() {
+    let cluster = Cluster::three().await;
+    let coords = [
+        Coord::start(&env_on(&cluster, "ha-view"), &[]),
+        Coord::start(&env_on(&cluster, "ha-view"), &[]),
+        Coord::start(&env_on(&cluster, "ha-view"), &[]),
+    ];
+    let all: Vec<&Coord> = coords.iter().collect();
+    let l = leader_of(&all, Duration::from_secs(20)).await;
+    let old = &coords[l];
+    let etcd = cluster.client();
+    let key = "/automaton/ha-view/leader";
+    let named = |found: Option<(Vec<u8>, i64)>| {
+        found.map(|(v, _)| String::from_utf8_lossy(&v).into_owned())
+    };
+    // Every follower has read the leader before the pause (so one that remembers, would).
+    for (i, c) in coords.iter().enumerate() {
+        if i != l {
+            let s = ask(&c.url).await.expect_err("a follower refuses");
+            assert_eq!(
+                s.metadata()
+                    .get("automaton-leader")
+                    .and_then(|v| v.to_str().ok()),
+                Some(old.url.as_str()),
+                "{s:?}"
+            );
+        }
+    }
+    signal(old.pid(), "-STOP");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let new = loop {
+        let now = named(automaton_etcd::leader(&etcd, key).await.unwrap_or(None));
+        if let Some(url) = now.filter(|u| *u != old.url) {
+            break url;
+        }
+        assert!(Instant::now() < deadline, "etcd never named another leader");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let third = coords
+        .iter()
+        .find(|c| c.url != old.url && c.url != new)
+        .expect("the third coordinator");
+    let s = ask(&third.url).await.expect_err("the third one follows");
+    let says = s
+        .metadata()
+        .get("automaton-leader")
+        .and_then(|v| v.to_str().ok());
+    signal(old.pid(), "-CONT");
+    assert_eq!(
+        says,
+        Some(new.as_str()),
+        "etcd named {new} but the follower named {says:?} (the stopped leader was {}): {s:?}",
+        old.url
+    );
+    assert!(s.message().contains(&new), "{s:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
     let cluster = Cluster::three().await;
@@ -365,6 +427,61 @@ async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
     let run = crate::harness::run_bounded(c, Duration::from_secs(60));
     assert_eq!(run.code, 0, "{run:?}");
     assert!(run.stdout.contains("research"), "{run:?}");
+}
+
+/// Issue 30 (5): one project, one name. Two coordinators of one project started from folders
+/// named differently used to take their folders' names and lead two projects in etcd, each
+/// granting the same tasks. Without `[etcd] name` each is refused in one line that says what
+/// to set; with one name in both, exactly one leads and the other names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_two_folders_of_one_project_are_refused_without_a_name_and_one_leads_with_it() {
+    let cluster = Cluster::three().await;
+    let endpoints: Vec<String> = cluster
+        .endpoints()
+        .iter()
+        .map(|e| format!("{e:?}"))
+        .collect();
+    let cfg = |name: &str| {
+        format!(
+            "store = \"etcd\"\n[etcd]\nendpoints = [{}]\n{name}election_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
+            endpoints.join(", ")
+        )
+    };
+    let (one, two) = (Env::with_config(&cfg("")), Env::with_config(&cfg("")));
+    assert_ne!(
+        one.project.path().file_name(),
+        two.project.path().file_name(),
+        "two folders named differently"
+    );
+    for env in [&one, &two] {
+        let run = env.run_coordinator(&[], &[], Duration::from_secs(20));
+        assert_eq!(run.code, 2, "{run:?}");
+        assert_eq!(run.stderr.trim().lines().count(), 1, "{run:?}");
+        assert!(run.stderr.contains("set [etcd] name"), "{run:?}");
+        assert!(run.stdout.is_empty(), "nothing listened: {run:?}");
+    }
+    // Named alike (here through the environment), the two folders are one project.
+    let named = [("AUTOMATON_ETCD_NAME", "ha-one-name")];
+    let a = Coord::start_with_env(&one, &[], &named);
+    let b = Coord::start_with_env(&two, &[], &named);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = ask(&follower.url).await.expect_err("the other one follows");
+        let says = s
+            .metadata()
+            .get("automaton-leader")
+            .and_then(|v| v.to_str().ok());
+        if says == Some(leader.url.as_str()) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the follower never named the leader: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[test]

@@ -90,7 +90,8 @@ pub struct Etcd {
     /// `http://host:2379` or `https://…`, one per member.
     pub endpoints: Vec<String>,
     /// The project's name in etcd (keys under `/automaton/{name}/`; one cluster holds many
-    /// projects). Default: the project folder's name.
+    /// projects). Required with `store = etcd`: the same on every coordinator of the project
+    /// (env `AUTOMATON_ETCD_NAME`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// The URL clients reach this coordinator at, which followers name as the leader's.
@@ -502,6 +503,9 @@ impl Config {
         if let Some(v) = env_var("AUTOMATON_ETCD") {
             self.etcd.endpoints = automaton_client::split(&v);
         }
+        if let Some(v) = env_var("AUTOMATON_ETCD_NAME") {
+            self.etcd.name = Some(v);
+        }
         if let Some(v) = env_var("AUTOMATON_ADVERTISE") {
             self.etcd.advertise = Some(v);
         }
@@ -818,7 +822,14 @@ impl Config {
                 self.listen
             )));
         }
-        let name = self.etcd_name();
+        // Every coordinator of one project must name it alike: a default taken from each one's
+        // folder made two folders named differently two projects in etcd, each with its own
+        // leader granting the same tasks (issue 30, finding 5).
+        let Some(name) = e.name.clone() else {
+            return Err(Error::Config(
+                "store = etcd needs the project's name in etcd, the same on every coordinator of the project: set [etcd] name = \"...\" (or AUTOMATON_ETCD_NAME); without it two folders named differently would lead two projects".into(),
+            ));
+        };
         if name.is_empty()
             || name.len() > 128
             || !name
@@ -833,14 +844,9 @@ impl Config {
         Ok(())
     }
 
-    /// The project's name in etcd: `[etcd] name`, or the project folder's name.
+    /// The project's name in etcd: `[etcd] name` (required with `store = etcd`; checked).
     pub fn etcd_name(&self) -> String {
-        self.etcd.name.clone().unwrap_or_else(|| {
-            std::path::absolute(&self.project)
-                .ok()
-                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_default()
-        })
+        self.etcd.name.clone().unwrap_or_default()
     }
 
     /// What the coordinator is opened with.

@@ -14,6 +14,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use automaton_backend::EtcdBackend;
 use automaton_etcd::{Client, Election};
@@ -67,30 +68,12 @@ pub async fn serve_on_etcd(
         let _ = rx.wait_for(|s| *s).await;
     };
     loop {
-        // Follower: answer with the leader's address while campaigning.
-        let (leader_tx, leader_rx) = watch::channel(None::<String>);
-        let poll = cfg.etcd.election_ttl / 4;
-        let watcher = {
-            let client = client.clone();
-            let key = key.clone();
-            tokio::spawn(async move {
-                loop {
-                    if let Ok(found) = automaton_etcd::leader(&client, key.as_bytes()).await {
-                        let url = found.and_then(|(v, _)| String::from_utf8(v).ok());
-                        leader_tx.send_if_modified(|l| {
-                            let changed = *l != url;
-                            *l = url.clone();
-                            changed
-                        });
-                    }
-                    tokio::time::sleep(poll).await;
-                }
-            })
-        };
+        // Follower: answer with the leader's address, read from etcd, while campaigning.
+        let leader_view = Arc::new(LeaderView::new(client.clone(), key.clone().into_bytes()));
         let (end_follower, follower_ends) = tokio::sync::oneshot::channel::<()>();
         let follower = tokio::spawn(follow(
             clone_listener(&listener)?,
-            leader_rx,
+            leader_view,
             cfg.tls.clone(),
             async move {
                 let _ = follower_ends.await;
@@ -102,7 +85,6 @@ pub async fn serve_on_etcd(
             _ = stopped(stop.clone()) => None,
         };
         let _ = end_follower.send(());
-        watcher.abort();
         match follower.await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "the follower's server failed"),
@@ -283,7 +265,7 @@ fn tasks_recording_a_branch(files: &[(String, Vec<u8>)]) -> Vec<automaton_workfl
 /// here), is answered `UNAVAILABLE` naming the leader.
 async fn follow(
     listener: tokio::net::TcpListener,
-    leader: watch::Receiver<Option<String>>,
+    leader: Arc<LeaderView>,
     tls: Option<crate::config::Tls>,
     stop: impl Future<Output = ()>,
 ) -> Result<(), Error> {
@@ -300,6 +282,53 @@ async fn follow(
         )
         .await
         .map_err(|e| Error::Internal(format!("the follower's server failed: {e}")))
+}
+
+/// One read of the leader key: the leader's URL (or none), or why etcd could not be read.
+type LeaderRead = Result<Option<String>, String>;
+
+/// How long a follower answers from one read of the leader key: calls that arrive together
+/// share a read, and none is answered from a read older than this.
+const LEADER_READ_FRESH: Duration = Duration::from_millis(100);
+
+/// Who leads, as a follower tells its callers: read from etcd when asked (at most one read in
+/// flight, shared by the calls that arrive while it runs or within [`LEADER_READ_FRESH`] of
+/// it), never remembered past that. A view polled now and then named a stopped leader for up
+/// to a poll period after another was elected, sending clients back to it for one more
+/// deadline (issue 30, finding 4).
+struct LeaderView {
+    client: Client,
+    key: Vec<u8>,
+    /// The last read: when it was sent, and the leader's URL (or none), or why it failed.
+    last: tokio::sync::Mutex<Option<(tokio::time::Instant, LeaderRead)>>,
+}
+
+impl LeaderView {
+    fn new(client: Client, key: Vec<u8>) -> LeaderView {
+        LeaderView {
+            client,
+            key,
+            last: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The leader now, as etcd says: `Ok(None)` when nobody leads, `Err` when etcd cannot be
+    /// read (then no leader is named: an old answer could be a stopped one).
+    async fn read(&self) -> LeaderRead {
+        let mut last = self.last.lock().await;
+        if let Some((at, answer)) = &*last
+            && at.elapsed() < LEADER_READ_FRESH
+        {
+            return answer.clone();
+        }
+        let sent = tokio::time::Instant::now();
+        let answer = match automaton_etcd::leader(&self.client, &self.key).await {
+            Ok(found) => Ok(found.and_then(|(v, _)| String::from_utf8(v).ok())),
+            Err(e) => Err(e.to_string()),
+        };
+        *last = Some((sent, answer.clone()));
+        answer
+    }
 }
 
 /// The refusal of a follower, with the leader's URL when one is known.
@@ -320,9 +349,17 @@ pub(crate) fn not_the_leader(leader: Option<&str>) -> tonic::Status {
     }
 }
 
+/// A follower's refusal when etcd cannot tell it who leads: it names nobody.
+fn leader_unknown(why: &str) -> tonic::Status {
+    let why: String = why.chars().take(200).collect();
+    tonic::Status::unavailable(format!(
+        "this coordinator is a follower and cannot read who leads from etcd ({why}): retry in a few seconds, or ask another coordinator"
+    ))
+}
+
 #[derive(Clone)]
 struct Follower {
-    leader: watch::Receiver<Option<String>>,
+    leader: Arc<LeaderView>,
 }
 
 impl<S> tower::Layer<S> for Follower {
@@ -336,7 +373,7 @@ impl<S> tower::Layer<S> for Follower {
 
 #[derive(Clone)]
 struct FollowerService {
-    leader: watch::Receiver<Option<String>>,
+    leader: Arc<LeaderView>,
 }
 
 impl<B> tower::Service<http::Request<B>> for FollowerService {
@@ -349,7 +386,13 @@ impl<B> tower::Service<http::Request<B>> for FollowerService {
     }
 
     fn call(&mut self, _req: http::Request<B>) -> Self::Future {
-        let status = not_the_leader(self.leader.borrow().as_deref());
-        Box::pin(std::future::ready(Ok(status.into_http())))
+        let leader = self.leader.clone();
+        Box::pin(async move {
+            let status = match leader.read().await {
+                Ok(url) => not_the_leader(url.as_deref()),
+                Err(why) => leader_unknown(&why),
+            };
+            Ok(status.into_http())
+        })
     }
 }
