@@ -2,7 +2,9 @@
 //! 3-member etcd cluster on loopback (the harness of `tests/etcd`), real `kill -9` and
 //! `SIGSTOP`. One leader; followers answer `UNAVAILABLE` naming it; a killed leader's
 //! leases and tokens carry over to the next; a stopped leader, woken after another took
-//! over, writes nothing and steps down.
+//! over, writes nothing, acknowledges nothing and steps down. Issue 30: a renewal queued in
+//! a stopped leader is refused; a displaced lease stays ended across a failover; a follower
+//! names the leader etcd names now; one project needs one `[etcd] name`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -236,6 +238,56 @@ async fn ha_a_stopped_leader_woken_after_another_took_over_writes_nothing_and_st
     // The lease it would have ended lapsed under the new leader's clock, not its own.
     let _ = held;
     assert_eq!(api.state("u").await, "research");
+}
+
+/// Issue 30 (2): a lapsed lease displaced by a new grant is ended by that grant on etcd too.
+/// Agent A claims with a 30 ms TTL; just after it lapses (usually before the expiry sweep
+/// ends it) agent B's claim displaces it; B releases. After `kill -9` of the leader, the next
+/// leader replays etcd: A's lease is not live again, A's renewal of its old token is
+/// refused, and the next claim's token is above B's (the displaced lease's key used to
+/// outlive its successor's and come back at replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_displaced_lease_stays_ended_after_a_failover_and_its_token_never_comes_back() {
+    let cluster = Cluster::three().await;
+    let args = ["--lease-ttl-min", "10ms", "--grace-period", "30s"];
+    let mut a = Coord::start(&env_on(&cluster, "ha-displaced"), &args);
+    let mut b = Coord::start(&env_on(&cluster, "ha-displaced"), &args);
+    let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
+    let mut api = Api::new(connect(if l == 0 { &a.url } else { &b.url }).await, None);
+    let tasks: Vec<String> = (0..12).map(|i| format!("d{i}")).collect();
+    let mut displaced = Vec::new();
+    for t in &tasks {
+        api.claimable_task(t).await;
+        let first = api.claim(t, "agent-a", 30).await.expect("A claims");
+        tokio::time::sleep(Duration::from_millis(31)).await;
+        let second = api.claim(t, "agent-b", 60_000).await.expect("B takes over");
+        assert!(second.token > first.token);
+        api.release(&second.lease_id, second.token)
+            .await
+            .expect("B releases");
+        displaced.push((t.clone(), first, second.token));
+    }
+    if l == 0 {
+        a.kill9();
+    } else {
+        b.kill9();
+    }
+    let survivor = if l == 0 { &b } else { &a };
+    leader_of(&[survivor], Duration::from_secs(30)).await;
+    let mut api = Api::new(connect(&survivor.url).await, None);
+    for (t, first, b_token) in &displaced {
+        if let Some(l) = api.lease_of(t).await {
+            panic!("{t}: an ended lease is live again after the failover: {l:?}");
+        }
+        let renewed = api.renew(&first.lease_id, first.token).await;
+        assert!(
+            renewed.is_err(),
+            "{t}: the displaced lease's token {} was renewed after the failover: {renewed:?}",
+            first.token
+        );
+        let c = api.claim(t, "agent-c", 60_000).await.expect("C claims");
+        assert!(c.token > *b_token, "{t}: token went backwards");
+    }
 }
 
 /// Issue 30 (1): a leader stopped past its election TTL, woken with a renewal waiting on its

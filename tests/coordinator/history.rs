@@ -3,11 +3,19 @@
 //! ones), renewals (unary and KeepAlive), releases, transitions under the lease, approvals,
 //! reads and deliberately stale writes on 56+ tasks with a kill every 0.3-1.8 s; and
 //! `CONTENTION`, two clients racing for each of 6 tasks with claims, renewals and releases
-//! only, TTLs of 0.15-3 s and a kill every 1-3 s (issue 20's reproduction) — both against the
-//! real coordinator binary over gRPC, while it is `kill -9`ed and restarted. Every call is recorded with its send and
-//! answer times, its arguments and its outcome (ok, a definite refusal, or ambiguous); a
+//! only, TTLs of 0.15-3 s and a kill every 1-3 s (issue 20's reproduction). Both also have
+//! holders re-claim their task with a shorter or longer TTL, releases raced by another agent's
+//! claim of the same task, and a third of their kills 50-300 ms after the last restart
+//! (issue 30, finding 3). Both run against the real coordinator binary over gRPC, while it is
+//! `kill -9`ed and restarted. A third profile, `HA`, runs `CONTENTION`'s clients over two
+//! coordinators on etcd, killing the leader coordinator (and every other round the etcd
+//! leader member), and every third round `SIGSTOP`s the leader instead, past its election TTL
+//! with client deadlines (5 s) longer than the pause, sends it renewals after the other one
+//! serves, and continues it (issue 30, finding 1). Every
+//! call is recorded with its send and answer times, its arguments and its outcome (ok, a
+//! definite refusal, or ambiguous); a
 //! checker (`history/checker.rs`, a pure function with unit tests of its own) then verifies
-//! the whole history against five rules:
+//! the whole history against these rules:
 //!
 //! 1. no two leases of one task are certainly live at the same instant;
 //! 2. tokens of successive acknowledged grants of a task strictly increase, across restarts;
@@ -18,6 +26,8 @@
 //! 5. a write under a lease known to have ended is refused;
 //! 6. (checked by the clients as answers arrive) a TTL runs from the acknowledgement: a Claim
 //!    answered OK shows its whole TTL remaining, less [`ACK_TTL_SLACK`].
+//! 7. (`HA`, checked as answers arrive) a leader answers nothing once another serves: no
+//!    renewal sent to a stopped leader after the other coordinator served is acknowledged.
 //!
 //! "Certainly live" is a safe bound: from the answer to a grant or renewal until its send
 //! time plus the TTL (cut where a renewal that may have come later set a shorter deadline, and
@@ -79,6 +89,18 @@ struct Profile {
     /// Two coordinators over a 3-member etcd cluster (`store = etcd`): each kill is of the
     /// leader coordinator, and every other round the etcd leader member is killed too.
     ha: bool,
+    /// Holders re-claim their task with a TTL shorter or longer than the lease's (logged as
+    /// a barrier or as a grant), and releases race a fresh claim of the same task by
+    /// another agent (the end and the grant often commit together): issue 30, finding 3.
+    reclaims: bool,
+    /// A third of the pauses between kills are this short instead, in ms (uniform): restarts
+    /// that follow each other before the grace, the leases' TTLs or the views settle.
+    quick_kills_ms: Option<(u64, u64)>,
+    /// With `ha`: every third round `SIGSTOP`s the leader instead of killing it, until the
+    /// other coordinator serves, then continues it (issue 30, finding 1): calls queued in its
+    /// sockets (client deadlines of 5 s outlast the 2.5-4 s pause) are answered — refused —
+    /// only after another leader granted leases.
+    stops: bool,
 }
 
 /// Many clients spread over many tasks: every kind of call, every kind of end.
@@ -95,6 +117,9 @@ const SPREAD: Profile = Profile {
     transitions: true,
     failpoints: "",
     ha: false,
+    reclaims: true,
+    quick_kills_ms: Some((50, 300)),
+    stops: false,
 };
 
 /// What the issue's tester ran (issue 20, finding 1): two clients racing for each of six
@@ -115,6 +140,9 @@ const CONTENTION: Profile = Profile {
     // not only when the machine happens to be slow.
     failpoints: "log-sync-delay-ms=150",
     ha: false,
+    reclaims: true,
+    quick_kills_ms: Some((50, 300)),
+    stops: false,
 };
 
 /// Issue 22's proof 4: `CONTENTION`'s clients against two coordinators on etcd, the leader
@@ -133,6 +161,9 @@ const HA: Profile = Profile {
     transitions: false,
     failpoints: "",
     ha: true,
+    reclaims: false,
+    quick_kills_ms: None,
+    stops: true,
 };
 
 /// The last leader a follower named (`automaton-leader`), for the clients to go to.
@@ -217,6 +248,14 @@ struct Shared {
     short_acks: Mutex<Vec<String>>,
     next_task: AtomicUsize,
     setup_calls: AtomicUsize,
+    /// Releases raced by a claim of their task, and how many of those claims were granted.
+    races: AtomicUsize,
+    races_granted: AtomicUsize,
+    /// Leaders stopped and continued (`stops`), and the renewals sent to them while stopped.
+    stops: AtomicUsize,
+    late_sent: AtomicUsize,
+    /// Rule 7: every acknowledgement from a leader after another one was serving.
+    deposed_acks: Mutex<Vec<String>>,
     stop: AtomicBool,
 }
 
@@ -237,7 +276,19 @@ impl Shared {
     }
 
     fn record(&self, client: usize, op: Op, start: Us, outcome: Outcome, stale: bool) {
-        let end = self.now();
+        self.record_ended(client, op, start, self.now(), outcome, stale);
+    }
+
+    /// [`Shared::record`] of a call answered at `end` (two calls awaited together).
+    fn record_ended(
+        &self,
+        client: usize,
+        op: Op,
+        start: Us,
+        end: Us,
+        outcome: Outcome,
+        stale: bool,
+    ) {
         lock(&self.calls).push(Call {
             client,
             op,
@@ -437,6 +488,8 @@ struct Client {
     /// The coordinator `api` talks to.
     url: String,
     api: Api,
+    /// A second channel, for a claim sent while `api` waits on a release.
+    racer: Api,
     held: Vec<LeaseInfo>,
     ka: Option<KeepAlive>,
 }
@@ -448,6 +501,7 @@ impl Client {
             let now = self.sh.leader_url();
             if now != self.url {
                 self.api = Api::new(lazy_channel(&now), None);
+                self.racer = Api::new(lazy_channel(&now), None);
                 self.url = now;
                 self.ka = None;
             }
@@ -456,10 +510,13 @@ impl Client {
                 // No transitions, approvals or reads: a claim, renewal or release instead.
                 roll -= 65;
             }
+            let reclaims = self.sh.profile.reclaims;
             let ambiguous = match roll {
+                0..8 if reclaims => self.reclaim().await,
                 0..30 => self.claim().await,
                 30..42 => self.renew().await,
                 42..55 => self.keepalive().await,
+                59..65 if reclaims => self.release_racing_a_claim().await,
                 55..65 => self.release().await,
                 65..74 => self.transition().await,
                 74..84 => self.get().await,
@@ -477,6 +534,11 @@ impl Client {
 
     fn record(&self, op: Op, start: Us, outcome: &Outcome, stale: bool) {
         self.sh.record(self.id, op, start, outcome.clone(), stale);
+    }
+
+    fn record_ended(&self, op: Op, (start, end): (Us, Us), outcome: &Outcome, stale: bool) {
+        self.sh
+            .record_ended(self.id, op, start, end, outcome.clone(), stale);
     }
 
     fn pick_task(&mut self) -> Option<String> {
@@ -500,28 +562,64 @@ impl Client {
         self.sh.ended(l, &mut self.rng);
     }
 
+    /// A TTL for a claim: half of them short (the profile's), most of the rest 1-3 s.
+    fn claim_ttl(&mut self) -> u64 {
+        let (lo, hi) = self.sh.profile.short_ttl_ms;
+        match self.rng.below(100) {
+            0..50 => self.rng.range(lo, hi),
+            50..85 => self.rng.range(1_000, 3_000),
+            _ => self.rng.range(5_000, 15_000),
+        }
+    }
+
     /// Returns whether the call was ambiguous (then the client backs off a little).
     async fn claim(&mut self) -> bool {
         let Some(task) = self.pick_task() else {
             return false;
         };
         let agent = format!("agent-{}", self.rng.below(self.sh.profile.agents));
-        let (lo, hi) = self.sh.profile.short_ttl_ms;
-        let ttl_ms = match self.rng.below(100) {
-            0..50 => self.rng.range(lo, hi),
-            50..85 => self.rng.range(1_000, 3_000),
-            _ => self.rng.range(5_000, 15_000),
+        let ttl_ms = self.claim_ttl();
+        let start = self.sh.now();
+        let r = self.api.claim(&task, &agent, ttl_ms).await;
+        self.claimed(task, agent, ttl_ms, (start, self.sh.now()), r)
+    }
+
+    /// A holder claims its task again with another TTL: shorter (the engine logs only a
+    /// barrier) or longer (it logs the grant again).
+    async fn reclaim(&mut self) -> bool {
+        let Some(l) = self.rng.pick(&self.held).cloned() else {
+            return self.claim().await;
         };
+        let ttl_ms = if self.rng.below(2) == 0 {
+            let lo = self.sh.profile.short_ttl_ms.0.min(l.ttl_ms);
+            self.rng.range(lo, l.ttl_ms.saturating_sub(1).max(lo))
+        } else {
+            let hi = (l.ttl_ms * 3).clamp(l.ttl_ms + 1, 15_000.max(l.ttl_ms + 1));
+            self.rng.range(l.ttl_ms + 1, hi)
+        };
+        let start = self.sh.now();
+        let r = self.api.claim(&l.task, &l.agent, ttl_ms).await;
+        self.claimed(l.task, l.agent, ttl_ms, (start, self.sh.now()), r)
+    }
+
+    /// Records a Claim's answer and what the client now knows.
+    fn claimed(
+        &mut self,
+        task: String,
+        agent: String,
+        ttl_ms: u64,
+        span: (Us, Us),
+        r: Result<pb::Lease, Status>,
+    ) -> bool {
+        let start = span.0;
+        if let Ok(l) = &r {
+            self.sh.check_ack("claim", l);
+        }
         let op = Op::Claim {
             task: task.clone(),
             agent: agent.clone(),
             ttl_ms,
         };
-        let start = self.sh.now();
-        let r = self.api.claim(&task, &agent, ttl_ms).await;
-        if let Ok(l) = &r {
-            self.sh.check_ack("claim", l);
-        }
         let known = LeaseInfo {
             task,
             agent,
@@ -537,7 +635,7 @@ impl Client {
             }),
             Err(s) => failed(s),
         };
-        self.record(op, start, &outcome, false);
+        self.record_ended(op, span, &outcome, false);
         match outcome {
             Outcome::Ok(Answer::Lease { lease, .. }) => {
                 self.sh.live(&lease, start);
@@ -715,6 +813,57 @@ impl Client {
         self.sh.ending(&l);
         let start = self.sh.now();
         let r = self.api.release(&l.lease_id, l.token).await;
+        self.released(l, (start, self.sh.now()), r, stale)
+    }
+
+    /// A release and, sent a moment later on another channel, another agent's claim of the
+    /// same task: granted only if the release is already in the table, often committed in
+    /// the same batch as the end.
+    async fn release_racing_a_claim(&mut self) -> bool {
+        let Some(l) = self.take_held() else {
+            return self.claim().await;
+        };
+        let agent = loop {
+            let a = format!("agent-{}", self.rng.below(self.sh.profile.agents));
+            if a != l.agent || self.sh.profile.agents < 2 {
+                break a;
+            }
+        };
+        let ttl_ms = self.claim_ttl();
+        let lag = Duration::from_micros(self.rng.range(0, 3_000));
+        self.sh.ending(&l);
+        let (sh, api, racer) = (&self.sh, &mut self.api, &mut self.racer);
+        let start = sh.now();
+        let ((released, release_span), (claimed, claim_span)) = tokio::join!(
+            async {
+                let r = api.release(&l.lease_id, l.token).await;
+                (r, (start, sh.now()))
+            },
+            async {
+                tokio::time::sleep(lag).await;
+                let at = sh.now();
+                let r = racer.claim(&l.task, &agent, ttl_ms).await;
+                (r, (at, sh.now()))
+            }
+        );
+        self.sh.races.fetch_add(1, Ordering::Relaxed);
+        if claimed.as_ref().is_ok_and(|g| !g.renewed) {
+            self.sh.races_granted.fetch_add(1, Ordering::Relaxed);
+        }
+        let task = l.task.clone();
+        let a = self.released(l, release_span, released, false);
+        let b = self.claimed(task, agent, ttl_ms, claim_span, claimed);
+        a || b
+    }
+
+    /// Records a Release's answer and what the client now knows.
+    fn released(
+        &mut self,
+        l: LeaseInfo,
+        span: (Us, Us),
+        r: Result<pb::ReleaseResponse, Status>,
+        stale: bool,
+    ) -> bool {
         let outcome = match &r {
             Ok(a) => Outcome::Ok(Answer::Ended {
                 to: String::new(),
@@ -722,7 +871,7 @@ impl Client {
             }),
             Err(s) => failed(s),
         };
-        self.record(Op::Release { lease: l.clone() }, start, &outcome, stale);
+        self.record_ended(Op::Release { lease: l.clone() }, span, &outcome, stale);
         match outcome {
             Outcome::Ok(_) | Outcome::Refused(..) | Outcome::Lost(_) => {
                 self.forget(&l);
@@ -981,6 +1130,21 @@ impl Fleet {
         }
     }
 
+    /// The coordinator serving as leader other than `not` (stopped), waiting up to 30 s.
+    async fn leader_other_than(&self, not: usize) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            for (i, c) in self.coords.iter().enumerate() {
+                let mut api = Api::new(lazy_channel(&c.url), None);
+                if i != not && api.list().await.is_ok() {
+                    return i;
+                }
+            }
+            assert!(Instant::now() < deadline, "no other leader within 30 s");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn crashed(&mut self, crashes: &mut Vec<String>, when: &str) {
         for c in &mut self.coords {
             if let Ok(Some(st)) = c.child.try_wait() {
@@ -1009,6 +1173,9 @@ async fn restart(
     let n = lock(&sh.restarts).len() + 1;
     fleet.crashed(crashes, &format!("before restart {n}"));
     let l = fleet.leader().await;
+    if sh.profile.stops && round % 3 == 2 {
+        return stop_and_continue(sh, fleet, l, rng).await;
+    }
     let env = fleet.coords[l].env.clone();
     let args = fleet.args[l].clone();
     let t0 = sh.t0;
@@ -1088,6 +1255,84 @@ async fn restart(
     }
 }
 
+/// `us` as seconds, for messages.
+fn seconds(us: Us) -> String {
+    format!("{:.3}s", us as f64 / 1e6)
+}
+
+/// One round of `HA` with `stops`: the leader `l` is `SIGSTOP`ped (recorded as a kill at that
+/// instant: every lease it acknowledged must outlive it there, and the next leader replays
+/// from it), the other coordinator is waited for, and then — as a client that still has the
+/// stopped leader's address would — renewals of leases live at the stop are sent to it, up
+/// to a second after the other one serves. It is continued 0.1-0.3 s later with those calls
+/// and whatever else its sockets queued: acknowledging any of them would promise a lease
+/// past what the new leader honours (issue 30, finding 1).
+async fn stop_and_continue(sh: &Arc<Shared>, fleet: &mut Fleet, l: usize, rng: &mut Rng) {
+    let pid = fleet.coords[l].pid();
+    let stopped_url = fleet.coords[l].url.clone();
+    crate::harness::signal(pid, "-STOP");
+    let kill = sh.now();
+    let serving = fleet.leader_other_than(l).await;
+    let listening = sh.now();
+    *lock(&sh.leader) = fleet.coords[serving].url.clone();
+    // The new leader replays from no later than the stop: a conservative spawn instant.
+    lock(&sh.restarts).push(Restart {
+        kill,
+        spawn: kill,
+        listening,
+    });
+    let mut sample: Vec<LeaseInfo> = {
+        let mut t = lock(&sh.tracked);
+        t.retain(|_, x| x.until > kill);
+        for x in t.values_mut() {
+            x.until = x.until.max(kill + x.lease.ttl_ms.max(GRACE_MS) * 1000);
+        }
+        t.values().map(|x| x.lease.clone()).collect()
+    };
+    sample.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
+    tokio::time::sleep(Duration::from_millis(rng.range(0, 1_000))).await;
+    let mut late = tokio::task::JoinSet::new();
+    for _ in 0..PROBES_PER_RESTART.min(sample.len()) {
+        let lease = sample.swap_remove(rng.below(sample.len() as u64) as usize);
+        let (sh, url) = (sh.clone(), stopped_url.clone());
+        sh.late_sent.fetch_add(1, Ordering::Relaxed);
+        late.spawn(async move {
+            let mut api = Api::new(lazy_channel(&url), None);
+            let start = sh.now();
+            let r = api.renew(&lease.lease_id, lease.token).await;
+            (lease, start, sh.now(), r)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(rng.range(100, 300))).await;
+    crate::harness::signal(pid, "-CONT");
+    sh.stops.fetch_add(1, Ordering::Relaxed);
+    while let Some(done) = late.join_next().await {
+        let (lease, start, end, r) = done.expect("a late renewal");
+        let outcome = match r {
+            Ok(a) => {
+                lock(&sh.deposed_acks).push(format!(
+                    "rule 7 (one leader answers): a renewal of {} (task {}, token {}) sent at {} to the stopped leader, {} ms after another coordinator served, was acknowledged at {} when it was continued",
+                    lease.lease_id,
+                    lease.task,
+                    lease.token,
+                    seconds(start),
+                    (start - listening) / 1000,
+                    seconds(end)
+                ));
+                let lease = info(&a, &lease);
+                sh.live(&lease, start);
+                Outcome::Ok(Answer::Lease {
+                    lease,
+                    renewed: true,
+                })
+            }
+            Err(s) => failed(&s),
+        };
+        let op = Op::Renew { lease, probe: true };
+        sh.record_ended(sh.profile.clients, op, start, end, outcome, false);
+    }
+}
+
 /// Operations by kind and outcome, restarts, grants, checks and violations.
 fn figures(h: &History, checked: &checker::Checked, crashes: &[String], sh: &Shared) -> String {
     let mut by: BTreeMap<(String, String), usize> = BTreeMap::new();
@@ -1117,6 +1362,30 @@ fn figures(h: &History, checked: &checker::Checked, crashes: &[String], sh: &Sha
         downtime.iter().max().copied().unwrap_or(0),
         crashes.len()
     ));
+    let quick = h
+        .restarts
+        .windows(2)
+        .filter(|w| w[1].kill.saturating_sub(w[0].listening) < 500_000)
+        .count();
+    let renewing = h
+        .calls
+        .iter()
+        .filter(|c| {
+            matches!(
+                (&c.op, &c.outcome),
+                (
+                    Op::Claim { .. },
+                    Outcome::Ok(Answer::Lease { renewed: true, .. })
+                )
+            )
+        })
+        .count();
+    s.push_str(&format!(
+        "leaders stopped and continued: {}; restarts within 0.5 s of the previous one serving: {quick}; claims answered as the holder's renewal: {renewing}; releases raced by a claim of their task: {} ({} of those claims granted)\n",
+        sh.stops.load(Ordering::Relaxed),
+        sh.races.load(Ordering::Relaxed),
+        sh.races_granted.load(Ordering::Relaxed)
+    ));
     s.push_str(&format!(
         "leases granted: {granted}; tasks: {} ({} setup calls)\n",
         lock(&sh.all_tasks).len(),
@@ -1133,6 +1402,13 @@ fn figures(h: &History, checked: &checker::Checked, crashes: &[String], sh: &Sha
         "rule 6: {} acknowledged with less than their TTL ahead\n",
         lock(&sh.short_acks).len()
     ));
+    if sh.profile.stops {
+        s.push_str(&format!(
+            "rule 7: {} renewals sent to a stopped leader after another served, {} acknowledged\n",
+            sh.late_sent.load(Ordering::Relaxed),
+            lock(&sh.deposed_acks).len()
+        ));
+    }
     s
 }
 
@@ -1252,6 +1528,11 @@ async fn run_history(profile: Profile) {
         short_acks: Mutex::new(Vec::new()),
         next_task: AtomicUsize::new(profile.tasks),
         setup_calls: AtomicUsize::new(0),
+        races: AtomicUsize::new(0),
+        races_granted: AtomicUsize::new(0),
+        stops: AtomicUsize::new(0),
+        late_sent: AtomicUsize::new(0),
+        deposed_acks: Mutex::new(Vec::new()),
         stop: AtomicBool::new(false),
     });
     let mut admin = Api::new(lazy_channel(&url), None);
@@ -1267,6 +1548,7 @@ async fn run_history(profile: Profile) {
                 rng: rng.fork(),
                 url: sh.url.clone(),
                 api: Api::new(lazy_channel(&sh.url), None),
+                racer: Api::new(lazy_channel(&sh.url), None),
                 held: Vec::new(),
                 ka: None,
             };
@@ -1280,8 +1562,16 @@ async fn run_history(profile: Profile) {
     let mut round = 0;
     let mut granted_after: Vec<bool> = Vec::new();
     while Instant::now() < load_until || lock(&sh.restarts).len() < profile.min_restarts {
-        tokio::time::sleep(Duration::from_millis(rng.range(lo, hi))).await;
-        if round > 0 {
+        let pause = match profile.quick_kills_ms {
+            Some((qlo, qhi)) if rng.below(3) == 0 => Some(rng.range(qlo, qhi)),
+            _ => None,
+        };
+        tokio::time::sleep(Duration::from_millis(
+            pause.unwrap_or_else(|| rng.range(lo, hi)),
+        ))
+        .await;
+        // After a pause that short no claim need have been answered yet.
+        if round > 0 && pause.is_none() {
             // Claims resumed after the last failover: some grant was answered since.
             let since = lock(&sh.restarts).last().map_or(0, |r| r.listening);
             granted_after.push(lock(&sh.calls).iter().any(|c| {
@@ -1315,6 +1605,7 @@ async fn run_history(profile: Profile) {
         rng: rng.fork(),
         url: fleet.coords[serving].url.clone(),
         api: fleet.coords[serving].api().await,
+        racer: fleet.coords[serving].api().await,
         held: Vec::new(),
         ka: None,
     };
@@ -1357,7 +1648,8 @@ async fn run_history(profile: Profile) {
         "seed {seed}: only {} restarts",
         history.restarts.len()
     );
-    let short_acks = std::mem::take(&mut *lock(&sh.short_acks));
+    let mut short_acks = std::mem::take(&mut *lock(&sh.short_acks));
+    short_acks.extend(std::mem::take(&mut *lock(&sh.deposed_acks)));
     if !checked.violations.is_empty() || !crashes.is_empty() || !short_acks.is_empty() {
         let mut msg = format!(
             "{} seed {seed}: {} violations, {} crashes (replay: AUTOMATON_HISTORY_SEED={seed} cargo test --test coordinator history -- --nocapture)\n",
