@@ -574,7 +574,7 @@ async fn issue21_patch_exclude_keeps_a_configured_path_off_the_branch() {
     let status = wait_bounded(&mut bad.child, Duration::from_secs(20)).expect("exits");
     assert_eq!(status.code(), Some(2), "{}", bad.stderr());
     assert!(
-        bad.stderr().contains("give a top-level name"),
+        bad.wait_stderr("give a top-level name", Duration::from_secs(5)),
         "{}",
         bad.stderr()
     );
