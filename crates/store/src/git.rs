@@ -46,11 +46,12 @@ const MODE_SYMLINK: i32 = 0o120000;
 /// with a last line saying so (the agent still has the whole tree).
 pub const MAX_DIFF_BYTES: usize = 4 << 20;
 
-/// What a task's branch changed since it left the project's HEAD: the change a review phase
-/// reviews.
+/// What a task's branch changed since it left the project's HEAD (a sub-task's: its parent's
+/// branch): the change a review phase reviews.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskChanges {
-    /// The commit the branch started from (its merge base with HEAD), hex.
+    /// The commit the branch started from (its merge base with HEAD, or with the parent's
+    /// branch for a sub-task), hex.
     pub base: String,
     /// The branch's head, hex.
     pub head: String,
@@ -120,8 +121,9 @@ pub(crate) fn list_paths(paths: &[String]) -> String {
 }
 
 impl Project {
-    /// The task's branch, created from the commit HEAD points at on first use. `None` when
-    /// the project root is not a git repository.
+    /// The task's branch, created on first use from the commit HEAD points at — for a
+    /// sub-task, from its parent's branch head (the integration branch, which holds every
+    /// sub-task merged so far). `None` when the project root is not a git repository.
     pub fn task_branch(&self, task: &TaskName) -> Result<Option<BranchHead>, Error> {
         let Some(repo) = self.repository()? else {
             return Ok(None);
@@ -136,17 +138,29 @@ impl Project {
         }
         // First use: a second handle, opened for writing (see the module doc on fsync).
         let repo = self.durable_repository()?;
-        let start = match repo.head() {
-            Ok(head) => head
-                .peel_to_commit()
-                .map_err(self.git("read the commit HEAD points at"))?
-                .id(),
-            Err(e) if matches!(e.code(), ErrorCode::UnbornBranch | ErrorCode::NotFound) => {
-                return Err(Error::NoCommits {
-                    root: self.root.clone(),
-                });
-            }
-            Err(e) => return Err(self.git("read HEAD")(e)),
+        // A sub-task starts on its parent's branch, the integration branch, as it is now:
+        // with every sub-task it depends on merged (dispatch starts it only then).
+        let parent_head = match task.parent() {
+            Some(parent) => match self.task_branch(&parent)? {
+                Some(h) => Some(parse_commit_id(&h.commit)?),
+                None => None,
+            },
+            None => None,
+        };
+        let start = match parent_head {
+            Some(id) => id,
+            None => match repo.head() {
+                Ok(head) => head
+                    .peel_to_commit()
+                    .map_err(self.git("read the commit HEAD points at"))?
+                    .id(),
+                Err(e) if matches!(e.code(), ErrorCode::UnbornBranch | ErrorCode::NotFound) => {
+                    return Err(Error::NoCommits {
+                        root: self.root.clone(),
+                    });
+                }
+                Err(e) => return Err(self.git("read HEAD")(e)),
+            },
         };
         // With a shared remote the branch exists there (and in the record) before it exists
         // here: a later leader then has the branch a worker's changes are based on.
@@ -170,7 +184,8 @@ impl Project {
         }))
     }
 
-    /// What `task`'s branch changed since it left HEAD (see [`TaskChanges`]); `None` when
+    /// What `task`'s branch changed since it left HEAD, or a sub-task's since it left its
+    /// parent's branch (see [`TaskChanges`]); `None` when
     /// the project has no repository or the task no branch yet.
     pub fn task_changes(&self, task: &TaskName) -> Result<Option<TaskChanges>, Error> {
         let Some(repo) = self.repository()? else {
@@ -180,12 +195,25 @@ impl Project {
         let Some(head) = self.branch_commit(&repo, &refname)? else {
             return Ok(None);
         };
-        let base = match repo.head().and_then(|h| h.peel_to_commit()) {
-            Ok(main) => repo
-                .merge_base(main.id(), head)
+        // A sub-task's change is against its parent's branch, where it started (its
+        // dependencies' code is not its change); a task's against HEAD.
+        let parent_head = match task.parent() {
+            Some(parent) => {
+                self.branch_commit(&repo, &format!("refs/heads/{}", branch_name(&parent)))?
+            }
+            None => None,
+        };
+        let base = match parent_head {
+            Some(p) => repo
+                .merge_base(p, head)
                 .map_err(self.git("find where the task branch started"))?,
-            // HEAD unreadable (detached at nothing, unborn): the branch against itself.
-            Err(_) => head,
+            None => match repo.head().and_then(|h| h.peel_to_commit()) {
+                Ok(main) => repo
+                    .merge_base(main.id(), head)
+                    .map_err(self.git("find where the task branch started"))?,
+                // HEAD unreadable (detached at nothing, unborn): the branch against itself.
+                Err(_) => head,
+            },
         };
         let tree = |id: Oid| -> Result<Tree<'_>, Error> {
             self.find_commit(&repo, id)?
@@ -514,7 +542,7 @@ impl Project {
     /// The repository for writing: libgit2 fsyncs what it writes through this handle.
     /// `core.fsyncObjectFiles` is read once, when the object and ref databases are created,
     /// so it is layered on (from a temporary app-level config file) before either exists.
-    fn durable_repository(&self) -> Result<Repository, Error> {
+    pub(crate) fn durable_repository(&self) -> Result<Repository, Error> {
         let repo = self.repository()?.ok_or_else(|| Error::NoRepository {
             root: self.root.clone(),
         })?;
@@ -540,7 +568,11 @@ impl Project {
         Ok(repo)
     }
 
-    fn branch_commit(&self, repo: &Repository, refname: &str) -> Result<Option<Oid>, Error> {
+    pub(crate) fn branch_commit(
+        &self,
+        repo: &Repository,
+        refname: &str,
+    ) -> Result<Option<Oid>, Error> {
         match repo.find_reference(refname) {
             Ok(r) => Ok(Some(
                 r.peel_to_commit()
@@ -552,7 +584,11 @@ impl Project {
         }
     }
 
-    fn find_commit<'r>(&self, repo: &'r Repository, id: Oid) -> Result<Commit<'r>, Error> {
+    pub(crate) fn find_commit<'r>(
+        &self,
+        repo: &'r Repository,
+        id: Oid,
+    ) -> Result<Commit<'r>, Error> {
         repo.find_commit(id).map_err(|e| match e.code() {
             // Also a tree or blob id: libgit2 reports the wrong type as not found.
             ErrorCode::NotFound => Error::CommitNotFound {
@@ -584,7 +620,7 @@ impl Project {
         Ok(paths)
     }
 
-    fn git(&self, action: &'static str) -> impl FnOnce(git2::Error) -> Error + '_ {
+    pub(crate) fn git(&self, action: &'static str) -> impl FnOnce(git2::Error) -> Error + '_ {
         move |source| Error::Git {
             action,
             root: self.root.clone(),
@@ -856,16 +892,16 @@ fn build_tree(repo: &Repository, head: &Tree<'_>, changes: &[Change]) -> Result<
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ErrorKind;
     use crate::project::tests::name;
     use git2::Time;
 
     /// `(path, content, mode)`
-    type Files<'a> = &'a [(&'a str, &'a [u8], u32)];
+    pub(crate) type Files<'a> = &'a [(&'a str, &'a [u8], u32)];
 
-    const BASE: Files<'static> = &[
+    pub(crate) const BASE: Files<'static> = &[
         ("README.md", b"hello\n", MODE_FILE),
         ("bin/run.sh", b"#!/bin/sh\n", MODE_EXECUTABLE),
         ("src/lib.rs", b"pub fn f() {}\n", MODE_FILE),
@@ -874,7 +910,7 @@ mod tests {
         ("docs/.automaton/x.md", b"served too\n", MODE_FILE),
     ];
 
-    fn signature() -> Signature<'static> {
+    pub(crate) fn signature() -> Signature<'static> {
         Signature::new(
             "tester",
             "tester@example.invalid",
@@ -884,7 +920,7 @@ mod tests {
     }
 
     /// A commit of `files` on top of `parent`'s tree, without touching any ref.
-    fn commit(repo: &Repository, parent: Option<Oid>, files: Files<'_>) -> Oid {
+    pub(crate) fn commit(repo: &Repository, parent: Option<Oid>, files: Files<'_>) -> Oid {
         let mut index = Index::new().expect("index");
         let parent = parent.map(|p| repo.find_commit(p).expect("parent"));
         if let Some(p) = &parent {
@@ -926,7 +962,7 @@ mod tests {
 
     /// A checkout of `BASE` on `main`: HEAD, an index file and working files, as a person
     /// would have it.
-    fn checkout() -> (tempfile::TempDir, Project, Repository, Oid) {
+    pub(crate) fn checkout() -> (tempfile::TempDir, Project, Repository, Oid) {
         let (dir, project) = crate::project::tests::project();
         let repo = Repository::init(dir.path()).expect("init");
         let head = commit(&repo, None, BASE);
@@ -947,13 +983,13 @@ mod tests {
         (dir, project, repo, head)
     }
 
-    fn branch_target(repo: &Repository, task: &str) -> Option<Oid> {
+    pub(crate) fn branch_target(repo: &Repository, task: &str) -> Option<Oid> {
         repo.find_reference(&format!("refs/heads/{}", branch_name(&name(task))))
             .ok()
             .and_then(|r| r.target())
     }
 
-    fn change(path: &str, content: &[u8]) -> Change {
+    pub(crate) fn change(path: &str, content: &[u8]) -> Change {
         Change {
             path: path.into(),
             deleted: false,
@@ -972,7 +1008,7 @@ mod tests {
     }
 
     /// Everything a person's checkout holds outside the objects and task refs.
-    fn checkout_state(dir: &Path, repo: &Repository) -> Vec<(String, Vec<u8>)> {
+    pub(crate) fn checkout_state(dir: &Path, repo: &Repository) -> Vec<(String, Vec<u8>)> {
         let mut state = vec![
             (
                 "HEAD ref".to_string(),

@@ -30,6 +30,7 @@ mod change;
 mod fencing;
 mod git;
 mod git_remote;
+mod integrate;
 mod layered;
 mod lease_files;
 mod read;
@@ -51,6 +52,7 @@ pub use git::{
     Applied, BranchHead, Change, MAX_DIFF_BYTES, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES,
     TaskChanges, TreeFile, branch_name,
 };
+pub use integrate::Integrated;
 pub use lease_files::new_lease_id;
 pub use lease_store::{LeaseStore, check_lease_rules};
 pub use parents::{ParentStanding, SubtaskVerdicts, human_intervention_line};
@@ -316,6 +318,17 @@ pub enum Error {
     )]
     PatchConflict { task: TaskName, paths: Vec<String> },
     #[error(
+        "Sub-task '{task}' cannot be merged into its parent '{parent}': both changed {}. Nothing was merged; redo the sub-task on the parent's branch as it is now.",
+        git::list_paths(paths)
+    )]
+    MergeConflict {
+        task: TaskName,
+        parent: TaskName,
+        paths: Vec<String>,
+    },
+    #[error("Task '{task}' is not a sub-task: only a sub-task merges into a parent's branch.")]
+    NotASubtask { task: TaskName },
+    #[error(
         "Task '{task}': branch '{branch}' kept moving while the changes were applied (tried twice). Retry the apply."
     )]
     BranchRace { task: TaskName, branch: String },
@@ -418,6 +431,8 @@ impl Error {
             | NoCommits { .. }
             | TreeTooLarge { .. }
             | PatchConflict { .. }
+            | MergeConflict { .. }
+            | NotASubtask { .. }
             | BranchRace { .. } => ErrorKind::Refused,
         }
     }
