@@ -296,6 +296,83 @@ fn the_demo_runs_to_complete_and_prints_the_summary() {
     );
 }
 
+/// Issue 31, part 1: the work comes together. In the real demo (`--project DIR`, kept),
+/// wave 2's `checkout-api` starts on the parent's branch holding wave 1's code: its branch
+/// has `cart-model`'s file and its implement artifact says it read it; the parent's branch
+/// `automaton/checkout` holds all three sub-tasks' files (each merged as it passed), and the
+/// person's checkout (`main`, HEAD) never moved.
+#[test]
+fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_task() {
+    let home = tempfile::tempdir().expect("home");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let project = tmp.path().join("shop");
+    let mut c = Command::new(cli_bin());
+    c.args(["demo", "--json", "--project"]).arg(&project);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    c.env_remove("CARGO")
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env("HOME", home.path())
+        .env("TMPDIR", tmp.path());
+    let run = run_bounded(c, Duration::from_secs(90));
+    run.ok();
+    let v: serde_json::Value = serde_json::from_str(&run.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not the JSON summary ({e}):\n{}", run.stdout));
+    assert_eq!(v["parent"]["state"], "complete", "{v:#}");
+    let git = |args: &[&str]| -> String {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&project)
+            .args(args)
+            .output()
+            .expect("git");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let files = |branch: &str| git(&["ls-tree", "-r", "--name-only", branch]);
+    let parent = files("automaton/checkout");
+    for sub in ["cart-model", "payment-gateway", "checkout-api"] {
+        assert!(
+            parent.contains(&format!("AUTOMATON_SCRIPTED.{sub}.md")),
+            "the parent's branch lacks {sub}'s code:\n{parent}"
+        );
+    }
+    let api = files("automaton/checkout--checkout-api");
+    assert!(
+        api.contains("AUTOMATON_SCRIPTED.cart-model.md"),
+        "checkout-api was built without cart-model's code:\n{api}"
+    );
+    let implementation = std::fs::read_to_string(
+        project.join(".automaton/tasks/checkout/subtasks/checkout-api/IMPLEMENTATION.md"),
+    )
+    .expect("checkout-api's IMPLEMENTATION.md");
+    assert!(
+        implementation.contains("`AUTOMATON_SCRIPTED.cart-model.md`: sub-task cart-model's code"),
+        "{implementation}"
+    );
+    // Wave 1's own branches started where main was: cart-model's has nothing of the others.
+    let cart = files("automaton/checkout--cart-model");
+    assert!(!cart.contains("payment-gateway"), "{cart}");
+    // The person's checkout: HEAD still on main, main still at the first commit.
+    assert_eq!(git(&["rev-parse", "--abbrev-ref", "HEAD"]).trim(), "main");
+    assert_eq!(git(&["rev-list", "--count", "main"]).trim(), "1");
+    // Every merge is on the parent's branch: the sub-tasks' heads are its ancestors.
+    for sub in ["cart-model", "payment-gateway", "checkout-api"] {
+        let branch = format!("automaton/checkout--{sub}");
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(&project)
+            .args(["merge-base", "--is-ancestor", &branch, "automaton/checkout"])
+            .status()
+            .expect("git");
+        assert!(
+            out.success(),
+            "{branch} is not merged into automaton/checkout"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_wave_the_wave_still_completes_on_the_rest() {
     let env = Env::new();

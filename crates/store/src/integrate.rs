@@ -161,7 +161,6 @@ impl Project {
             paths.dedup();
             return Err(Error::MergeConflict {
                 task: sub.clone(),
-                parent: parent.clone(),
                 paths,
             });
         }

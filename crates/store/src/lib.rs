@@ -318,14 +318,10 @@ pub enum Error {
     )]
     PatchConflict { task: TaskName, paths: Vec<String> },
     #[error(
-        "Sub-task '{task}' cannot be merged into its parent '{parent}': both changed {}. Nothing was merged; redo the sub-task on the parent's branch as it is now.",
+        "Sub-task '{task}' cannot be merged into its parent's branch: both changed {}. Nothing was merged; redo the sub-task on the parent's branch as it is now.",
         git::list_paths(paths)
     )]
-    MergeConflict {
-        task: TaskName,
-        parent: TaskName,
-        paths: Vec<String>,
-    },
+    MergeConflict { task: TaskName, paths: Vec<String> },
     #[error("Task '{task}' is not a sub-task: only a sub-task merges into a parent's branch.")]
     NotASubtask { task: TaskName },
     #[error(

@@ -2,7 +2,11 @@
 //! `scripted-agent` subcommand, run as a real child so the same machinery (process group,
 //! timeout, kill) is exercised as with a real agent CLI. It reads the `AUTOMATON_*`
 //! environment and writes a plausible artifact for the phase; in a phase that allows code
-//! edits it also appends a line to `AUTOMATON_SCRIPTED.md` at the workspace root.
+//! edits it also appends a line to `AUTOMATON_SCRIPTED.md` at the workspace root — a
+//! sub-task to `AUTOMATON_SCRIPTED.{sub}.md`, its own file, so the sub-tasks of one wave
+//! merge into their parent's branch cleanly, and its implement artifact names the other
+//! sub-tasks' files it found in its workspace (its dependencies' code, merged before it
+//! started).
 //!
 //! `AUTOMATON_SCRIPTED_BEHAVIOUR` picks a failure for tests: `exit-1`, `hang` (sleeps for
 //! ever, ignoring SIGTERM), `no-artifact` (exit 0, nothing written), `slow=<ms>` (sleeps,
@@ -276,8 +280,18 @@ fn write_to(
         let path = path.to_path_buf();
         move |source| Error::Write { path, source }
     };
+    let file = code_file(task);
+    let text = if phase == Phase::Implement && file != CODE_FILE {
+        format!(
+            "{}\n## Built on\n\n{}",
+            text.replace(CODE_FILE, &file),
+            built_on(workspace, &file)
+        )
+    } else {
+        text
+    };
     if phase.allows_code_edits() {
-        let code = workspace.join(CODE_FILE);
+        let code = workspace.join(&file);
         let mut f = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -289,6 +303,39 @@ fn write_to(
         fs::create_dir_all(parent).map_err(err(parent))?;
     }
     fs::write(artifact, text).map_err(err(artifact))
+}
+
+/// The file a code-editing phase of `task` appends to: [`CODE_FILE`], or for a sub-task
+/// (`parent/sub`) `AUTOMATON_SCRIPTED.{sub}.md`.
+pub fn code_file(task: &str) -> String {
+    match task.rsplit_once('/') {
+        Some((_, sub)) => format!("AUTOMATON_SCRIPTED.{sub}.md"),
+        None => CODE_FILE.to_string(),
+    }
+}
+
+/// The other sub-tasks' files in the workspace (what this one was built on), as markdown.
+fn built_on(workspace: &Path, own: &str) -> String {
+    let mut found: Vec<String> = fs::read_dir(workspace)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with("AUTOMATON_SCRIPTED.") && n.ends_with(".md") && n != own)
+        .collect();
+    found.sort();
+    if found.is_empty() {
+        return "No other sub-task's code was in the workspace.\n".to_string();
+    }
+    found
+        .iter()
+        .map(|n| {
+            let sub = n
+                .trim_start_matches("AUTOMATON_SCRIPTED.")
+                .trim_end_matches(".md");
+            format!("- `{n}`: sub-task {sub}'s code, read from the workspace.\n")
+        })
+        .collect()
 }
 
 /// The artifact's markdown.
@@ -460,6 +507,37 @@ mod tests {
              - task fix-login, phase implement, fencing token 42\n"
         );
         assert!(ws.path().join(".automaton-task/IMPLEMENTATION.md").exists());
+    }
+
+    #[test]
+    fn a_sub_task_writes_its_own_file_and_names_the_files_it_was_built_on() {
+        let ws = tempfile::tempdir().unwrap();
+        fs::write(
+            ws.path().join("AUTOMATON_SCRIPTED.cart-model.md"),
+            "- cart\n",
+        )
+        .unwrap();
+        write(Phase::Implement, ws.path(), "checkout/checkout-api", 9, "").unwrap();
+        let own = ws.path().join("AUTOMATON_SCRIPTED.checkout-api.md");
+        assert_eq!(
+            fs::read_to_string(&own).unwrap(),
+            "- task checkout/checkout-api, phase implement, fencing token 9\n"
+        );
+        assert!(!ws.path().join(CODE_FILE).exists());
+        let text = fs::read_to_string(ws.path().join(".automaton-task/IMPLEMENTATION.md")).unwrap();
+        assert!(
+            text.contains("`AUTOMATON_SCRIPTED.cart-model.md`: sub-task cart-model's code"),
+            "{text}"
+        );
+        assert!(
+            text.contains("`AUTOMATON_SCRIPTED.checkout-api.md`: one line"),
+            "{text}"
+        );
+        // Alone in its workspace it says so.
+        let ws = tempfile::tempdir().unwrap();
+        write(Phase::Implement, ws.path(), "checkout/cart-model", 3, "").unwrap();
+        let text = fs::read_to_string(ws.path().join(".automaton-task/IMPLEMENTATION.md")).unwrap();
+        assert!(text.contains("No other sub-task's code"), "{text}");
     }
 
     #[test]

@@ -95,7 +95,11 @@ impl Coordinator {
             // Not known yet: its file (read with the states' lock released).
             let state = known.or_else(|| self.engine.project().read_state(&sub).ok().flatten());
             match state.map(|s| s.phase) {
-                Some(Phase::Complete) => Dep::Passed,
+                // Its code must be on the parent's branch, where the dependent starts.
+                Some(Phase::Complete) => match self.engine.project().merged_into_parent(&sub) {
+                    Ok(true) => Dep::Passed,
+                    Ok(false) | Err(_) => Dep::Unmerged,
+                },
                 Some(p) if p.is_terminal() => Dep::Ended(p.to_string()),
                 _ => Dep::Open,
             }
@@ -119,6 +123,19 @@ impl Coordinator {
                             .collect::<Vec<_>>()
                             .join(", "),
                         wave.unwrap_or(0),
+                    )),
+                    wave,
+                    ..Sizing::default()
+                };
+            }
+            Err(Unready { open, unmerged, .. }) if open.is_empty() => {
+                return Sizing {
+                    blocked: Some(format!(
+                        "waiting: wave {} starts when {} {} merged into {}'s branch",
+                        wave.unwrap_or(0),
+                        unmerged.join(", "),
+                        if unmerged.len() == 1 { "is" } else { "are" },
+                        parent
                     )),
                     wave,
                     ..Sizing::default()
@@ -278,7 +295,66 @@ impl Coordinator {
                 },
             );
         }
+        self.integrate(parent, &planned).await?;
         self.end_parent(parent, d).await
+    }
+
+    /// Merges every planned sub-task that passed into `parent`'s branch (issue 31), under the
+    /// parent's guard, each once: a sub-task already merged writes nothing. A merge that
+    /// conflicts is an error naming the paths (the caller holds the parent with it, for a
+    /// person), and nothing of it is written.
+    async fn integrate(
+        self: &Arc<Self>,
+        parent: &TaskName,
+        planned: &[TaskName],
+    ) -> Result<(), Error> {
+        let passed: Vec<TaskName> = {
+            let states = self.engine.states();
+            planned
+                .iter()
+                .filter(|s| states.get(s).is_some_and(|st| st.phase == Phase::Complete))
+                .cloned()
+                .collect()
+        };
+        for sub in passed {
+            if self
+                .engine
+                .project()
+                .merged_into_parent(&sub)
+                .unwrap_or(false)
+            {
+                continue;
+            }
+            let s = sub.clone();
+            let merged = self
+                .engine
+                .to_completion(parent, move |c| async move {
+                    let project = c.project().clone();
+                    tokio::task::spawn_blocking(move || project.merge_into_parent(&s))
+                        .await
+                        .map_err(|e| Error::Internal(format!("a merge failed: {e}")))?
+                        .map_err(Error::from)
+                })
+                .await?;
+            let how = match &merged {
+                automaton_store::Integrated::NoCode => continue,
+                automaton_store::Integrated::Already { .. } => continue,
+                automaton_store::Integrated::FastForward { .. } => "fast-forward",
+                automaton_store::Integrated::Merged { .. } => "merge commit",
+            };
+            self.engine.emit(
+                "subtask_merged",
+                &sub.to_string(),
+                "",
+                0,
+                format!(
+                    "into {} at {} ({how})",
+                    automaton_store::branch_name(parent),
+                    merged.parent_head().unwrap_or_default()
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).

@@ -5,8 +5,9 @@
 //!   created (`parent/sub`, with `PARENT_SPEC.md` and `VRAM_CONFIG.md`, "Fits within VRAM"
 //!   judged against the fleet registered at that moment). Running it again changes nothing;
 //!   an edited decomposition creates the new sub-tasks and reports the orphans.
-//! - A sub-task is ready when everything it depends on passed (`complete`); one that depends
-//!   on a sub-task that ended otherwise waits for a person. It needs a worker whose
+//! - A sub-task is ready when everything it depends on passed (`complete`) and was merged
+//!   into the parent's branch, where the sub-task's own branch then starts (issue 31); one
+//!   that depends on a sub-task that ended otherwise waits for a person. It needs a worker whose
 //!   budget holds its estimated peak context (its separated phases — by default code review,
 //!   which its implementer may not take — need half, so a sub-task only one worker can hold
 //!   can still be reviewed).
@@ -52,8 +53,11 @@ pub(crate) struct Plan {
 /// Where a sub-task a sub-task depends on stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Dep {
-    /// `complete`: its referee said PASS.
+    /// `complete`: its referee said PASS, and its code is on the parent's branch.
     Passed,
+    /// `complete`, its code not merged into the parent's branch yet (the parent's round
+    /// merges it).
+    Unmerged,
     /// Terminal without passing (`human_intervention`), with its state.
     Ended(String),
     /// Not terminal yet.
@@ -65,6 +69,7 @@ pub(crate) enum Dep {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Unready {
     pub open: Vec<String>,
+    pub unmerged: Vec<String>,
     pub failed: Vec<(String, String)>,
 }
 
@@ -80,6 +85,7 @@ pub(crate) fn ready(
             Dep::Passed => {}
             Dep::Ended(state) => why.failed.push((d.clone(), state)),
             Dep::Open => why.open.push(d.clone()),
+            Dep::Unmerged => why.unmerged.push(d.clone()),
         }
     }
     if why == Unready::default() {
