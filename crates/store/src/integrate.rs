@@ -168,7 +168,15 @@ impl Project {
             .write_tree_to(repo)
             .map_err(self.git("write the merged tree"))?;
         let tree = repo.find_tree(tree_id).map_err(self.git("read a tree"))?;
-        let signature = Signature::now("automaton", "automaton@automaton.invalid")
+        // Deterministic: the same two heads always make the same commit, so a merge retried
+        // after a crash between its push to the shared remote and the local ref's move makes
+        // the commit already pushed (a no-op there), not a second one the remote refuses.
+        let when = if o.time().seconds() >= t.time().seconds() {
+            o.time()
+        } else {
+            t.time()
+        };
+        let signature = Signature::new("automaton", "automaton@automaton.invalid", &when)
             .map_err(self.git("sign the merge commit"))?;
         let message = format!(
             "automaton: merge {sub} into {parent}\n\nSub-task {sub} passed; its branch {} is merged into the integration branch {}.\n",
@@ -306,6 +314,28 @@ mod tests {
         );
         // The person's checkout, index and HEAD never moved.
         assert_eq!(checkout_state(dir.path(), &repo), before);
+    }
+
+    /// A crash after the merge commit was made (and, with a shared remote, pushed) but before
+    /// the parent's ref moved here: the retry makes the very same commit.
+    #[test]
+    fn a_merge_retried_after_a_crash_before_the_ref_moved_makes_the_same_commit() {
+        let (_dir, project, repo, _head) = checkout();
+        for (t, f) in [("p/a", "a.rs"), ("p/b", "b.rs")] {
+            project.task_branch(&name(t)).expect("branch");
+            work(&project, t, &[(f, t.as_bytes())]);
+        }
+        project.merge_into_parent(&name("p/a")).expect("a");
+        let before = branch_target(&repo, "p").expect("parent");
+        let first = project.merge_into_parent(&name("p/b")).expect("b");
+        assert!(matches!(first, Integrated::Merged { .. }), "{first:?}");
+        // The ref back where it was: as if the process died before moving it.
+        repo.reference("refs/heads/automaton/p", before, true, "test: crash")
+            .expect("reset");
+        // A second later: a commit signed with the clock would differ.
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        let again = project.merge_into_parent(&name("p/b")).expect("retry");
+        assert_eq!(again, first, "the retry made another commit");
     }
 
     #[test]
