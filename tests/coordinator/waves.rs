@@ -373,6 +373,76 @@ fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_
     }
 }
 
+/// Issue 31, part 1: two sub-tasks of one wave that change the same lines (the scripted
+/// agent's shared file), both started from the same head. The first to pass merges; the second's merge conflicts, writes
+/// nothing — the parent's branch holds the first one's file, no conflict marker — and the
+/// parent is held with one line naming the path, for a person.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflicting_merge_lands_nothing_half_merged_and_holds_the_parent_naming_the_path() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let rows = spec(&[("one", "-", 4), ("two", "-", 4)]);
+    approved_decomposition(&mut api, &env, "p", &rows[rows.find('|').unwrap_or(0)..]).await;
+    for sub in ["p/one", "p/two"] {
+        events.expect("subtask_created", sub).await;
+    }
+    // Both start from the same head before either passes (as two workers starting them
+    // together would): made here, before any worker, so the race is not left to chance.
+    for b in ["automaton/p--one", "automaton/p--two"] {
+        crate::work::git(&env, &["branch", b, "HEAD"]);
+    }
+    let shared = [("AUTOMATON_SCRIPTED_SHARED_FILE", "1")];
+    let _a = worker(&coord, "gpu-a", "sim:24GiB", &shared);
+    let _b = worker(&coord, "gpu-b", "sim:24GiB", &shared);
+    let approver = approve_all(&api);
+    let held = events
+        .find("the parent held", Duration::from_secs(60), |e| {
+            e.kind == "task_held" && e.task == "p"
+        })
+        .await;
+    approver.abort();
+    assert!(
+        held.detail
+            .contains("cannot be merged into its parent's branch")
+            && held.detail.contains("'AUTOMATON_SCRIPTED.md'"),
+        "{held:?}"
+    );
+    let merged = events
+        .find("a sub-task merged", Duration::from_secs(5), |e| {
+            e.kind == "subtask_merged"
+        })
+        .await;
+    let first = merged.task.clone();
+    let second = if first == "p/one" { "p/two" } else { "p/one" };
+    assert!(held.detail.contains(second), "{held:?}");
+    let is_ancestor = |branch: &str| {
+        Command::new("git")
+            .arg("-C")
+            .arg(env.root())
+            .args(["merge-base", "--is-ancestor", branch, "automaton/p"])
+            .status()
+            .expect("git")
+            .success()
+    };
+    let branch = |t: &str| format!("automaton/p--{}", t.trim_start_matches("p/"));
+    assert!(
+        is_ancestor(&branch(&first)),
+        "{first} is not on the parent's branch"
+    );
+    assert!(!is_ancestor(&branch(second)), "{second} was merged");
+    let on_parent = crate::work::git(&env, &["show", "automaton/p:AUTOMATON_SCRIPTED.md"]);
+    assert!(!on_parent.contains("<<<<<<<"), "{on_parent}");
+    assert!(on_parent.contains(&format!("task {first},")), "{on_parent}");
+    assert!(
+        !on_parent.contains(&format!("task {second},")),
+        "{on_parent}"
+    );
+    assert_eq!(api.state("p").await, "decomposition:approved");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_wave_the_wave_still_completes_on_the_rest() {
     let env = Env::new();

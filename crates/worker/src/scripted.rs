@@ -6,7 +6,8 @@
 //! sub-task to `AUTOMATON_SCRIPTED.{sub}.md`, its own file, so the sub-tasks of one wave
 //! merge into their parent's branch cleanly, and its implement artifact names the other
 //! sub-tasks' files it found in its workspace (its dependencies' code, merged before it
-//! started).
+//! started). `AUTOMATON_SCRIPTED_SHARED_FILE=1` makes sub-tasks share `AUTOMATON_SCRIPTED.md`
+//! again, for the merge-conflict tests.
 //!
 //! `AUTOMATON_SCRIPTED_BEHAVIOUR` picks a failure for tests: `exit-1`, `hang` (sleeps for
 //! ever, ignoring SIGTERM), `no-artifact` (exit 0, nothing written), `slow=<ms>` (sleeps,
@@ -305,9 +306,16 @@ fn write_to(
     fs::write(artifact, text).map_err(err(artifact))
 }
 
+/// With this set to `1` every task, sub-tasks included, appends to [`CODE_FILE`]: sub-tasks
+/// of one wave then change the same lines (the merge-conflict tests).
+pub const SHARED_FILE_ENV: &str = "AUTOMATON_SCRIPTED_SHARED_FILE";
+
 /// The file a code-editing phase of `task` appends to: [`CODE_FILE`], or for a sub-task
-/// (`parent/sub`) `AUTOMATON_SCRIPTED.{sub}.md`.
+/// (`parent/sub`) `AUTOMATON_SCRIPTED.{sub}.md` (unless [`SHARED_FILE_ENV`] is `1`).
 pub fn code_file(task: &str) -> String {
+    if std::env::var_os(SHARED_FILE_ENV).is_some_and(|v| v == "1") {
+        return CODE_FILE.to_string();
+    }
     match task.rsplit_once('/') {
         Some((_, sub)) => format!("AUTOMATON_SCRIPTED.{sub}.md"),
         None => CODE_FILE.to_string(),
