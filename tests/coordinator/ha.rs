@@ -23,15 +23,22 @@ pub(crate) fn env_on(cluster: &Cluster, name: &str) -> Arc<Env> {
 
 /// [`env_on`] with more `[etcd]` keys (`extra`, TOML lines).
 pub(crate) fn env_on_with(cluster: &Cluster, name: &str, extra: &str) -> Arc<Env> {
+    Env::with_config(&format!("{}{extra}", etcd_toml(cluster, "", Some(name))))
+}
+
+/// A coordinator's TOML on `cluster`: `top` (keys before `[etcd]`), then `[etcd]` with the
+/// endpoints, `name` (none: left out) and the tests' TTL and timeout.
+pub(crate) fn etcd_toml(cluster: &Cluster, top: &str, name: Option<&str>) -> String {
     let endpoints: Vec<String> = cluster
         .endpoints()
         .iter()
         .map(|e| format!("{e:?}"))
         .collect();
-    Env::with_config(&format!(
-        "store = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"{name}\"\nelection_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n{extra}",
+    let name = name.map_or(String::new(), |n| format!("name = \"{n}\"\n"));
+    format!(
+        "{top}store = \"etcd\"\n[etcd]\nendpoints = [{}]\n{name}election_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
         endpoints.join(", ")
-    ))
+    )
 }
 
 /// What one coordinator answers now: `Ok` as the leader, or the follower's status.
@@ -299,15 +306,7 @@ async fn ha_a_displaced_lease_stays_ended_after_a_failover_and_its_token_never_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_a_renewal_queued_across_the_leaders_pause_is_refused_and_no_second_holder_overlaps() {
     let cluster = Cluster::three().await;
-    let endpoints: Vec<String> = cluster
-        .endpoints()
-        .iter()
-        .map(|e| format!("{e:?}"))
-        .collect();
-    let cfg = format!(
-        "grace_period = \"1s\"\nstore = \"etcd\"\n[etcd]\nendpoints = [{}]\nname = \"ha-pause\"\nelection_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
-        endpoints.join(", ")
-    );
+    let cfg = etcd_toml(&cluster, "grace_period = \"1s\"\n", Some("ha-pause"));
     let a = Coord::start(&Env::with_config(&cfg), &[]);
     let b = Coord::start(&Env::with_config(&cfg), &[]);
     let l = leader_of(&[&a, &b], Duration::from_secs(20)).await;
@@ -488,18 +487,8 @@ async fn ha_the_cli_and_the_status_shim_follow_the_leader() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_two_folders_of_one_project_are_refused_without_a_name_and_one_leads_with_it() {
     let cluster = Cluster::three().await;
-    let endpoints: Vec<String> = cluster
-        .endpoints()
-        .iter()
-        .map(|e| format!("{e:?}"))
-        .collect();
-    let cfg = |name: &str| {
-        format!(
-            "store = \"etcd\"\n[etcd]\nendpoints = [{}]\n{name}election_ttl = \"{ELECTION_TTL}\"\ntimeout = \"500ms\"\n",
-            endpoints.join(", ")
-        )
-    };
-    let (one, two) = (Env::with_config(&cfg("")), Env::with_config(&cfg("")));
+    let cfg = etcd_toml(&cluster, "", None);
+    let (one, two) = (Env::with_config(&cfg), Env::with_config(&cfg));
     assert_ne!(
         one.project.path().file_name(),
         two.project.path().file_name(),

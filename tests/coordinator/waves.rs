@@ -2,6 +2,7 @@
 //! loses a worker mid-run and still completes on the others; a sub-task no worker can hold,
 //! reported and left waiting with its reason.
 
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -83,6 +84,21 @@ fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
         .collect()
 }
 
+/// `automaton demo ARGS` with its own HOME and TMPDIR, the machine's settings scrubbed, and
+/// not under `cargo run`: the demo must use the binaries next to it, not build them.
+fn demo_command(args: &[&std::ffi::OsStr], home: &Path, tmp: &Path) -> Command {
+    let mut c = Command::new(cli_bin());
+    c.arg("demo").args(args);
+    for k in SCRUBBED_ENV {
+        c.env_remove(k);
+    }
+    c.env_remove("CARGO")
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env("HOME", home)
+        .env("TMPDIR", tmp);
+    c
+}
+
 /// `automaton demo --stay`: after the task ends the console still answers, and Ctrl-C ends the
 /// demo with the task's code (0), stopping the fleet.
 #[test]
@@ -90,16 +106,8 @@ fn the_demo_with_stay_keeps_the_console_up_until_ctrl_c() {
     use std::io::{BufRead, BufReader, Read, Write};
     let home = tempfile::tempdir().expect("home");
     let tmp = tempfile::tempdir().expect("tmp");
-    let mut c = Command::new(cli_bin());
-    c.args(["demo", "--stay"]);
-    for k in SCRUBBED_ENV {
-        c.env_remove(k);
-    }
-    c.env_remove("CARGO")
-        .env_remove("CARGO_MANIFEST_DIR")
-        .env("HOME", home.path())
-        .env("TMPDIR", tmp.path())
-        .stdout(std::process::Stdio::piped())
+    let mut c = demo_command(&["--stay".as_ref()], home.path(), tmp.path());
+    c.stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null());
     let mut child = c.spawn().expect("automaton demo --stay");
     let stdout = child.stdout.take().expect("stdout");
@@ -163,16 +171,7 @@ fn the_demo_with_stay_keeps_the_console_up_until_ctrl_c() {
 fn the_demo_runs_to_complete_and_prints_the_summary() {
     let home = tempfile::tempdir().expect("home");
     let tmp = tempfile::tempdir().expect("tmp");
-    let mut c = Command::new(cli_bin());
-    c.args(["demo", "--json"]);
-    for k in SCRUBBED_ENV {
-        c.env_remove(k);
-    }
-    // Not under `cargo run`: the demo must use the binaries next to it, not build them.
-    c.env_remove("CARGO")
-        .env_remove("CARGO_MANIFEST_DIR")
-        .env("HOME", home.path())
-        .env("TMPDIR", tmp.path());
+    let c = demo_command(&["--json".as_ref()], home.path(), tmp.path());
     let started = Instant::now();
     let run = run_bounded(c, Duration::from_secs(60));
     let took = started.elapsed();
@@ -306,15 +305,8 @@ fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_
     let home = tempfile::tempdir().expect("home");
     let tmp = tempfile::tempdir().expect("tmp");
     let project = tmp.path().join("shop");
-    let mut c = Command::new(cli_bin());
-    c.args(["demo", "--json", "--project"]).arg(&project);
-    for k in SCRUBBED_ENV {
-        c.env_remove(k);
-    }
-    c.env_remove("CARGO")
-        .env_remove("CARGO_MANIFEST_DIR")
-        .env("HOME", home.path())
-        .env("TMPDIR", tmp.path());
+    let args = ["--json".as_ref(), "--project".as_ref(), project.as_os_str()];
+    let c = demo_command(&args, home.path(), tmp.path());
     let run = run_bounded(c, Duration::from_secs(90));
     run.ok();
     let v: serde_json::Value = serde_json::from_str(&run.stdout)
