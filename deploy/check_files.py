@@ -416,7 +416,7 @@ def check_ha_config(path, where, cfg, flags, etcd_election_ms):
     if not endpoints:
         fail(path, f"{where}: no etcd endpoints")
     if "name" not in etcd:
-        fail(path, f"{where}: no [etcd] name: the coordinators would each take their folder's name")
+        fail(path, f"{where}: no [etcd] name: a coordinator with store = etcd refuses to start without it (the same name on every coordinator of the project)")
     ttl = parse_ms(etcd.get("election_ttl", "5s"))
     if ttl is not None and etcd_election_ms and ttl < 2 * etcd_election_ms:
         fail(path, f"{where}: election_ttl {etcd.get('election_ttl')} is under twice etcd's --election-timeout "
@@ -650,7 +650,7 @@ def check_etcd_config(binary, toml_path, args):
         if not str(e).startswith(("http://", "https://")):
             fail(toml_path, f"etcd endpoint {e} is not a URL")
     if not etcd.get("name"):
-        fail(toml_path, "no [etcd] name: each coordinator would take its own folder's name")
+        fail(toml_path, "no [etcd] name: a coordinator with store = etcd refuses to start without it (the same name on every coordinator of the project)")
     if not str(etcd.get("advertise", "")).startswith(("http://", "https://")):
         fail(toml_path, f"no advertised URL (advertise = {etcd.get('advertise')}): followers could not name this one")
 
