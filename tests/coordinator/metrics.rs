@@ -407,8 +407,10 @@ async fn metrics_count_claims_refusals_releases_expiries_and_leases_held() {
     let expired =
         |e: &Exposition| e.value("automaton_lease_expiries_total", &[("reason", "expired")]);
     api.claim("m-4", "agent-a", 200).await.expect("short claim");
+    // One scrape reads the held gauge before the counters: an expiry finishing in between
+    // shows in the counter and not yet in the gauge, so both are waited for.
     let e4 = scrape_until(at, "the short lease expired", |e| {
-        expired(e) - expired(&e3) == 1.0
+        expired(e) - expired(&e3) == 1.0 && held(e) == 2.0
     });
     assert_eq!(held(&e4), 2.0);
     assert_eq!(claims(&e4) - claims(&e3), 1.0);

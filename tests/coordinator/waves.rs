@@ -435,6 +435,62 @@ async fn a_conflicting_merge_lands_nothing_half_merged_and_holds_the_parent_nami
     assert_eq!(api.state("p").await, "decomposition:approved");
 }
 
+/// Issue 31, part 1: a parent completes only with every sub-task's code on its branch. The
+/// full run caught the window: a sub-task's move to `complete` was durable in its files (which
+/// the parent's standing reads) before the coordinator's table of states heard of it (which
+/// the merge step read), and the parent completed with that sub-task unmerged. Here the
+/// window is held open: both sub-tasks' files say `complete` with a PASS verdict, and p/one's
+/// branch has a commit, while the coordinator never moved them (no worker runs anything).
+/// The parent completes only with p/one's code merged into its branch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_completes_only_with_every_sub_tasks_code_on_its_branch() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let rows = spec(&[("one", "-", 4), ("two", "-", 4)]);
+    approved_decomposition(&mut api, &env, "p", &rows[rows.find('|').unwrap_or(0)..]).await;
+    for sub in ["p/one", "p/two"] {
+        events.expect("subtask_created", sub).await;
+    }
+    // A commit on p/one's branch, made with plumbing (the checkout is not touched).
+    let root = env.root();
+    let sh = |script: &str| {
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir(root)
+            .output()
+            .expect("sh");
+        assert!(out.status.success(), "{script}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let blob = sh("echo one | git hash-object -w --stdin");
+    let tree = sh(&format!(
+        "export GIT_INDEX_FILE=$(mktemp -u); git read-tree HEAD && git update-index --add --cacheinfo 100644,{blob},one.rs && git write-tree; rm -f $GIT_INDEX_FILE"
+    ));
+    let commit = sh(&format!("git commit-tree {tree} -p HEAD -m one"));
+    sh(&format!(
+        "git update-ref refs/heads/automaton/p--one {commit}"
+    ));
+    for sub in ["p/one", "p/two"] {
+        env.artifact(sub, "VERDICT.md", "# VERDICT\n\nVerdict: PASS\n");
+        env.artifact(sub, ".state", "complete\n");
+    }
+    let ended = events
+        .find("the parent's end", Duration::from_secs(10), |e| {
+            e.kind == "parent_ended" && e.task == "p"
+        })
+        .await;
+    assert!(ended.detail.contains("PASS: 2"), "{ended:?}");
+    let files = crate::work::git(&env, &["ls-tree", "-r", "--name-only", "automaton/p"]);
+    assert!(
+        files.lines().any(|f| f == "one.rs"),
+        "the parent ended without p/one's code on its branch:\n{files}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_wave_the_wave_still_completes_on_the_rest() {
     let env = Env::new();

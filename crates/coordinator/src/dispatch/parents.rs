@@ -296,7 +296,7 @@ impl Coordinator {
             );
         }
         self.integrate(parent, &planned).await?;
-        self.end_parent(parent, d).await
+        self.end_parent(parent, d, &planned).await
     }
 
     /// Merges every planned sub-task that passed into `parent`'s branch (issue 31), under the
@@ -308,14 +308,20 @@ impl Coordinator {
         parent: &TaskName,
         planned: &[TaskName],
     ) -> Result<(), Error> {
-        let passed: Vec<TaskName> = {
-            let states = self.engine.states();
-            planned
-                .iter()
-                .filter(|s| states.get(s).is_some_and(|st| st.phase == Phase::Complete))
-                .cloned()
-                .collect()
-        };
+        // Read from the files, as the parent's standing is: a sub-task's move to `complete`
+        // is durable there before the table of states hears of it.
+        let project = self.engine.project();
+        let passed: Vec<TaskName> = planned
+            .iter()
+            .filter(|s| {
+                project
+                    .read_state(s)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|st| st.phase == Phase::Complete)
+            })
+            .cloned()
+            .collect();
         for sub in passed {
             if self
                 .engine
@@ -388,13 +394,14 @@ impl Coordinator {
     }
 
     /// Ends `parent` once its planned sub-tasks have (seed 002's aggregation, read from the
-    /// files as every view reads it). A parent that needs a person goes to
+    /// files as every view reads it) — complete only once every one is merged into its branch. A parent that needs a person goes to
     /// `human_intervention` whatever artifacts it holds (its own `VERDICT.md` saying PASS,
     /// say): the move hands them to that person.
     async fn end_parent(
         self: &Arc<Self>,
         parent: &TaskName,
         plan: Arc<Decomposition>,
+        planned: &[TaskName],
     ) -> Result<(), Error> {
         let p = parent.clone();
         // The plan as this round has it (parsed once per version of the file).
@@ -404,6 +411,15 @@ impl Coordinator {
             .await?;
         let why = match standing.outcome {
             ParentOutcome::Waiting => return Ok(()),
+            // Every verdict says PASS, but a sub-task whose verdict is written may not be
+            // `complete` (nor merged) yet: the parent holds all their code before it ends.
+            ParentOutcome::Complete
+                if planned
+                    .iter()
+                    .any(|s| !self.engine.project().merged_into_parent(s).unwrap_or(false)) =>
+            {
+                return Ok(());
+            }
             ParentOutcome::Complete => {
                 self.engine
                     .transition(parent, State::open(Phase::Complete), &Presented::default())
