@@ -4,7 +4,8 @@
 //! completion records that answer a retried completion, the layered lookup of framework
 //! files, the audit (git2 for unauthorised modifications), and — with a coordinator on etcd —
 //! the replica every durable write goes to first (`replica.rs`) and the task branches shared
-//! through a git remote (`git_remote.rs`).
+//! through a git remote (`git_remote.rs`); a decomposed task's branch integrating its
+//! sub-tasks' (`integrate.rs`).
 //!
 //! Policy comes from `automaton-workflow`; this crate only reads facts, asks the rules, and
 //! writes the result durably under fs4 writer locks (one per task; the whole project's for

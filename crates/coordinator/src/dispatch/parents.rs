@@ -1,5 +1,6 @@
 //! Decomposed tasks, as dispatch drives them: a parent's plan read from its
-//! `DECOMPOSITION.md`, each sub-task's sizing, a parent moved on as its waves pass or fail,
+//! `DECOMPOSITION.md`, each sub-task's sizing, each passed sub-task merged into the parent's
+//! branch (a dependent waits for that merge), a parent moved on as its waves pass or fail,
 //! orphans reported, and what completed runs teach the sizing ratio.
 
 use std::sync::Arc;
@@ -394,9 +395,9 @@ impl Coordinator {
     }
 
     /// Ends `parent` once its planned sub-tasks have (seed 002's aggregation, read from the
-    /// files as every view reads it) — complete only once every one is merged into its branch. A parent that needs a person goes to
-    /// `human_intervention` whatever artifacts it holds (its own `VERDICT.md` saying PASS,
-    /// say): the move hands them to that person.
+    /// files as every view reads it) — `complete` only once every one is merged into its
+    /// branch. A parent that needs a person goes to `human_intervention` whatever artifacts
+    /// it holds (its own `VERDICT.md` saying PASS, say): the move hands them to that person.
     async fn end_parent(
         self: &Arc<Self>,
         parent: &TaskName,
