@@ -142,7 +142,7 @@ pub(crate) fn backoff(attempt: u32) -> Duration {
 }
 
 /// One event as `watch` prints it. The only place that reads a `pb::Event`'s fields; the
-/// JSON field names are stable (README: `automaton watch`).
+/// JSON field names are stable (docs/running.md, "Live views").
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub(crate) struct EventLine {
     pub seq: u64,
