@@ -271,6 +271,17 @@ impl Shared {
         lock(&self.leader).clone()
     }
 
+    /// The tracked leases certainly live at `kill`: each now lives until `spawn` +
+    /// max(TTL, grace) at least (the restarted process, or the next leader, replays them).
+    fn survivors(&self, kill: Us, spawn: Us) -> Vec<LeaseInfo> {
+        let mut t = lock(&self.tracked);
+        t.retain(|_, x| x.until > kill);
+        for x in t.values_mut() {
+            x.until = x.until.max(spawn + x.lease.ttl_ms.max(GRACE_MS) * 1000);
+        }
+        t.values().map(|x| x.lease.clone()).collect()
+    }
+
     fn now(&self) -> Us {
         self.t0.elapsed().as_micros() as Us
     }
@@ -1216,16 +1227,7 @@ async fn restart(
         spawn,
         listening,
     });
-    // What survived the kill lives until spawn + max(TTL, grace) at least.
-    let live: Vec<LeaseInfo> = {
-        let mut t = lock(&sh.tracked);
-        t.retain(|_, x| x.until > kill);
-        for x in t.values_mut() {
-            x.until = x.until.max(spawn + x.lease.ttl_ms.max(GRACE_MS) * 1000);
-        }
-        t.values().map(|x| x.lease.clone()).collect()
-    };
-    let mut sample = live;
+    let mut sample = sh.survivors(kill, spawn);
     sample.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
     let mut api = Api::new(lazy_channel(&url), None);
     for _ in 0..PROBES_PER_RESTART.min(sample.len()) {
@@ -1255,11 +1257,6 @@ async fn restart(
     }
 }
 
-/// `us` as seconds, for messages.
-fn seconds(us: Us) -> String {
-    format!("{:.3}s", us as f64 / 1e6)
-}
-
 /// One round of `HA` with `stops`: the leader `l` is `SIGSTOP`ped (recorded as a kill at that
 /// instant: every lease it acknowledged must outlive it there, and the next leader replays
 /// from it), the other coordinator is waited for, and then — as a client that still has the
@@ -1281,14 +1278,7 @@ async fn stop_and_continue(sh: &Arc<Shared>, fleet: &mut Fleet, l: usize, rng: &
         spawn: kill,
         listening,
     });
-    let mut sample: Vec<LeaseInfo> = {
-        let mut t = lock(&sh.tracked);
-        t.retain(|_, x| x.until > kill);
-        for x in t.values_mut() {
-            x.until = x.until.max(kill + x.lease.ttl_ms.max(GRACE_MS) * 1000);
-        }
-        t.values().map(|x| x.lease.clone()).collect()
-    };
+    let mut sample = sh.survivors(kill, kill);
     sample.sort_by(|a, b| a.lease_id.cmp(&b.lease_id));
     tokio::time::sleep(Duration::from_millis(rng.range(0, 1_000))).await;
     let mut late = tokio::task::JoinSet::new();
@@ -1315,9 +1305,9 @@ async fn stop_and_continue(sh: &Arc<Shared>, fleet: &mut Fleet, l: usize, rng: &
                     lease.lease_id,
                     lease.task,
                     lease.token,
-                    seconds(start),
+                    checker::ms(start),
                     (start - listening) / 1000,
-                    seconds(end)
+                    checker::ms(end)
                 ));
                 let lease = info(&a, &lease);
                 sh.live(&lease, start);

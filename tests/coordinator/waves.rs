@@ -84,6 +84,17 @@ fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
         .collect()
 }
 
+/// Whether `branch` is `into` or one of its ancestors, in the repository at `dir`.
+fn merged_into(dir: &Path, branch: &str, into: &str) -> bool {
+    Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["merge-base", "--is-ancestor", branch, into])
+        .status()
+        .expect("git")
+        .success()
+}
+
 /// `automaton demo ARGS` with its own HOME and TMPDIR, the machine's settings scrubbed, and
 /// not under `cargo run`: the demo must use the binaries next to it, not build them.
 fn demo_command(args: &[&std::ffi::OsStr], home: &Path, tmp: &Path) -> Command {
@@ -352,23 +363,17 @@ fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_
     // Every merge is on the parent's branch: the sub-tasks' heads are its ancestors.
     for sub in ["cart-model", "payment-gateway", "checkout-api"] {
         let branch = format!("automaton/checkout--{sub}");
-        let out = Command::new("git")
-            .arg("-C")
-            .arg(&project)
-            .args(["merge-base", "--is-ancestor", &branch, "automaton/checkout"])
-            .status()
-            .expect("git");
         assert!(
-            out.success(),
+            merged_into(&project, &branch, "automaton/checkout"),
             "{branch} is not merged into automaton/checkout"
         );
     }
 }
 
 /// Issue 31, part 1: two sub-tasks of one wave that change the same lines (the scripted
-/// agent's shared file), both started from the same head. The first to pass merges; the second's merge conflicts, writes
-/// nothing — the parent's branch holds the first one's file, no conflict marker — and the
-/// parent is held with one line naming the path, for a person.
+/// agent's shared file), both started from the same head. The first to pass merges; the
+/// second's merge conflicts and writes nothing — the parent's branch holds the first one's
+/// file, no conflict marker — and the parent is held with one line naming the path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflicting_merge_lands_nothing_half_merged_and_holds_the_parent_naming_the_path() {
     let env = Env::new();
@@ -410,21 +415,15 @@ async fn a_conflicting_merge_lands_nothing_half_merged_and_holds_the_parent_nami
     let first = merged.task.clone();
     let second = if first == "p/one" { "p/two" } else { "p/one" };
     assert!(held.detail.contains(second), "{held:?}");
-    let is_ancestor = |branch: &str| {
-        Command::new("git")
-            .arg("-C")
-            .arg(env.root())
-            .args(["merge-base", "--is-ancestor", branch, "automaton/p"])
-            .status()
-            .expect("git")
-            .success()
-    };
     let branch = |t: &str| format!("automaton/p--{}", t.trim_start_matches("p/"));
     assert!(
-        is_ancestor(&branch(&first)),
+        merged_into(env.root(), &branch(&first), "automaton/p"),
         "{first} is not on the parent's branch"
     );
-    assert!(!is_ancestor(&branch(second)), "{second} was merged");
+    assert!(
+        !merged_into(env.root(), &branch(second), "automaton/p"),
+        "{second} was merged"
+    );
     let on_parent = crate::work::git(&env, &["show", "automaton/p:AUTOMATON_SCRIPTED.md"]);
     assert!(!on_parent.contains("<<<<<<<"), "{on_parent}");
     assert!(on_parent.contains(&format!("task {first},")), "{on_parent}");

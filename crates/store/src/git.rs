@@ -104,6 +104,11 @@ pub fn branch_name(task: &TaskName) -> String {
     }
 }
 
+/// The ref of `task`'s branch: `refs/heads/` and [`branch_name`].
+pub(crate) fn branch_ref(task: &TaskName) -> String {
+    format!("refs/heads/{}", branch_name(task))
+}
+
 /// `'a', 'b' and 3 more`, for the conflict error.
 pub(crate) fn list_paths(paths: &[String]) -> String {
     let shown: Vec<String> = paths
@@ -191,16 +196,14 @@ impl Project {
         let Some(repo) = self.repository()? else {
             return Ok(None);
         };
-        let refname = format!("refs/heads/{}", branch_name(task));
+        let refname = branch_ref(task);
         let Some(head) = self.branch_commit(&repo, &refname)? else {
             return Ok(None);
         };
         // A sub-task's change is against its parent's branch, where it started (its
         // dependencies' code is not its change); a task's against HEAD.
         let parent_head = match task.parent() {
-            Some(parent) => {
-                self.branch_commit(&repo, &format!("refs/heads/{}", branch_name(&parent)))?
-            }
+            Some(parent) => self.branch_commit(&repo, &branch_ref(&parent))?,
             None => None,
         };
         let base = match parent_head {
@@ -984,7 +987,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn branch_target(repo: &Repository, task: &str) -> Option<Oid> {
-        repo.find_reference(&format!("refs/heads/{}", branch_name(&name(task))))
+        repo.find_reference(&branch_ref(&name(task)))
             .ok()
             .and_then(|r| r.target())
     }

@@ -11,7 +11,7 @@ use git2::{MergeOptions, Oid, Repository, Signature};
 use automaton_workflow::TaskName;
 
 use crate::fsx::sync_dir;
-use crate::git::{branch_name, parse_commit_id};
+use crate::git::{branch_name, branch_ref, parse_commit_id};
 use crate::{Error, Project};
 
 /// What [`Project::merge_into_parent`] did.
@@ -50,10 +50,10 @@ impl Project {
         let Some(repo) = self.repository()? else {
             return Ok(true);
         };
-        let Some(head) = self.branch_commit(&repo, &refname(sub))? else {
+        let Some(head) = self.branch_commit(&repo, &branch_ref(sub))? else {
             return Ok(true);
         };
-        let Some(parent_head) = self.branch_commit(&repo, &refname(&parent))? else {
+        let Some(parent_head) = self.branch_commit(&repo, &branch_ref(&parent))? else {
             return Ok(false);
         };
         self.contains(&repo, parent_head, head)
@@ -70,11 +70,11 @@ impl Project {
             return Ok(Integrated::NoCode);
         }
         let repo = self.durable_repository()?;
-        let Some(head) = self.branch_commit(&repo, &refname(sub))? else {
+        let Some(head) = self.branch_commit(&repo, &branch_ref(sub))? else {
             return Ok(Integrated::NoCode);
         };
         let parent_branch = branch_name(&parent);
-        let parent_ref = refname(&parent);
+        let parent_ref = branch_ref(&parent);
         for _attempt in 0..2 {
             let parent_head = match self.branch_commit(&repo, &parent_ref)? {
                 Some(h) => h,
@@ -190,10 +190,6 @@ impl Project {
         sync_dir(&repo.commondir().join("objects"))?;
         Ok(commit)
     }
-}
-
-fn refname(task: &TaskName) -> String {
-    format!("refs/heads/{}", branch_name(task))
 }
 
 #[cfg(test)]

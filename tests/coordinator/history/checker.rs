@@ -243,7 +243,7 @@ struct ClaimAck<'a> {
     lease: &'a LeaseInfo,
 }
 
-fn ms(us: Us) -> String {
+pub fn ms(us: Us) -> String {
     format!("{:.3}s", us as f64 / 1e6)
 }
 

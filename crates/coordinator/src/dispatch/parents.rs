@@ -296,40 +296,35 @@ impl Coordinator {
                 },
             );
         }
-        self.integrate(parent, &planned).await?;
-        self.end_parent(parent, d, &planned).await
+        let merged = self.integrate(parent, &planned).await?;
+        self.end_parent(parent, d, merged).await
     }
 
     /// Merges every planned sub-task that passed into `parent`'s branch (issue 31), under the
     /// parent's guard, each once: a sub-task already merged writes nothing. A merge that
     /// conflicts is an error naming the paths (the caller holds the parent with it, for a
-    /// person), and nothing of it is written.
+    /// person), and nothing of it is written. Returns whether every planned sub-task's code
+    /// is now on the parent's branch (one without a branch has none to merge).
     async fn integrate(
         self: &Arc<Self>,
         parent: &TaskName,
         planned: &[TaskName],
-    ) -> Result<(), Error> {
-        // Read from the files, as the parent's standing is: a sub-task's move to `complete`
-        // is durable there before the table of states hears of it.
+    ) -> Result<bool, Error> {
         let project = self.engine.project();
-        let passed: Vec<TaskName> = planned
-            .iter()
-            .filter(|s| {
-                project
-                    .read_state(s)
-                    .ok()
-                    .flatten()
-                    .is_some_and(|st| st.phase == Phase::Complete)
-            })
-            .cloned()
-            .collect();
-        for sub in passed {
-            if self
-                .engine
-                .project()
-                .merged_into_parent(&sub)
-                .unwrap_or(false)
-            {
+        let mut all = true;
+        for sub in planned {
+            if project.merged_into_parent(sub).unwrap_or(false) {
+                continue;
+            }
+            // Read from the files, as the parent's standing is: a sub-task's move to
+            // `complete` is durable there before the table of states hears of it.
+            let passed = project
+                .read_state(sub)
+                .ok()
+                .flatten()
+                .is_some_and(|st| st.phase == Phase::Complete);
+            if !passed {
+                all = false;
                 continue;
             }
             let s = sub.clone();
@@ -361,7 +356,7 @@ impl Coordinator {
                 ),
             );
         }
-        Ok(())
+        Ok(all)
     }
 
     /// Reports the sub-task folders of `parent` that `planned` no longer names (once each).
@@ -402,7 +397,7 @@ impl Coordinator {
         self: &Arc<Self>,
         parent: &TaskName,
         plan: Arc<Decomposition>,
-        planned: &[TaskName],
+        merged: bool,
     ) -> Result<(), Error> {
         let p = parent.clone();
         // The plan as this round has it (parsed once per version of the file).
@@ -414,13 +409,7 @@ impl Coordinator {
             ParentOutcome::Waiting => return Ok(()),
             // Every verdict says PASS, but a sub-task whose verdict is written may not be
             // `complete` (nor merged) yet: the parent holds all their code before it ends.
-            ParentOutcome::Complete
-                if planned
-                    .iter()
-                    .any(|s| !self.engine.project().merged_into_parent(s).unwrap_or(false)) =>
-            {
-                return Ok(());
-            }
+            ParentOutcome::Complete if !merged => return Ok(()),
             ParentOutcome::Complete => {
                 self.engine
                     .transition(parent, State::open(Phase::Complete), &Presented::default())
