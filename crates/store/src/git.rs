@@ -167,6 +167,10 @@ impl Project {
                 Err(e) => return Err(self.git("read HEAD")(e)),
             },
         };
+        // A top-level task remembers the branch it left: its delivery's default base.
+        if task.parent().is_none() {
+            self.record_base(task, &repo)?;
+        }
         // With a shared remote the branch exists there (and in the record) before it exists
         // here: a later leader then has the branch a worker's changes are based on.
         self.share_branch_head(task, &branch, &start.to_string())?;
@@ -603,7 +607,7 @@ impl Project {
     }
 
     /// Paths that differ between two trees (both sides of each delta).
-    fn changed_paths(
+    pub(crate) fn changed_paths(
         &self,
         repo: &Repository,
         old: &Tree<'_>,

@@ -163,6 +163,11 @@ impl Project {
 
 /// Runs `git ARGS` in `root`, bounded by [`GIT_TIMEOUT`]; its stdout, or why it failed (the
 /// last line git wrote to stderr).
+/// Runs `git -C root args…`, bounded in time; its stdout, or why it failed.
+pub(crate) fn run_git(root: &Path, args: &[&str]) -> Result<String, String> {
+    git(root, args)
+}
+
 fn git(root: &Path, args: &[&str]) -> Result<String, String> {
     let mut child = Command::new("git")
         .arg("-C")

@@ -193,13 +193,13 @@ impl Project {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::git::tests::{branch_target, change, checkout, checkout_state};
     use crate::project::tests::name;
 
     /// Commits `files` (path, content) to `task`'s branch as an agent's patch would.
-    fn work(project: &Project, task: &str, files: &[(&str, &[u8])]) -> String {
+    pub(crate) fn work(project: &Project, task: &str, files: &[(&str, &[u8])]) -> String {
         let t = name(task);
         let base = project
             .task_branch(&t)
@@ -214,7 +214,7 @@ mod tests {
             .expect("a commit")
     }
 
-    fn file_at(repo: &Repository, commit: &str, path: &str) -> Option<Vec<u8>> {
+    pub(crate) fn file_at(repo: &Repository, commit: &str, path: &str) -> Option<Vec<u8>> {
         let c = repo
             .find_commit(Oid::from_str(commit).expect("oid"))
             .expect("commit");

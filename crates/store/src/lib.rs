@@ -28,6 +28,7 @@ mod replica;
 
 // The operations of `Project` (defined in project.rs): `impl Project` blocks, one concern a file.
 mod change;
+mod delivery;
 mod fencing;
 mod git;
 mod git_remote;
@@ -48,6 +49,9 @@ use automaton_workflow::{
 
 pub use audit::{AuditReport, AuditTask, Category3, Modification};
 pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
+pub use delivery::{
+    CONFLICTS, DeliveryRecord, DeliveryState, Prepared, Rework, Strategy, head_branch_name,
+};
 pub use dispatch::{DispatchRecord, MAX_TAIL_KEPT, RunRecord};
 pub use git::{
     Applied, BranchHead, Change, MAX_DIFF_BYTES, MAX_PATH_LEN, MAX_TREE_BYTES, MAX_TREE_FILES,
@@ -326,6 +330,38 @@ pub enum Error {
     #[error("Task '{task}' is not a sub-task: only a sub-task merges into a parent's branch.")]
     NotASubtask { task: TaskName },
     #[error(
+        "Branch '{base}' moved while {task} was delivered (it is at {now}, the merge was built on {before}). Nothing was overwritten; the delivery builds the merge again on the new head."
+    )]
+    BaseMoved {
+        task: TaskName,
+        base: String,
+        before: String,
+        now: String,
+    },
+    #[error(
+        "Cannot deliver {task} into '{base}', the branch checked out in {}: {why}. Commit or stash the changes there; the delivery retries on its own.",
+        root.display()
+    )]
+    CheckoutBusy {
+        task: TaskName,
+        base: String,
+        root: PathBuf,
+        why: String,
+    },
+    #[error(
+        "Branch '{base}' does not exist in {where_}. Name an existing branch with [delivery] base, or create it, then `automaton deliver {task}`."
+    )]
+    NoBase {
+        task: TaskName,
+        base: String,
+        where_: String,
+    },
+    #[error(
+        "Corrupt delivery record {}: {detail}. Remove it to request the delivery again (nothing merged is undone).",
+        path.display()
+    )]
+    CorruptDelivery { path: PathBuf, detail: String },
+    #[error(
         "Task '{task}': branch '{branch}' kept moving while the changes were applied (tried twice). Retry the apply."
     )]
     BranchRace { task: TaskName, branch: String },
@@ -391,6 +427,7 @@ impl Error {
             | ProjectNotFound { .. }
             | NoRepository { .. }
             | NoBranch { .. }
+            | NoBase { .. }
             | CommitNotFound { .. } => ErrorKind::NotFound,
             AlreadyExists { .. } => ErrorKind::AlreadyExists,
             Name(_)
@@ -408,6 +445,7 @@ impl Error {
             | CorruptHolders { .. }
             | CorruptFencing { .. }
             | CorruptDispatch { .. }
+            | CorruptDelivery { .. }
             | NotUtf8 { .. } => ErrorKind::Corrupt,
             Io { .. } | Git { .. } | Replica { .. } | SharedRemote { .. } => ErrorKind::Io,
             Untracked { .. }
@@ -430,6 +468,8 @@ impl Error {
             | PatchConflict { .. }
             | MergeConflict { .. }
             | NotASubtask { .. }
+            | BaseMoved { .. }
+            | CheckoutBusy { .. }
             | BranchRace { .. } => ErrorKind::Refused,
         }
     }

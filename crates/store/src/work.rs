@@ -81,6 +81,7 @@ impl Project {
             .iter()
             .map(|a| a.file_name())
             .chain(SUBTASK_FILES)
+            .chain([crate::CONFLICTS])
             .chain(previous.iter().map(String::as_str));
         for name in names {
             if let Some(content) = read_small(&self.meta, &dir.join(name), &mut budget)? {
