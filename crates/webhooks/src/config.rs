@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
+use crate::http::{BadUrl, Target};
 
 /// The events a receiver can subscribe to, by name (`events = [...]`; `"*"` is all of them).
 pub const EVENTS: &[&str] = &[
@@ -264,66 +265,14 @@ impl Webhook {
 
     /// Where deliveries go, from `url`.
     pub(crate) fn target(&self) -> Result<Target, String> {
-        Target::parse(&self.url)
-    }
-}
-
-/// A parsed receiver URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Target {
-    pub tls: bool,
-    /// The host to connect to and to name in TLS (IPv6 without its brackets).
-    pub host: String,
-    pub port: u16,
-    /// The `Host` header: the authority as written.
-    pub authority: String,
-    /// Path and query, at least `/`.
-    pub path: String,
-}
-
-impl Target {
-    fn parse(url: &str) -> Result<Target, String> {
-        let tls = if url.starts_with("https://") {
-            true
-        } else if url.starts_with("http://") {
-            false
-        } else {
-            return Err("url: write http://host[:port]/path or https://…".to_string());
-        };
-        let uri: hyper::Uri = url.parse().map_err(|e| {
-            format!("url is not a URL ({e}): write http://host[:port]/path or https://…")
-        })?;
-        let authority = uri
-            .authority()
-            .ok_or_else(|| "url has no host: write http://host[:port]/path".to_string())?;
-        if authority.as_str().contains('@') {
-            return Err(
-                "url carries a user or password: leave them out (sign with secret_file)"
-                    .to_string(),
-            );
-        }
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']');
-        if host.is_empty() {
-            return Err("url has no host: write http://host[:port]/path".to_string());
-        }
-        let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
-        if port == 0 {
-            return Err("url: port 0 cannot be reached: write the receiver's port".to_string());
-        }
-        let path = uri
-            .path_and_query()
-            .map(|p| p.as_str().to_string())
-            .filter(|p| !p.is_empty())
-            .unwrap_or_else(|| "/".to_string());
-        Ok(Target {
-            tls,
-            host: host.to_string(),
-            port,
-            authority: authority.as_str().to_string(),
-            path,
+        Target::parse(&self.url).map_err(|e| match e {
+            BadUrl::UserInfo => {
+                "url carries a user or password: leave them out (sign with secret_file)".to_string()
+            }
+            BadUrl::PortZero => {
+                "url: port 0 cannot be reached: write the receiver's port".to_string()
+            }
+            other => other.to_string(),
         })
     }
 }
@@ -391,25 +340,6 @@ mod duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn urls_parse_into_targets() {
-        let t = Target::parse("http://127.0.0.1:8080/hook?x=1").expect("parses");
-        assert_eq!(
-            (
-                t.tls,
-                t.host.as_str(),
-                t.port,
-                t.authority.as_str(),
-                t.path.as_str()
-            ),
-            (false, "127.0.0.1", 8080, "127.0.0.1:8080", "/hook?x=1")
-        );
-        let t = Target::parse("https://hooks.example.com").expect("parses");
-        assert_eq!((t.tls, t.port, t.path.as_str()), (true, 443, "/"));
-        let t = Target::parse("http://[::1]:9/").expect("parses");
-        assert_eq!((t.host.as_str(), t.authority.as_str()), ("::1", "[::1]:9"));
-    }
 
     #[test]
     fn a_url_is_logged_without_its_path() {

@@ -6,7 +6,8 @@
 //! What it owns: the [`Webhook`] config and its validation, the bodies ([`Notification`]),
 //! the signature ([`signature`], `docs/webhooks.md` has the receiver's recipe), and the
 //! [`Webhooks`] dispatcher: one tokio task and one bounded queue per receiver, counters the
-//! coordinator can export.
+//! coordinator can export. Its HTTP client ([`http`]: one request over a new http or https
+//! connection, bounded in time) is public: `automaton-forge` sends over it too.
 //!
 //! What it must not do: slow the coordinator. [`Webhooks::notify`] never waits (a full
 //! queue drops the new notification and counts it), never fails, and needs no `.await`;
@@ -18,6 +19,7 @@
 
 mod config;
 mod hmac;
+pub mod http;
 mod notification;
 mod send;
 
@@ -175,7 +177,7 @@ impl Webhooks {
             })?;
             let target = hook.target().map_err(bad)?;
             let tls = if target.tls {
-                Some(send::tls_connector(hook.ca_file.as_deref()).map_err(bad)?)
+                Some(http::tls_connector(hook.ca_file.as_deref()).map_err(bad)?)
             } else {
                 None
             };
@@ -334,7 +336,7 @@ impl Drop for Webhooks {
 /// One receiver's task.
 struct Worker {
     url: String,
-    target: config::Target,
+    target: http::Target,
     tls: Option<tokio_rustls::TlsConnector>,
     secret: Option<Secret>,
     format: Format,
@@ -444,13 +446,16 @@ impl Worker {
             }
             attempts = attempt;
             let headers = self.headers_for(n, &body);
-            let send = send::post(&self.target, self.tls.as_ref(), &headers, body.clone());
+            let send = send::post(
+                &self.target,
+                self.tls.as_ref(),
+                &headers,
+                body.clone(),
+                timeout,
+            );
             let mut deadline = self.deadline.clone();
             let outcome = tokio::select! {
-                r = tokio::time::timeout(timeout, send) => r.unwrap_or_else(|_| Outcome::Retry {
-                    why: format!("no answer within {}", humantime::format_duration(timeout)),
-                    after: None,
-                }),
+                o = send => o,
                 () = Self::at_deadline(&mut deadline) => Outcome::Refused("cut: the dispatcher closed".to_string()),
             };
             match outcome {
