@@ -8,9 +8,12 @@ mod cli;
 #[allow(dead_code)]
 mod cluster;
 mod console;
+mod delivery;
 mod deploy;
 mod durable;
 mod faults;
+#[path = "../common/forge.rs"]
+mod forge;
 mod ha;
 mod ha_waves;
 mod ha_workers;

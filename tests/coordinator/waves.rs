@@ -309,10 +309,12 @@ fn the_demo_runs_to_complete_and_prints_the_summary() {
 /// Issue 31, part 1: the work comes together. In the real demo (`--project DIR`, kept),
 /// wave 2's `checkout-api` starts on the parent's branch holding wave 1's code: its branch
 /// has `cart-model`'s file and its implement artifact says it read it; the parent's branch
-/// `automaton/checkout` holds all three sub-tasks' files (each merged as it passed), and the
-/// person's checkout (`main`, HEAD) never moved.
+/// `automaton/checkout` holds all three sub-tasks' files (each merged as it passed); and
+/// (part 6) the parent is delivered by merge into the project's `main`, the checkout following,
+/// the JSON summary naming the commit.
 #[test]
-fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_task() {
+fn the_demo_builds_wave_2_on_wave_1s_code_and_delivers_the_parent_branch_holding_every_sub_task_into_main()
+ {
     let home = tempfile::tempdir().expect("home");
     let tmp = tempfile::tempdir().expect("tmp");
     let project = tmp.path().join("shop");
@@ -357,9 +359,21 @@ fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_
     // Wave 1's own branches started where main was: cart-model's has nothing of the others.
     let cart = files("automaton/checkout--cart-model");
     assert!(!cart.contains("payment-gateway"), "{cart}");
-    // The person's checkout: HEAD still on main, main still at the first commit.
+    // Delivered by merge into the demo project's main (part 6): HEAD still on main, which
+    // now holds the parent's branch, the summary naming the commit.
     assert_eq!(git(&["rev-parse", "--abbrev-ref", "HEAD"]).trim(), "main");
-    assert_eq!(git(&["rev-list", "--count", "main"]).trim(), "1");
+    let main = git(&["rev-parse", "main"]).trim().to_string();
+    let d = &v["parent"]["delivery"];
+    assert_eq!(d["state"], "merged", "{v:#}");
+    assert_eq!(d["commit"], main.as_str(), "{v:#}");
+    assert!(
+        merged_into(&project, "automaton/checkout", "main"),
+        "main lacks the parent's branch"
+    );
+    assert!(
+        project.join("AUTOMATON_SCRIPTED.checkout-api.md").exists(),
+        "the checkout did not follow main"
+    );
     // Every merge is on the parent's branch: the sub-tasks' heads are its ancestors.
     for sub in ["cart-model", "payment-gateway", "checkout-api"] {
         let branch = format!("automaton/checkout--{sub}");
@@ -368,70 +382,6 @@ fn the_demo_builds_wave_2_on_wave_1s_code_and_the_parent_branch_holds_every_sub_
             "{branch} is not merged into automaton/checkout"
         );
     }
-}
-
-/// Issue 31, part 1: two sub-tasks of one wave that change the same lines (the scripted
-/// agent's shared file), both started from the same head. The first to pass merges; the
-/// second's merge conflicts and writes nothing — the parent's branch holds the first one's
-/// file, no conflict marker — and the parent is held with one line naming the path.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_conflicting_merge_lands_nothing_half_merged_and_holds_the_parent_naming_the_path() {
-    let env = Env::new();
-    git_init(&env);
-    let coord = Coord::start(&env, &FLEET);
-    let mut api = coord.api().await;
-    let mut events = Events::watch(&api).await;
-    let rows = spec(&[("one", "-", 4), ("two", "-", 4)]);
-    approved_decomposition(&mut api, &env, "p", &rows[rows.find('|').unwrap_or(0)..]).await;
-    for sub in ["p/one", "p/two"] {
-        events.expect("subtask_created", sub).await;
-    }
-    // Both start from the same head before either passes (as two workers starting them
-    // together would): made here, before any worker, so the race is not left to chance.
-    for b in ["automaton/p--one", "automaton/p--two"] {
-        crate::work::git(&env, &["branch", b, "HEAD"]);
-    }
-    let shared = [("AUTOMATON_SCRIPTED_SHARED_FILE", "1")];
-    let _a = worker(&coord, "gpu-a", "sim:24GiB", &shared);
-    let _b = worker(&coord, "gpu-b", "sim:24GiB", &shared);
-    let approver = approve_all(&api);
-    let held = events
-        .find("the parent held", Duration::from_secs(60), |e| {
-            e.kind == "task_held" && e.task == "p"
-        })
-        .await;
-    approver.abort();
-    assert!(
-        held.detail
-            .contains("cannot be merged into its parent's branch")
-            && held.detail.contains("'AUTOMATON_SCRIPTED.md'"),
-        "{held:?}"
-    );
-    let merged = events
-        .find("a sub-task merged", Duration::from_secs(5), |e| {
-            e.kind == "subtask_merged"
-        })
-        .await;
-    let first = merged.task.clone();
-    let second = if first == "p/one" { "p/two" } else { "p/one" };
-    assert!(held.detail.contains(second), "{held:?}");
-    let branch = |t: &str| format!("automaton/p--{}", t.trim_start_matches("p/"));
-    assert!(
-        merged_into(env.root(), &branch(&first), "automaton/p"),
-        "{first} is not on the parent's branch"
-    );
-    assert!(
-        !merged_into(env.root(), &branch(second), "automaton/p"),
-        "{second} was merged"
-    );
-    let on_parent = crate::work::git(&env, &["show", "automaton/p:AUTOMATON_SCRIPTED.md"]);
-    assert!(!on_parent.contains("<<<<<<<"), "{on_parent}");
-    assert!(on_parent.contains(&format!("task {first},")), "{on_parent}");
-    assert!(
-        !on_parent.contains(&format!("task {second},")),
-        "{on_parent}"
-    );
-    assert_eq!(api.state("p").await, "decomposition:approved");
 }
 
 /// Issue 31, part 1: a parent completes only with every sub-task's code on its branch. The

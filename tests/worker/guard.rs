@@ -122,6 +122,20 @@ impl pb::workers_server::Workers for FakeCoordinator {
     ) -> Result<Response<pb::RunTaskResponse>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn deliver(
+        &self,
+        _: Request<pb::DeliverRequest>,
+    ) -> Result<Response<pb::Delivery>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn abandon(
+        &self,
+        _: Request<pb::AbandonRequest>,
+    ) -> Result<Response<pb::Delivery>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 #[tonic::async_trait]

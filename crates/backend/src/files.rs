@@ -75,7 +75,14 @@ pub struct Failpoints {
     pub log_rewrite_dir_sync_fails: bool,
     /// Every commit takes at least this long, as on a slow or busy disk.
     pub log_sync_delay: Option<Duration>,
+    /// The coordinator aborts (as a `kill -9` would stop it) right after a delivery's step:
+    /// one of [`DELIVERY_STEPS`].
+    pub delivery_crash_after: Option<&'static str>,
 }
+
+/// The points a delivery can be crashed at: after its record says each state, and after
+/// the base moved but before the record says so (`landed`).
+pub const DELIVERY_STEPS: [&str; 5] = ["requested", "preparing", "ready", "merging", "landed"];
 
 impl Failpoints {
     /// `log-sync-fails-after=N`, `log-rewrite-dir-sync-fails`, `log-sync-delay-ms=N`,
@@ -100,9 +107,23 @@ impl Failpoints {
                     f.log_sync_delay = Some(Duration::from_millis(ms));
                 }
                 None if item == "log-rewrite-dir-sync-fails" => f.log_rewrite_dir_sync_fails = true,
+                Some(("delivery-crash-after", step)) => {
+                    f.delivery_crash_after = Some(
+                        DELIVERY_STEPS
+                            .iter()
+                            .copied()
+                            .find(|s| *s == step.trim())
+                            .ok_or_else(|| {
+                                format!(
+                                    "failpoint '{item}': write delivery-crash-after= one of {}",
+                                    DELIVERY_STEPS.join(", ")
+                                )
+                            })?,
+                    );
+                }
                 _ => {
                     return Err(format!(
-                        "unknown failpoint '{item}': use log-sync-fails-after=N, log-rewrite-dir-sync-fails or log-sync-delay-ms=N"
+                        "unknown failpoint '{item}': use log-sync-fails-after=N, log-rewrite-dir-sync-fails, log-sync-delay-ms=N or delivery-crash-after=STEP"
                     ));
                 }
             }

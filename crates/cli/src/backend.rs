@@ -74,6 +74,8 @@ pub struct Dispatch {
     pub runs: Vec<pb::Run>,
     pub held: String,
     pub next_command: String,
+    /// A top-level task's delivery at `complete`.
+    pub delivery: Option<pb::Delivery>,
 }
 
 pub enum Backend {
@@ -341,10 +343,10 @@ impl Backend {
                     with_contents: false,
                 };
                 let d = r.run(r.tasks().get_task(req))?;
-                let (held, next_command) = d
+                let (held, next_command, delivery) = d
                     .summary
                     .as_ref()
-                    .map(|s| (s.held.clone(), s.next_command.clone()))
+                    .map(|s| (s.held.clone(), s.next_command.clone(), s.delivery.clone()))
                     .unwrap_or_default();
                 let view = from_wire::view(&d)?;
                 Ok((
@@ -353,6 +355,7 @@ impl Backend {
                         runs: d.runs,
                         held,
                         next_command,
+                        delivery,
                     },
                 ))
             }
@@ -398,6 +401,21 @@ impl Backend {
         r.run(r.workers().stop_run(pb::StopRunRequest {
             task: task.to_string(),
             resume,
+        }))
+    }
+
+    pub fn deliver(&self, task: &TaskName) -> Result<pb::Delivery, Failure> {
+        let r = self.remote_only("automaton deliver")?;
+        r.run(r.workers().deliver(pb::DeliverRequest {
+            task: task.to_string(),
+        }))
+    }
+
+    pub fn abandon(&self, task: &TaskName, reason: &str) -> Result<pb::Delivery, Failure> {
+        let r = self.remote_only("automaton abandon")?;
+        r.run(r.workers().abandon(pb::AbandonRequest {
+            task: task.to_string(),
+            reason: reason.to_string(),
         }))
     }
 

@@ -456,12 +456,15 @@ fn start_coordinator(
     bin: &Path,
     project: &Path,
     home: &Path,
+    config: &Path,
     log: &Path,
 ) -> Result<(String, String), Failed> {
     let mut c = Command::new(bin);
     scrub(&mut c);
     c.arg("--project")
         .arg(project)
+        .arg("--config")
+        .arg(config)
         .args([
             "--listen",
             "127.0.0.1:0",
@@ -627,11 +630,18 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
             " (git is not installed: no repository, agents write artifacts only)"
         }
     ));
+    // Finished work lands on the project's `main`, merged as reviewed (docs/delivery.md).
+    let config = base.join("coordinator.toml");
+    write(
+        &config,
+        "# The demo's coordinator: finished work is merged into the branch it started from.\n[delivery]\nmode = \"merge\"\nstrategy = \"merge\"\n",
+    )?;
     let (url, console) = start_coordinator(
         &mut fleet,
         &coord_bin,
         &project,
         &home,
+        &config,
         &logs.join("coordinator.log"),
     )?;
     out.raw(&format!(
@@ -766,6 +776,33 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
     };
     // The state as the coordinator has it now (the loop ends on the parent's end).
     let state = parent_state(&mut api).await;
+    // A complete parent's work is delivered: wait (bounded) for its merge into `main`.
+    if state == "complete" && git {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let d = parent_delivery(&mut api).await;
+            if let Some(d) = &d
+                && (matches!(d.state.as_str(), "merged" | "opened" | "abandoned")
+                    || !d.waiting.is_empty())
+            {
+                break;
+            }
+            if Instant::now() >= until {
+                out.line(&out.paint(
+                    "33",
+                    &format!("{PARENT}: its delivery did not end within 30 s: see automaton status --task {PARENT}"),
+                ));
+                break;
+            }
+            tokio::select! {
+                e = events.recv() => {
+                    let Some(e) = e else { break };
+                    watch.event(&e, out);
+                }
+                _ = tick.tick() => {}
+            }
+        }
+    }
     let summary = summary(&mut api, &project, &workers, &state, &why, out).await;
     let code = if state == "complete" { 0 } else { 1 };
     if args.json {
@@ -880,6 +917,18 @@ async fn approve(api: &mut Api, task: &str) {
             approver: "automaton-demo".into(),
         })
         .await;
+}
+
+/// The parent's delivery, as the coordinator reports it.
+async fn parent_delivery(api: &mut Api) -> Option<pb::Delivery> {
+    api.tasks
+        .get_task(pb::GetTaskRequest {
+            task: PARENT.into(),
+            with_contents: false,
+        })
+        .await
+        .ok()
+        .and_then(|d| d.into_inner().summary.and_then(|s| s.delivery))
 }
 
 async fn parent_state(api: &mut Api) -> String {
@@ -1045,6 +1094,15 @@ impl Watch {
             }
             "sizing_learned" => {
                 out.line(&format!("sizing: {} {}", leaf(&e.task), e.detail));
+            }
+            "subtask_merged" => {
+                out.line(&format!("{}: merged {}", self.prefix(&e.task), e.detail));
+            }
+            "merged" | "pull_request_opened" => {
+                out.line(&out.paint("1;32", &format!("{}: delivered: {}", e.task, e.detail)));
+            }
+            "rework" | "delivery_failed" | "delivery_awaiting_approval" => {
+                out.line(&out.paint("33", &format!("{}: {}: {}", e.task, e.kind, e.detail)));
             }
             "worker_lost" | "worker_left" | "task_held" | "subtask_orphaned" => {
                 out.line(&out.paint(
@@ -1229,6 +1287,7 @@ async fn summary(
             "phases": phases,
         }));
     }
+    let delivery = parent.and_then(|t| t.delivery.as_ref());
     serde_json::json!({
         "parent": {
             "task": PARENT,
@@ -1236,6 +1295,7 @@ async fn summary(
             "why": why,
             "verdicts": verdicts.as_ref().map(crate::workers::verdicts_json),
             "attention": attention,
+            "delivery": delivery.map(crate::workers::delivery_json),
         },
         "elapsed_ms": out.start.get().elapsed().as_millis() as u64,
         "sizing_ratio": list.sizing_ratio,
@@ -1389,6 +1449,28 @@ fn table(v: &serde_json::Value, out: &Out) -> String {
     match p["attention"].as_str() {
         Some(line) if !line.is_empty() => text.push_str(&format!("{line}\n")),
         _ => {}
+    }
+    let d = &p["delivery"];
+    if d.is_object() {
+        let line = if s(d, "state") == "merged" {
+            format!(
+                "Delivered: {} merged into {} at {} ({})",
+                s(d, "branch"),
+                s(d, "base"),
+                s(d, "commit"),
+                s(d, "how")
+            )
+        } else {
+            format!(
+                "Delivery: {} ({})",
+                s(d, "state"),
+                [s(d, "waiting"), s(d, "failure")]
+                    .into_iter()
+                    .find(|w| !w.is_empty() && w != "-")
+                    .unwrap_or_default()
+            )
+        };
+        text.push_str(&format!("{line}\n"));
     }
     text
 }

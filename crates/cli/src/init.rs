@@ -265,7 +265,8 @@ Autopilot: {autopilot}\n"
 pub const GITIGNORE: &str = "\
 # automaton: files written below .automaton/ while a coordinator or the status commands run.
 # They describe this machine's running fleet (leases, fencing counters, completion records,
-# temporaries, dispatch bookkeeping) and mean nothing in another checkout: do not commit them.
+# temporaries, dispatch bookkeeping, deliveries: the merge itself is in git) and mean nothing in
+# another checkout: do not commit them.
 # Everything else here is the project's record, to commit: .agent.md, .rules.md, prompts/,
 # contracts/, scripts/, and in tasks/ each task's .state, .state.approvals,
 # .state.implementer, .state.holders and artifacts (SPEC.md, ...).
@@ -277,6 +278,9 @@ pub const GITIGNORE: &str = "\
 /.vram_cache.json
 tasks/**/.state.lock
 tasks/**/.state.dispatch
+tasks/**/.state.base
+tasks/**/.state.branch
+tasks/**/.state.delivery
 ";
 
 /// Whether `a` and `b` name the same file (the project is `~/.automaton` itself).
@@ -380,6 +384,8 @@ mod tests {
             "/tmp/",
             "tasks/**/.state.lock",
             "tasks/**/.state.dispatch",
+            "tasks/**/.state.base",
+            "tasks/**/.state.delivery",
         ] {
             assert!(GITIGNORE.lines().any(|l| l == runtime), "{runtime}");
         }

@@ -58,6 +58,11 @@ pub enum Command {
     Run(workers::RunArgs),
     /// Approve the artifact a task awaits sign-off on (as `status --task T --approve`).
     Approve(workers::ApproveArgs),
+    /// Let a finished task's delivery go on: the approval `[delivery] approve = true` waits
+    /// for, or a retry after a person fixed what stopped it.
+    Deliver(workers::DeliverArgs),
+    /// Give up a finished task's delivery: nothing more of it lands.
+    Abandon(workers::AbandonArgs),
     /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
     Tasks(workers::TasksArgs),
     /// The coordinator's events as they happen, one line each (`--json`: one object each).
@@ -239,6 +244,8 @@ pub fn run(cli: Cli) -> i32 {
         Command::Stop(args) => workers::stop(&args),
         Command::Logs(args) => logs::run(&args),
         Command::Run(args) => workers::run_task(&args),
+        Command::Deliver(args) => workers::deliver(&args),
+        Command::Abandon(args) => workers::abandon(&args),
         Command::Approve(args) => {
             let mut argv: Vec<std::ffi::OsString> = vec![
                 "automaton".into(),
@@ -617,6 +624,9 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         text.push_str(line);
         text.push('\n');
     }
+    if let Some(d) = &d.delivery {
+        text.push_str(&format!("Delivery: {}\n", workers::delivery_line(d)));
+    }
     // The spec's fields unchanged; a coordinator's runs and hold added when there are any.
     let mut value =
         serde_json::to_value(&view).map_err(|e| usage(format!("cannot encode JSON: {e}")))?;
@@ -626,6 +636,9 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
         }
         if !held.is_empty() {
             obj.insert("held".into(), serde_json::Value::String(held));
+        }
+        if let Some(delivery) = &d.delivery {
+            obj.insert("delivery".into(), workers::delivery_json(delivery));
         }
         if !d.next_command.is_empty() {
             obj.insert(

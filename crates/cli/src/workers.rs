@@ -61,6 +61,29 @@ pub struct RunArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct DeliverArgs {
+    /// The top-level task whose delivery goes on.
+    pub task: String,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct AbandonArgs {
+    /// The top-level task whose delivery to give up.
+    pub task: String,
+    /// Why (kept in the record and the event).
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct ApproveArgs {
     /// The task (`name` or `parent/sub`).
     pub task: String,
@@ -106,8 +129,66 @@ fn task_json(t: &pb::TaskSummary) -> serde_json::Value {
         "attention": t.attention,
         "next_command": t.next_command,
         "last_failure": t.last_failure,
+        "delivery": t.delivery.as_ref().map(delivery_json),
         "subtasks": t.subtasks.iter().map(task_json).collect::<Vec<_>>(),
     })
+}
+
+/// A delivery as `--json` prints it.
+pub fn delivery_json(d: &pb::Delivery) -> serde_json::Value {
+    serde_json::json!({
+        "state": d.state,
+        "mode": d.mode,
+        "strategy": d.strategy,
+        "base": d.base,
+        "branch": d.branch,
+        "remote": d.remote,
+        "revision": d.revision,
+        "commit": d.commit,
+        "how": d.how,
+        "url": d.url,
+        "number": d.number,
+        "approved_by": d.approved_by,
+        "waiting": d.waiting,
+        "failure": d.failure,
+        "failures": d.failures,
+        "abandoned_by": d.abandoned_by,
+        "reworks": d.reworks,
+        "requested_at": crate::from_wire::time_text(d.requested_at.as_ref()),
+        "updated_at": crate::from_wire::time_text(d.updated_at.as_ref()),
+    })
+}
+
+/// A delivery in one line: where the work went, or why it has not yet.
+pub fn delivery_line(d: &pb::Delivery) -> String {
+    let into = if d.remote.is_empty() {
+        format!("into {}", d.base)
+    } else {
+        format!("into {} on {}", d.base, d.remote)
+    };
+    let mut l = match d.state.as_str() {
+        "merged" => format!("merged {into} at {} ({})", d.commit, d.how),
+        "opened" => format!("pull request #{} open: {}", d.number, d.url),
+        "abandoned" => format!(
+            "abandoned by {}: {} (its branch {} stays)",
+            d.abandoned_by, d.failure, d.branch
+        ),
+        s => format!("{s} {into} ({} {})", d.mode, d.strategy),
+    };
+    if !d.waiting.is_empty() {
+        l.push_str(&format!(" — {}", d.waiting));
+    } else if !d.failure.is_empty()
+        && !matches!(d.state.as_str(), "merged" | "opened" | "abandoned")
+    {
+        l.push_str(&format!(
+            " — last failure ({} so far): {}",
+            d.failures, d.failure
+        ));
+    }
+    if d.reworks > 0 {
+        l.push_str(&format!(" [sent back to implement {} time(s)]", d.reworks));
+    }
+    l
 }
 
 fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
@@ -157,6 +238,10 @@ fn tasks_text(tasks: &[pb::TaskSummary]) -> String {
         if !t.held.is_empty() && !t.last_failure.is_empty() {
             let pad = " ".repeat(indent.chars().count());
             out.push_str(&format!("{pad}    last run: {}\n", t.last_failure));
+        }
+        if let Some(d) = &t.delivery {
+            let pad = " ".repeat(indent.chars().count());
+            out.push_str(&format!("{pad}    delivery: {}\n", delivery_line(d)));
         }
     };
     for t in tasks {
@@ -438,6 +523,39 @@ fn run_act(args: &RunArgs) -> Result<String, Failure> {
             out.task, out.phase
         )
     })
+}
+
+fn deliver_act(args: &DeliverArgs) -> Result<String, Failure> {
+    let (task, backend) = task_and_backend(&args.task, &args.target)?;
+    let d = backend.deliver(&task)?;
+    Ok(if args.json {
+        format!("{}\n", delivery_json(&d))
+    } else {
+        format!(
+            "Task '{task}': its delivery goes on ({}); automaton watch follows it.\n",
+            delivery_line(&d)
+        )
+    })
+}
+
+/// Runs `automaton deliver TASK`; prints and returns the exit code.
+pub fn deliver(args: &DeliverArgs) -> i32 {
+    finish(deliver_act(args), args.json)
+}
+
+fn abandon_act(args: &AbandonArgs) -> Result<String, Failure> {
+    let (task, backend) = task_and_backend(&args.task, &args.target)?;
+    let d = backend.abandon(&task, &args.reason)?;
+    Ok(if args.json {
+        format!("{}\n", delivery_json(&d))
+    } else {
+        format!("Task '{task}': delivery {}.\n", delivery_line(&d))
+    })
+}
+
+/// Runs `automaton abandon TASK`; prints and returns the exit code.
+pub fn abandon(args: &AbandonArgs) -> i32 {
+    finish(abandon_act(args), args.json)
 }
 
 /// Runs `automaton run TASK` (manual mode); prints and returns the exit code.

@@ -232,6 +232,20 @@ impl pb::workers_server::Workers for Fake {
         Err(Status::failed_precondition("autopilot"))
     }
 
+    async fn deliver(
+        &self,
+        _: Request<pb::DeliverRequest>,
+    ) -> Result<Response<pb::Delivery>, Status> {
+        Err(Status::failed_precondition("no delivery"))
+    }
+
+    async fn abandon(
+        &self,
+        _: Request<pb::AbandonRequest>,
+    ) -> Result<Response<pb::Delivery>, Status> {
+        Err(Status::failed_precondition("no delivery"))
+    }
+
     async fn tail_output(
         &self,
         req: Request<pb::TailOutputRequest>,

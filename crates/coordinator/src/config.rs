@@ -188,6 +188,139 @@ impl Etcd {
     }
 }
 
+/// Where a finished top-level task's work goes (`[delivery]`, docs/delivery.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryMode {
+    /// The work stays on the task's branch (`automaton/TASK`) for a person to take.
+    Branch,
+    /// The task's branch lands on its base branch, exactly as reviewed.
+    Merge,
+    /// The task's branch is pushed and a pull request opened on the forge.
+    PullRequest,
+}
+
+/// What a task whose code cannot land as reviewed does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnConflict {
+    /// Back to `implement` on the new head (its reviews run again), `max_reworks` times.
+    Implement,
+    /// Waits for a person.
+    Person,
+}
+
+/// `[delivery]`: how finished work is delivered, and how a sub-task's or a delivery's
+/// conflict is handled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Delivery {
+    pub mode: DeliveryMode,
+    /// `merge` mode: `ff-only`, `merge` (a fast-forward when possible) or `squash`.
+    pub strategy: String,
+    /// The branch work lands on; default: the branch HEAD named when the task started.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// A delivery waits for an operator (`automaton deliver TASK`).
+    pub approve: bool,
+    /// A conflict (a sub-task's merge into its parent's branch, or a delivery whose merge
+    /// would not be the reviewed tree) sends the task back to implement, or to a person.
+    pub on_conflict: OnConflict,
+    /// Conflicts a task is sent back to implement for; the next one waits for a person.
+    pub max_reworks: u32,
+    /// The git remote the base lives on (a name or URL); pushed with a lease. Default: this
+    /// repository (or, with `store = etcd`, `[etcd] git_remote`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote: Option<String>,
+    /// The console's URL as people reach it (`https://automaton.example/`): a pull request
+    /// links the task's page there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub console_url: Option<String>,
+    /// `mode = "pull_request"`: the forge that opens it (`[delivery.forge]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forge: Option<automaton_forge::Config>,
+}
+
+impl Default for Delivery {
+    fn default() -> Self {
+        Delivery {
+            mode: DeliveryMode::Branch,
+            strategy: "merge".into(),
+            base: None,
+            approve: false,
+            on_conflict: OnConflict::Implement,
+            max_reworks: 1,
+            remote: None,
+            console_url: None,
+            forge: None,
+        }
+    }
+}
+
+impl Delivery {
+    /// One-line errors that say what to write.
+    pub fn validate(&self) -> Result<(), String> {
+        if automaton_store::Strategy::parse(&self.strategy).is_none() {
+            return Err(format!(
+                "[delivery] strategy '{}': write ff-only, merge or squash",
+                automaton_workflow::excerpt(&self.strategy)
+            ));
+        }
+        if let Some(b) = &self.base
+            && !git_branch_name_ok(b)
+        {
+            return Err(format!(
+                "[delivery] base '{}' is not a branch name git accepts: name a branch, e.g. main",
+                automaton_workflow::excerpt(b)
+            ));
+        }
+        if let Some(r) = &self.remote
+            && (r.is_empty() || r.starts_with('-') || r.contains(['\n', '\0']))
+        {
+            return Err(
+                "[delivery] remote must be a git remote's name or URL (not empty, not starting with '-')"
+                    .into(),
+            );
+        }
+        if self.mode == DeliveryMode::PullRequest && self.remote.is_none() {
+            return Err(
+                "[delivery] mode = \"pull_request\" needs remote: the git remote the forge serves (e.g. origin), where the task's branch is pushed".into(),
+            );
+        }
+        match (&self.forge, self.mode) {
+            (None, DeliveryMode::PullRequest) => {
+                return Err("[delivery] mode = \"pull_request\" needs [delivery.forge]: kind (github, gitlab or gitea), api_url, repository and token_file or token_env".into());
+            }
+            (Some(f), _) => f.validate().map_err(|e| format!("[delivery.forge]: {e}"))?,
+            (None, _) => {}
+        }
+        if let Some(u) = &self.console_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            return Err(format!(
+                "[delivery] console_url '{}' must be an http(s) URL",
+                automaton_workflow::excerpt(u)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A name `refs/heads/{name}` may carry (git's check-ref-format rules, the ones that matter).
+pub fn git_branch_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with(['-', '/', '.'])
+        && !name.ends_with(['/', '.'])
+        && !name.ends_with(".lock")
+        && !name.contains("..")
+        && !name.contains("//")
+        && !name.contains("@{")
+        && !name
+            .chars()
+            .any(|c| c.is_control() || c.is_whitespace() || "~^:?*[\\".contains(c))
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tls {
@@ -279,6 +412,8 @@ pub struct Config {
     /// Receivers told when a person is needed (`[[webhooks]]`, docs/webhooks.md).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub webhooks: Vec<automaton_webhooks::Webhook>,
+    /// Where finished work goes (`[delivery]`, docs/delivery.md).
+    pub delivery: Delivery,
 }
 
 impl Default for Config {
@@ -315,6 +450,7 @@ impl Default for Config {
             store: StoreKind::Files,
             etcd: Etcd::default(),
             webhooks: Vec::new(),
+            delivery: Delivery::default(),
         }
     }
 }
@@ -643,6 +779,7 @@ impl Config {
                 "trace_url '{u}' must be an http(s) URL with {{trace_id}} in it, e.g. http://jaeger:16686/trace/{{trace_id}}"
             )));
         }
+        self.delivery.validate().map_err(Error::Config)?;
         for (i, h) in self.webhooks.iter().enumerate() {
             h.validate().map_err(|e| match e {
                 automaton_webhooks::Error::Config { reason, .. } => Error::Config(format!(
@@ -867,6 +1004,8 @@ impl Config {
             max_upload_memory_bytes: self.max_upload_memory_bytes,
             max_iterations: self.max_iterations,
             max_total_time: self.max_total_time,
+            delivery: self.delivery.clone(),
+            shared_remote: self.etcd.git_remote.clone(),
         }
     }
 

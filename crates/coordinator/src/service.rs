@@ -255,6 +255,7 @@ fn summary(e: &automaton_store::ListEntry) -> pb::TaskSummary {
         attention: e.attention.clone().unwrap_or_default(),
         next_command: String::new(),
         last_failure: String::new(),
+        delivery: None,
     }
 }
 
@@ -281,6 +282,12 @@ impl Service {
         s.held = work.held(&t).unwrap_or_default();
         if !s.held.is_empty() {
             s.last_failure = work.last_failure(&t).unwrap_or_default();
+        }
+        if s.delivery.is_none() {
+            let known = work.inner().deliveries.get(&t).cloned().flatten();
+            if let Some(r) = known {
+                s.delivery = Some(self.coord.delivery_shown(&t, &r));
+            }
         }
         if let Some((w, e)) = work.wave_of(&t) {
             s.wave = w as u32;
@@ -379,7 +386,11 @@ impl pb::tasks_server::Tasks for Service {
             attention: view.attention.clone().unwrap_or_default(),
             next_command: String::new(),
             last_failure: String::new(),
+            delivery: None,
         };
+        if let Some(r) = self.coord.delivery_of(&task).await {
+            row.delivery = Some(self.coord.delivery_shown(&task, &r));
+        }
         self.annotate(&mut row);
         let mut artifacts: Vec<pb::ArtifactFile> = view
             .artifacts

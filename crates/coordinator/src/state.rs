@@ -37,6 +37,10 @@ pub struct Options {
     pub max_iterations: u32,
     /// Seed 002's MAX_TOTAL_TIME: from a task's first run until it is held.
     pub max_total_time: Duration,
+    /// Where finished work goes (`[delivery]`).
+    pub delivery: crate::config::Delivery,
+    /// `[etcd] git_remote`: a delivery's default remote with `store = etcd`.
+    pub shared_remote: Option<String>,
 }
 
 impl Default for Options {
@@ -52,6 +56,8 @@ impl Default for Options {
             max_upload_memory_bytes: crate::uploads::DEFAULT_UPLOAD_MEMORY_BYTES,
             max_iterations: 10,
             max_total_time: Duration::from_secs(24 * 3600),
+            delivery: crate::config::Delivery::default(),
+            shared_remote: None,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Webhooks when a person is needed (`[[webhooks]]`, docs/webhooks.md): the coordinator's
 //! event feed read like any watcher's, the events that need a person turned into
-//! `automaton-webhooks` notifications. Delivery (queues, retries, signatures) is that
+//! `automaton-webhooks` notifications (and where finished work went: `merged`,
+//! `pull_request_opened`, `delivery_failed`). Delivery (queues, retries, signatures) is that
 //! crate's; this file only decides which events count and what they say. It runs while the
 //! coordinator serves (with `store = etcd`, on the leader only), and must never slow a
 //! request: `notify` does not wait.
@@ -28,6 +29,9 @@ fn need(e: &Event) -> Option<Hook> {
         "task_held" => Hook::Held,
         "worker_lost" => Hook::WorkerLost,
         "subtask_too_large" => Hook::SubtaskTooLarge,
+        "merged" => Hook::Merged,
+        "pull_request_opened" => Hook::PullRequestOpened,
+        "delivery_failed" => Hook::DeliveryFailed,
         _ => return None,
     })
 }
@@ -50,6 +54,14 @@ fn summary(hook: Hook, e: &Event) -> String {
             "sub-task '{}' is too large for every worker: {}",
             e.task, e.detail
         ),
+        Hook::Merged => format!("task '{}' is delivered: {}", e.task, e.detail),
+        Hook::PullRequestOpened => {
+            format!("task '{}' has a pull request: {}", e.task, e.detail)
+        }
+        Hook::DeliveryFailed => format!(
+            "task '{}''s delivery failed: {} (automaton status --task {} says where it stands)",
+            e.task, e.detail, e.task
+        ),
     }
 }
 
@@ -61,7 +73,7 @@ fn notification(hook: Hook, e: &Event, link: Option<&str>) -> Notification {
     if !e.task.is_empty() {
         n = n.task(e.task.as_str());
         if let Some(base) = link {
-            n = n.link(format!("{}/tasks/{}", base.trim_end_matches('/'), e.task));
+            n = n.link(format!("{}/task/{}", base.trim_end_matches('/'), e.task));
         }
     }
     if !e.agent.is_empty() {
@@ -131,7 +143,7 @@ mod tests {
     }
 
     #[test]
-    fn only_what_needs_a_person_is_a_webhook() {
+    fn only_what_needs_a_person_or_says_where_work_went_is_a_webhook() {
         let cases = [
             (
                 ev("transitioned", "t", "a", "new → research:awaiting_approval"),
@@ -151,6 +163,27 @@ mod tests {
                 ev("subtask_too_large", "p/s", "", "needs 90k"),
                 Some(Hook::SubtaskTooLarge),
             ),
+            (
+                ev(
+                    "merged",
+                    "t",
+                    "",
+                    "automaton/t into main at abc (fast-forward)",
+                ),
+                Some(Hook::Merged),
+            ),
+            (
+                ev("pull_request_opened", "t", "", "#3 https://forge/pr/3"),
+                Some(Hook::PullRequestOpened),
+            ),
+            (
+                ev("delivery_failed", "t", "", "the remote refused the push"),
+                Some(Hook::DeliveryFailed),
+            ),
+            (
+                ev("delivery_requested", "t", "", "automaton/t into main"),
+                None,
+            ),
             (ev("lease_granted", "t", "a", ""), None),
         ];
         for (e, want) in cases {
@@ -169,7 +202,7 @@ mod tests {
         let n = notification(Hook::AwaitingApproval, &e, Some("http://console:8080/"));
         assert_eq!(n.task.as_deref(), Some("t"));
         assert_eq!(n.worker.as_deref(), Some("gpu-a"));
-        assert_eq!(n.link.as_deref(), Some("http://console:8080/tasks/t"));
+        assert_eq!(n.link.as_deref(), Some("http://console:8080/task/t"));
         assert!(
             n.summary.contains("research:awaiting_approval"),
             "{}",

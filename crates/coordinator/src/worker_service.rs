@@ -271,4 +271,65 @@ impl pb::workers_server::Workers for Service {
             phase: phase.to_string(),
         }))
     }
+
+    async fn deliver(
+        &self,
+        req: Request<pb::DeliverRequest>,
+    ) -> Result<Response<pb::Delivery>, Status> {
+        let who = caller(&req);
+        require_operator(&who, "Deliver")?;
+        let task = delivered_task(&self.coord, &req.get_ref().task)?;
+        let r = self
+            .coord
+            .deliver(&task, &who.name)
+            .await
+            .map_err(crate::status)?;
+        Ok(Response::new(self.coord.delivery_shown(&task, &r)))
+    }
+
+    async fn abandon(
+        &self,
+        req: Request<pb::AbandonRequest>,
+    ) -> Result<Response<pb::Delivery>, Status> {
+        let who = caller(&req);
+        require_operator(&who, "Abandon")?;
+        let task = delivered_task(&self.coord, &req.get_ref().task)?;
+        if req.get_ref().reason.len() > 4096 {
+            return Err(crate::status(Error::Invalid(
+                "the reason is longer than 4096 bytes: say it in one line".into(),
+            )));
+        }
+        let r = self
+            .coord
+            .abandon(&task, &who.name, &req.get_ref().reason)
+            .await
+            .map_err(crate::status)?;
+        Ok(Response::new(self.coord.delivery_shown(&task, &r)))
+    }
+}
+
+/// The top-level task a Deliver or Abandon names, which must exist.
+fn delivered_task(
+    coord: &crate::state::Coordinator,
+    name: &str,
+) -> Result<automaton_workflow::TaskName, Status> {
+    let task: automaton_workflow::TaskName = name
+        .parse()
+        .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
+        .map_err(crate::status)?;
+    if task.parent().is_some() {
+        return Err(crate::status(Error::Invalid(format!(
+            "{task} is a sub-task: its code is delivered with its parent's ({})",
+            task.parent().map(|p| p.to_string()).unwrap_or_default()
+        ))));
+    }
+    if !coord.engine.project().task_dir(&task).is_dir() {
+        return Err(crate::status(Error::Store(
+            automaton_store::Error::TaskNotFound {
+                task,
+                tasks: String::new(),
+            },
+        )));
+    }
+    Ok(task)
 }

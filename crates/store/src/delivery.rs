@@ -506,8 +506,11 @@ impl Project {
         let moved = |now: Oid| Error::BaseMoved {
             task: task.clone(),
             base: base.to_string(),
-            before: short(base_before).to_string(),
-            now: short(&now.to_string()).to_string(),
+            moved: format!(
+                "it is at {}, the merge was built on {}",
+                short(&now.to_string()),
+                short(base_before)
+            ),
         };
         if now != before {
             return Err(moved(now));
@@ -556,8 +559,11 @@ impl Project {
                 Err(why) => Err(Error::CheckoutBusy {
                     task: task.clone(),
                     base: base.to_string(),
-                    root: self.root.clone(),
-                    why: why.lines().next().unwrap_or("git merge failed").to_string(),
+                    why: format!(
+                        "{} ({})",
+                        why.lines().next().unwrap_or("git merge failed"),
+                        self.root.display()
+                    ),
                 }),
             };
         }

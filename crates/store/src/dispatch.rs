@@ -44,6 +44,18 @@ pub struct DispatchRecord {
     /// Unix epoch), and then to another worker before `retry_after`, the one that failed it.
     pub retry_until_ms: Option<u64>,
     pub retry_after: Option<String>,
+    /// Times its code was sent back to implement because it could not land as reviewed (a
+    /// conflicting merge into its parent's branch, or a delivery's).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub reworks: u32,
+    /// A rework decided and not yet carried out whole: the head it builds on, and why (kept
+    /// first, so that a crash between its steps finishes it rather than merging the old code).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rework: Option<(String, String)>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A run as the coordinator shows it (`GetTask.runs`, `ListWorkers`).
@@ -153,6 +165,8 @@ mod tests {
             run_requested: Some("ops".into()),
             retry_until_ms: Some(u64::MAX),
             retry_after: Some("gpu-a".into()),
+            reworks: u32::MAX,
+            rework: Some(("b".repeat(40), "why \"quoted\"\nline".into())),
         }
     }
 

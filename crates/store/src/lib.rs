@@ -330,22 +330,19 @@ pub enum Error {
     #[error("Task '{task}' is not a sub-task: only a sub-task merges into a parent's branch.")]
     NotASubtask { task: TaskName },
     #[error(
-        "Branch '{base}' moved while {task} was delivered (it is at {now}, the merge was built on {before}). Nothing was overwritten; the delivery builds the merge again on the new head."
+        "Branch '{base}' moved while {task} was delivered ({moved}). Nothing was overwritten; the delivery builds the merge again on the new head."
     )]
     BaseMoved {
         task: TaskName,
         base: String,
-        before: String,
-        now: String,
+        moved: String,
     },
     #[error(
-        "Cannot deliver {task} into '{base}', the branch checked out in {}: {why}. Commit or stash the changes there; the delivery retries on its own.",
-        root.display()
+        "Cannot deliver {task} into '{base}', the branch checked out in the project: {why}. Commit or stash the changes there; the delivery retries on its own."
     )]
     CheckoutBusy {
         task: TaskName,
         base: String,
-        root: PathBuf,
         why: String,
     },
     #[error(

@@ -16,6 +16,9 @@ pub const EVENTS: &[&str] = &[
     "held",
     "worker_lost",
     "subtask_too_large",
+    "merged",
+    "pull_request_opened",
+    "delivery_failed",
 ];
 
 /// Why a person is needed.
@@ -31,16 +34,25 @@ pub enum Event {
     WorkerLost,
     /// A sub-task is too large for any machine in the fleet (`subtask_too_large`).
     SubtaskTooLarge,
+    /// A finished task's work landed on its base branch (`merged`).
+    Merged,
+    /// A finished task's pull request is open (`pull_request_opened`).
+    PullRequestOpened,
+    /// A step of a finished task's delivery failed (`delivery_failed`).
+    DeliveryFailed,
 }
 
 impl Event {
     /// Every event, in [`EVENTS`]' order.
-    pub const ALL: [Event; 5] = [
+    pub const ALL: [Event; 8] = [
         Event::AwaitingApproval,
         Event::HumanIntervention,
         Event::Held,
         Event::WorkerLost,
         Event::SubtaskTooLarge,
+        Event::Merged,
+        Event::PullRequestOpened,
+        Event::DeliveryFailed,
     ];
 
     /// The name in the config and in the body's `"event"`.
@@ -51,6 +63,9 @@ impl Event {
             Event::Held => "held",
             Event::WorkerLost => "worker_lost",
             Event::SubtaskTooLarge => "subtask_too_large",
+            Event::Merged => "merged",
+            Event::PullRequestOpened => "pull_request_opened",
+            Event::DeliveryFailed => "delivery_failed",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Webhooks when a person is needed (issue 23): `[[webhooks]]` receivers get an HTTP POST
 //! for the events they subscribe to (`awaiting_approval`, `human_intervention`, `held`,
-//! `worker_lost`, `subtask_too_large`), signed with HMAC-SHA256 when they have a secret,
+//! `worker_lost`, `subtask_too_large`) and where finished work went (`merged`,
+//! `pull_request_opened`, `delivery_failed`), signed with HMAC-SHA256 when they have a secret,
 //! retried with exponential backoff, as JSON or as a Slack-compatible `{"text"}`.
 //!
 //! What it owns: the [`Webhook`] config and its validation, the bodies ([`Notification`]),

@@ -157,8 +157,13 @@ fn inputs(phase: Phase, own: Artifact) -> String {
         "- `{d}/PARENT_SPEC.md` and `{d}/VRAM_CONFIG.md`, when the task is a sub-task: its scope and acceptance from the parent's DECOMPOSITION.md, and the context budget it must fit."
     ));
     lines.push(format!(
-        "- `{d}/PREVIOUS_*.md`, when the task is a fix, review or tie-break task: the original task's artifacts, for what was tried."
+        "- `{d}/PREVIOUS_*.md`, when the task is a fix, review or tie-break task: the original task's artifacts, for what was tried; or when its code went back to implement (below): the reviews of the revision before."
     ));
+    if phase == Phase::Implement {
+        lines.push(format!(
+            "- `{d}/CONFLICTS.md`, when the task's code could not land as it was reviewed (another task changed the same lines first): the paths both changed and both sides. The branch now builds on the other side's code and holds its version of those paths: bring your change back into them, keeping theirs, and say so in IMPLEMENTATION.md."
+        ));
+    }
     lines.push(format!(
         "- `{d}/rules.md` and `{d}/contracts/*.md`, when the project has them: rules and contracts the work must keep."
     ));
@@ -365,6 +370,8 @@ mod tests {
         for p in prompt_phases() {
             let text = built_in_prompt(p).expect("a prompt");
             assert!(text.contains("PARENT_SPEC.md") && text.contains("VRAM_CONFIG.md"));
+            // Issue 31: a task sent back to implement is told where its conflicts are.
+            assert_eq!(text.contains("CONFLICTS.md"), p == Phase::Implement, "{p}");
         }
     }
 

@@ -33,6 +33,7 @@
 //! [`Coordinator::resumed_runs`]); a `stopped` for a run the coordinator does not know is
 //! applied to its lease all the same.
 
+mod delivery;
 mod holds;
 mod parents;
 mod policy;

@@ -323,7 +323,8 @@ impl Coordinator {
                 .ok()
                 .flatten()
                 .is_some_and(|st| st.phase == Phase::Complete);
-            if !passed {
+            // A sub-task being sent back to implement is not merged: its code is the old one.
+            if !passed || self.work.inner().rework.contains_key(sub) {
                 all = false;
                 continue;
             }
@@ -337,7 +338,36 @@ impl Coordinator {
                         .map_err(|e| Error::Internal(format!("a merge failed: {e}")))?
                         .map_err(Error::from)
                 })
-                .await?;
+                .await;
+            let merged = match merged {
+                Ok(m) => m,
+                // Another sub-task changed the same lines first: this one goes back to
+                // implement on the parent's head as it is now (or waits for a person).
+                Err(Error::Store(automaton_store::Error::MergeConflict { paths, .. })) => {
+                    all = false;
+                    let p = parent.clone();
+                    let onto = self
+                        .engine
+                        .read(move |pr| pr.branch_head(&p))
+                        .await?
+                        .unwrap_or_default();
+                    let why = format!(
+                        "{sub}'s merge into {}'s branch conflicts in {}",
+                        parent,
+                        paths.join(", ")
+                    );
+                    match self.rework(sub, onto, why).await? {
+                        super::delivery::Reworked::Sent => continue,
+                        super::delivery::Reworked::ForAPerson(line) => {
+                            if self.hold_as(parent, line, true) {
+                                self.save_dispatch(parent).await?;
+                            }
+                            return Ok(false);
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            };
             let how = match &merged {
                 automaton_store::Integrated::NoCode => continue,
                 automaton_store::Integrated::Already { .. } => continue,

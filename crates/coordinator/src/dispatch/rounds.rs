@@ -174,6 +174,8 @@ impl Coordinator {
         let mut waiting: HashMap<TaskName, String> = HashMap::new();
         let mut plans: Vec<Planned> = Vec::new();
         let mut parents: Vec<TaskName> = Vec::new();
+        let mut deliveries: Vec<TaskName> = Vec::new();
+        let mut reworks: Vec<TaskName> = Vec::new();
         for (_, task) in tasks {
             if self.engine.live_of(&task).is_some() {
                 continue;
@@ -185,8 +187,18 @@ impl Coordinator {
                     continue;
                 }
             };
+            // A rework decided before a crash is finished first: its old code never lands.
+            if self.work.inner().rework.contains_key(&task) {
+                reworks.push(task);
+                continue;
+            }
             if state.phase.is_terminal() {
                 self.settle(&task, state).await;
+                if state.phase == automaton_workflow::Phase::Complete
+                    && self.delivery_due(&task).await
+                {
+                    deliveries.push(task);
+                }
                 continue;
             }
             // Seed 002's loop limits: a hold kept across restarts.
@@ -319,6 +331,22 @@ impl Coordinator {
             running.spawn(async move {
                 if let Err(e) = me.advance_parent(&parent).await {
                     me.hold(&parent, e.to_string());
+                }
+            });
+        }
+        for task in deliveries {
+            let me = self.clone();
+            running.spawn(async move {
+                if let Err(e) = me.advance_delivery(&task).await {
+                    tracing::warn!(task = %task, error = %e, "delivery step failed");
+                }
+            });
+        }
+        for task in reworks {
+            let me = self.clone();
+            running.spawn(async move {
+                if let Err(e) = me.resume_rework(&task).await {
+                    me.hold(&task, format!("cannot finish its rework: {e}"));
                 }
             });
         }

@@ -82,6 +82,16 @@ pub(crate) struct Inner {
     /// then to another fitting worker before the one that failed it.
     /// When, also as wall-clock milliseconds (what `.state.dispatch` keeps).
     pub(crate) retry: HashMap<TaskName, (Instant, AgentId, u64)>,
+    /// Times each task was sent back to implement for a conflict, and a rework decided and
+    /// not yet carried out whole (the head it builds on, and why).
+    pub(crate) reworks: HashMap<TaskName, u32>,
+    pub(crate) rework: HashMap<TaskName, (String, String)>,
+    /// Delivery records as last read or written (`None`: the task has none).
+    pub(crate) deliveries: HashMap<TaskName, Option<automaton_store::DeliveryRecord>>,
+    /// A delivery that failed: not tried again before the instant; the pause it was given.
+    pub(crate) delivery_pause: HashMap<TaskName, (Instant, Duration)>,
+    /// One delivery into a base at a time, per (remote, base).
+    pub(crate) base_locks: HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>,
 }
 
 pub(crate) struct Work {
@@ -310,6 +320,8 @@ impl Work {
             run_requested: inner.requested.get(task).cloned(),
             retry_until_ms: inner.retry.get(task).map(|(_, _, ms)| *ms),
             retry_after: inner.retry.get(task).map(|(_, w, _)| w.to_string()),
+            reworks: inner.reworks.get(task).copied().unwrap_or(0),
+            rework: inner.rework.get(task).cloned(),
         }
     }
 
@@ -372,6 +384,13 @@ impl Work {
         if let Some(by) = r.run_requested {
             inner.requested.entry(task.clone()).or_insert(by);
         }
+        if r.reworks > 0 {
+            let n = inner.reworks.entry(task.clone()).or_insert(0);
+            *n = (*n).max(r.reworks);
+        }
+        if let Some(pending) = r.rework {
+            inner.rework.entry(task.clone()).or_insert(pending);
+        }
         // A retry pause goes on across the restart, for what is left of it.
         if let (Some(ms), Some(w)) = (r.retry_until_ms, r.retry_after.as_deref())
             && let Ok(w) = w.parse::<AgentId>()
@@ -414,6 +433,15 @@ impl Work {
             inner.runs.insert(task.clone(), runs);
         }
         None
+    }
+
+    /// The lock that serialises deliveries into `base` on `remote`.
+    pub(crate) fn base_lock(&self, remote: &str, base: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.inner()
+            .base_locks
+            .entry((remote.to_string(), base.to_string()))
+            .or_default()
+            .clone()
     }
 
     /// The slot that serialises `task`'s record writes.
@@ -560,6 +588,8 @@ mod tests {
             run_requested: Some("ops".into()),
             retry_until_ms: Some(wall_ms(SystemTime::now() + Duration::from_secs(20))),
             retry_after: Some("gpu-b".into()),
+            reworks: 1,
+            rework: Some(("a".repeat(40), "a conflict".into())),
         }
     }
 
