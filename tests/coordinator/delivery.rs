@@ -301,10 +301,10 @@ async fn merge_delivery_lands_a_finished_task_on_main_as_reviewed_and_every_view
 /// Issue 31, part 3: with `approve = true` a delivery waits for an operator; a person moves
 /// `main` meanwhile. A task that changed other paths lands as a merge commit holding both;
 /// one that changed a path the person changed does not land — it waits, naming the path —
-/// and `automaton abandon` gives it up.
+/// and `automaton abandon` gives it up; `automaton gc --branches` then removes both branches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn main_moved_by_a_person_meanwhile_a_clean_merge_lands_a_conflicting_one_waits_and_says_why()
-{
+async fn main_moved_by_a_person_meanwhile_a_clean_merge_lands_a_conflicting_one_waits_and_gc_collects_both()
+ {
     let env = Env::with_config(
         "[delivery]\nmode = \"merge\"\napprove = true\non_conflict = \"person\"\n",
     );
@@ -355,6 +355,26 @@ async fn main_moved_by_a_person_meanwhile_a_clean_merge_lands_a_conflicting_one_
     // A sub-task, an unknown task: refused with what to do.
     let unknown = cli_at(&env, &coord, &["deliver", "nope"]);
     assert_ne!(unknown.code, 0);
+    // `automaton gc --branches`: the merged branch and the abandoned one go; a dry run first
+    // removes nothing.
+    let dry = cli_at(&env, &coord, &["gc", "--branches", "--dry-run"]);
+    for want in [
+        "would remove automaton/clean: merged into main",
+        "would remove automaton/clash: its delivery was abandoned by",
+    ] {
+        assert!(dry.ok().stdout.contains(want), "{want}: {}", dry.stdout);
+    }
+    let branches = || git(&env, &["branch", "--list", "automaton/*"]);
+    assert!(branches().contains("automaton/clean"), "{}", branches());
+    cli_at(&env, &coord, &["gc", "--branches"]).ok();
+    let left = branches();
+    assert!(
+        !left.contains("automaton/clean") && !left.contains("automaton/clash"),
+        "{left}"
+    );
+    assert_eq!(rev(&env, "main"), main, "gc moved main");
+    let none = cli_at(&env, &coord, &["gc"]);
+    assert_ne!(none.code, 0, "gc without --branches: {none:?}");
 }
 
 /// Waits (bounded) until `task`'s delivery satisfies `done`.
@@ -631,4 +651,89 @@ async fn pull_request_errors_401_waits_for_a_fixed_token_429_is_retried_an_open_
     assert_eq!(fake.count("POST"), 0);
     drop(coord);
     fake.shutdown().await;
+}
+
+/// Issue 31, part 5: a failover mid-delivery on etcd. The leader records `merging` (its
+/// merge commit built, never pushed) and stops as `kill -9` stops it; the other coordinator
+/// takes over, builds the same commit again from the same inputs and lands it on the shared
+/// remote's `main` with a leased push: exactly one merge, the person's commit kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_failover_mid_delivery_lands_exactly_one_merge_on_the_shared_remote() {
+    let cluster = crate::cluster::Cluster::three().await;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let remote = scratch.path().join("shared.git");
+    let extra = format!(
+        "git_remote = {:?}\n\n[delivery]\nmode = \"merge\"\n",
+        remote.display().to_string()
+    );
+    let a_env = crate::ha::env_on_with(&cluster, "deliver", &extra);
+    git_init(&a_env);
+    let url = remote.display().to_string();
+    git(&a_env, &["clone", "-q", "--bare", ".", &url]);
+    // The task's reviewed branch, and a person's commit on the remote's main meanwhile.
+    let revision = commit_on(
+        &a_env,
+        "automaton/feat",
+        "main",
+        "feat.rs",
+        "pub fn feat() {}",
+    );
+    let person = commit_on(&a_env, "person", "main", "other.rs", "pub fn other() {}");
+    git(
+        &a_env,
+        &["push", "-q", &url, "automaton/feat", "person:main"],
+    );
+    let b_env = crate::ha::env_on_with(&cluster, "deliver", &extra);
+    git(&b_env, &["clone", "-q", &url, "."]);
+    let mut a = Coord::start_with_env(
+        &a_env,
+        &FLEET,
+        &[("AUTOMATON_FAILPOINTS", "delivery-crash-after=merging")],
+    );
+    assert_eq!(
+        crate::ha::leader_of(&[&a], Duration::from_secs(20)).await,
+        0
+    );
+    let b = Coord::start(&b_env, &FLEET);
+    let mut api = Api::new(connect(&a.url).await, None);
+    api.create("feat").await.expect("create");
+    a_env.artifact("feat", ".state", "referee\n");
+    a_env.artifact("feat", "VERDICT.md", "# VERDICT\n\nVerdict: PASS\n");
+    api.transition("feat", "complete").await.expect("complete");
+    let exit = wait_bounded(&mut a.child, Duration::from_secs(20));
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the leader did not stop at its failpoint: {exit:?}\n{}",
+        a.stderr()
+    );
+    assert_eq!(
+        crate::ha::leader_of(&[&b], Duration::from_secs(30)).await,
+        0
+    );
+    let mut api = Api::new(connect(&b.url).await, None);
+    let d = wait_for_delivery(&mut api, "feat", |d| d.state == "merged").await;
+    let on_remote = git(&a_env, &["--git-dir", &url, "rev-parse", "main"])
+        .trim()
+        .to_string();
+    assert_eq!(d.commit, on_remote, "{d:?}");
+    let log = git(
+        &a_env,
+        &["--git-dir", &url, "log", "--format=%H %s", "main"],
+    );
+    let merges = log
+        .lines()
+        .filter(|l| l.contains("automaton: feat"))
+        .count();
+    assert_eq!(merges, 1, "{log}");
+    for c in [&person, &revision] {
+        assert!(
+            log.contains(c.as_str()),
+            "{c} is not on the remote's main:\n{log}"
+        );
+    }
+    assert_eq!(
+        log.lines().count(),
+        4,
+        "init, the person's, the task's, one merge:\n{log}"
+    );
 }

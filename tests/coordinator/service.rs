@@ -247,6 +247,7 @@ async fn auth_no_token_unauthenticated_wrong_role_permission_denied() {
     let mut r = tonic::Request::new(pb::GetTaskRequest {
         task: "guarded".into(),
         with_contents: false,
+        with_changes: false,
     });
     r.metadata_mut()
         .insert("authorization", OPERATOR_TOKEN.parse().expect("value"));

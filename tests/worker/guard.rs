@@ -136,6 +136,13 @@ impl pb::workers_server::Workers for FakeCoordinator {
     ) -> Result<Response<pb::Delivery>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn collect_branches(
+        &self,
+        _: Request<pb::CollectBranchesRequest>,
+    ) -> Result<Response<pb::CollectBranchesResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 #[tonic::async_trait]

@@ -199,6 +199,7 @@ pub async fn prepare_one(tasks: &mut TasksClient<Channel>, task: &str) -> Result
             .get_task(GetTaskRequest {
                 task: task.to_string(),
                 with_contents: false,
+                with_changes: false,
             })
             .await
             .map_err(status_err)?

@@ -341,6 +341,7 @@ impl Backend {
                 let req = pb::GetTaskRequest {
                     task: task.to_string(),
                     with_contents: false,
+                    with_changes: false,
                 };
                 let d = r.run(r.tasks().get_task(req))?;
                 let (held, next_command, delivery) = d
@@ -417,6 +418,29 @@ impl Backend {
             task: task.to_string(),
             reason: reason.to_string(),
         }))
+    }
+
+    /// `automaton gc --branches`: through the coordinator that owns the project, or on the
+    /// files when none runs.
+    pub fn collect_branches(&self, dry_run: bool) -> Result<Vec<pb::CollectedBranch>, Failure> {
+        match self {
+            Backend::Remote(r) => Ok(r
+                .run(
+                    r.workers()
+                        .collect_branches(pb::CollectBranchesRequest { dry_run }),
+                )?
+                .branches),
+            Backend::Local(p) => Ok(p
+                .collect_branches(dry_run)?
+                .into_iter()
+                .map(|c| pb::CollectedBranch {
+                    task: c.task.to_string(),
+                    branch: c.branch,
+                    removed: c.removed,
+                    why: c.why,
+                })
+                .collect()),
+        }
     }
 
     pub fn run_task(&self, task: &TaskName) -> Result<pb::RunTaskResponse, Failure> {
@@ -562,6 +586,7 @@ impl Backend {
                 let req = pb::GetTaskRequest {
                     task: task.to_string(),
                     with_contents: false,
+                    with_changes: false,
                 };
                 let live = match r.run(r.tasks().get_task(req))?.lease {
                     Some(l) if l.agent == agent.as_str() => l,

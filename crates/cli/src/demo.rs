@@ -925,6 +925,7 @@ async fn parent_delivery(api: &mut Api) -> Option<pb::Delivery> {
         .get_task(pb::GetTaskRequest {
             task: PARENT.into(),
             with_contents: false,
+            with_changes: false,
         })
         .await
         .ok()
@@ -936,6 +937,7 @@ async fn parent_state(api: &mut Api) -> String {
         .get_task(pb::GetTaskRequest {
             task: PARENT.into(),
             with_contents: false,
+            with_changes: false,
         })
         .await
         .ok()
@@ -1224,6 +1226,7 @@ async fn summary(
             .get_task(pb::GetTaskRequest {
                 task: s.task.clone(),
                 with_contents: false,
+                with_changes: false,
             })
             .await
             .map(|d| d.into_inner().runs)

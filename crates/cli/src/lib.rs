@@ -63,6 +63,9 @@ pub enum Command {
     Deliver(workers::DeliverArgs),
     /// Give up a finished task's delivery: nothing more of it lands.
     Abandon(workers::AbandonArgs),
+    /// Remove what is no longer needed: `--branches`, the task branches whose work is merged
+    /// into its base or abandoned.
+    Gc(workers::GcArgs),
     /// Every task and sub-task: phase, holder, wave, estimate and why it waits.
     Tasks(workers::TasksArgs),
     /// The coordinator's events as they happen, one line each (`--json`: one object each).
@@ -246,6 +249,7 @@ pub fn run(cli: Cli) -> i32 {
         Command::Run(args) => workers::run_task(&args),
         Command::Deliver(args) => workers::deliver(&args),
         Command::Abandon(args) => workers::abandon(&args),
+        Command::Gc(args) => workers::gc(&args),
         Command::Approve(args) => {
             let mut argv: Vec<std::ffi::OsString> = vec![
                 "automaton".into(),

@@ -84,6 +84,21 @@ pub struct AbandonArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Remove the task branches whose work is delivered (merged into their base) or
+    /// abandoned; every other delivered task's branch is listed with why it stays.
+    #[arg(long)]
+    pub branches: bool,
+    /// List what would be removed; remove nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub target: crate::workers::Target,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct ApproveArgs {
     /// The task (`name` or `parent/sub`).
     pub task: String,
@@ -170,7 +185,7 @@ pub fn delivery_line(d: &pb::Delivery) -> String {
         "merged" => format!("merged {into} at {} ({})", d.commit, d.how),
         "opened" => format!("pull request #{} open: {}", d.number, d.url),
         "abandoned" => format!(
-            "abandoned by {}: {} (its branch {} stays)",
+            "abandoned by {}: {} (its branch {} goes with automaton gc --branches)",
             d.abandoned_by, d.failure, d.branch
         ),
         s => format!("{s} {into} ({} {})", d.mode, d.strategy),
@@ -556,6 +571,49 @@ fn abandon_act(args: &AbandonArgs) -> Result<String, Failure> {
 /// Runs `automaton abandon TASK`; prints and returns the exit code.
 pub fn abandon(args: &AbandonArgs) -> i32 {
     finish(abandon_act(args), args.json)
+}
+
+fn gc_act(args: &GcArgs) -> Result<String, Failure> {
+    if !args.branches {
+        return Err(Failure::Usage(
+            "automaton gc: say what to collect: --branches (task branches whose work is delivered or abandoned)".into(),
+        ));
+    }
+    let backend = backend_of(
+        args.target.project.as_deref(),
+        args.target.coordinator.as_deref(),
+    )?;
+    let branches = backend.collect_branches(args.dry_run)?;
+    if args.json {
+        let v: Vec<serde_json::Value> = branches
+            .iter()
+            .map(|b| serde_json::json!({"task": b.task, "branch": b.branch, "removed": b.removed, "why": b.why}))
+            .collect();
+        return Ok(format!("{}\n", serde_json::Value::Array(v)));
+    }
+    if branches.is_empty() {
+        return Ok("No delivered task has a branch left.\n".into());
+    }
+    let verb = if args.dry_run {
+        "would remove"
+    } else {
+        "removed"
+    };
+    let mut out = String::new();
+    for b in &branches {
+        out.push_str(&format!(
+            "{} {}: {}\n",
+            if b.removed { verb } else { "kept" },
+            b.branch,
+            b.why
+        ));
+    }
+    Ok(out)
+}
+
+/// Runs `automaton gc --branches`; prints and returns the exit code.
+pub fn gc(args: &GcArgs) -> i32 {
+    finish(gc_act(args), args.json)
 }
 
 /// Runs `automaton run TASK` (manual mode); prints and returns the exit code.

@@ -1,7 +1,8 @@
 //! The operator's console (issue 23): the web page a coordinator serves with
 //! `--web-listen` — the fleet (`/fleet`), the board of tasks by lifecycle phase (`/board`),
 //! a task's page with its artifacts, approvals, runs and live output (`/task/NAME`), and
-//! buttons for the operator's actions (approve, stop, resume, run, drain, undrain).
+//! buttons for the operator's actions (approve, stop, resume, run, drain, undrain, deliver,
+//! abandon), with a task's delivery and its change (the diff a reviewer reads, `diff.rs`).
 //!
 //! What it owns: the HTML (server-rendered by the pure functions of [`render`], with a
 //! little embedded vanilla JavaScript and CSS, no inline script: the CSP forbids it), the
@@ -18,8 +19,9 @@
 //! token as `authorization: Bearer …`, so every check (who may approve, what a state
 //! allows) is the coordinator's, and a refusal is shown as the coordinator's one line. It
 //! never shows a token, and never trusts what it renders: task names, reasons and artifacts
-//! are escaped.
+//! are escaped, and so is every byte of a task's diff (the agents' code).
 
+mod diff;
 mod feed;
 mod grpc;
 mod limit;
@@ -30,6 +32,7 @@ mod streams;
 mod tls;
 mod web;
 
+pub use diff::{escape_code, render_change, task_branch};
 pub use feed::{Utf8Carry, event_json, output_json};
 pub use grpc::http_status;
 pub use limit::{MAX_FAILURES, SignInLimit, WINDOW};

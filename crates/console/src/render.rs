@@ -8,10 +8,14 @@
 //! - `#board` holds one `.column[data-phase=PHASE]` per lifecycle phase (`new` …
 //!   `complete`, `human_intervention`; `unknown` only when a task has no state); each task
 //!   is a `.card[data-task=NAME][data-phase=PHASE]`; a parent's sub-tasks are cards inside
-//!   `.wave[data-wave=N]` groups inside the parent's card.
+//!   `.wave[data-wave=N]` groups inside the parent's card; a top-level task's delivery is
+//!   its card's `.delivery[data-state=STATE]` line.
 //! - `#task` is a task's page: `#task-facts` (refreshed on events), `#approve` (the button,
 //!   only while the task awaits approval), `#stop`, `#resume`, `#run`, `#artifacts`,
-//!   `#approval` (`.stale` when the approval no longer matches), `#runs` (one `.run` per run),
+//!   `#approval` (`.stale` when the approval no longer matches), `#delivery[data-state]`
+//!   with `#deliver` and `#abandon` (the buttons, only while they can apply), `#runs` (one
+//!   `.run` per run), `#change` (not refreshed: one `.file[data-file]` per file, `.hunk`s,
+//!   `.line.add` / `.line.del` / `.line.ctx`, `.ctl` for a control character, `.cut` when cut)
 //!   and `#output`, the `pre` that live output is appended to (`.gap` marks skipped bytes).
 //! - `#login-error` on the sign-in page, `#action-error` on a refused action's page.
 //! - Any element with `data-refresh=URL` is replaced by what `URL` returns when an event
@@ -82,11 +86,15 @@ impl BoardFilter {
     }
 }
 
-/// The task waits for a person: an approval, `human_intervention`, or seed 002's warning.
+/// The task waits for a person: an approval, `human_intervention`, seed 002's warning, or a
+/// delivery that waits (for an operator's approval, or a person's fix).
 pub fn needs_person(t: &pb::TaskSummary) -> bool {
     t.state.ends_with(":awaiting_approval")
         || phase_of(&t.state) == "human_intervention"
         || !t.attention.is_empty()
+        || t.delivery
+            .as_ref()
+            .is_some_and(|d| !delivery_final(d) && !d.waiting.is_empty())
 }
 
 /// Percent-encodes a path or query component (task names are kebab-case, but the page must
@@ -377,6 +385,15 @@ fn card(
     now: SystemTime,
 ) -> String {
     let mut out = card_open(t, starts, now);
+    // Only a top-level task is delivered (its sub-tasks come together on its branch first).
+    if let Some(d) = &t.delivery {
+        let _ = write!(
+            out,
+            "<div class=\"delivery\" data-state=\"{}\">{}</div>",
+            escape(&d.state),
+            delivery_summary(d)
+        );
+    }
     if !subs.is_empty() {
         let mut waves: BTreeMap<u32, Vec<&pb::TaskSummary>> = BTreeMap::new();
         for s in subs {
@@ -635,6 +652,9 @@ pub fn render_task(d: &pb::TaskDetail, view: &TaskView<'_>) -> String {
         out.push_str(&task_actions(d, &s, csrf));
     }
     out.push_str(&approval(d, &s));
+    if let Some(dl) = &s.delivery {
+        out.push_str(&delivery(&s.task, dl, view.csrf, view.now));
+    }
     out.push_str(&artifacts(d));
     out.push_str(&runs(&d.runs, view.trace_url, view.now));
     out.push_str(&guidance(d.guidance.as_ref()));
@@ -810,6 +830,176 @@ fn approval(d: &pb::TaskDetail, s: &pb::TaskSummary) -> String {
         );
     } else if s.approval_missing {
         out.push_str("<p class=\"record missing\">no approval record in .state.approvals</p>");
+    }
+    out.push_str("</section>");
+    out
+}
+
+// --- Delivery -------------------------------------------------------------------------------
+
+/// A delivery that has ended (`merged`, `opened`, `abandoned`): nothing more happens to it.
+pub fn delivery_final(d: &pb::Delivery) -> bool {
+    matches!(d.state.as_str(), "merged" | "opened" | "abandoned")
+}
+
+/// It waits for an operator's `automaton deliver` (`[delivery] approve = true`), as the
+/// coordinator words its `waiting` line.
+fn awaiting_approval(d: &pb::Delivery) -> bool {
+    d.waiting.starts_with("awaiting an operator")
+}
+
+/// `url` when a page may link it: http or https, without whitespace or control characters.
+pub fn web_url(url: &str) -> Option<&str> {
+    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+    let web = lower.starts_with("https://") || lower.starts_with("http://");
+    (web && !url.chars().any(|c| c.is_whitespace() || c.is_control())).then_some(url)
+}
+
+/// The pull request: `#N` (or `pull request`) linked when its URL is a web URL.
+fn pull_request(d: &pb::Delivery) -> String {
+    let label = if d.number > 0 {
+        format!("pull request #{}", d.number)
+    } else {
+        "pull request".to_string()
+    };
+    match web_url(&d.url) {
+        Some(u) => format!(
+            "<a class=\"pull-request\" href=\"{}\" rel=\"noopener noreferrer\">{}</a>",
+            escape(u),
+            escape(&label)
+        ),
+        None if d.url.is_empty() => escape(&label),
+        None => format!("{} ({})", escape(&label), escape(&d.url)),
+    }
+}
+
+/// A delivery in a few words (HTML): where the work went, or what it waits for.
+pub fn delivery_summary(d: &pb::Delivery) -> String {
+    let base = if d.base.is_empty() {
+        "the base"
+    } else {
+        &d.base
+    };
+    let text = match d.state.as_str() {
+        "merged" => {
+            let mut l = format!("merged into {base}");
+            if !d.commit.is_empty() {
+                l.push_str(&format!(" at {}", crate::diff::short_commit(&d.commit)));
+            }
+            if !d.how.is_empty() {
+                l.push_str(&format!(" ({})", d.how));
+            }
+            l
+        }
+        "opened" => return pull_request(d),
+        "abandoned" => "abandoned".to_string(),
+        _ if awaiting_approval(d) && d.mode == "pull_request" => {
+            format!("awaiting approval to open a pull request into {base}")
+        }
+        _ if awaiting_approval(d) => format!("awaiting approval to land on {base}"),
+        _ if !d.waiting.is_empty() => format!("waits: {}", d.waiting),
+        s if d.failures > 0 => format!("delivery {s} into {base}, {} failed tries", d.failures),
+        s => format!("delivery {s} into {base}"),
+    };
+    escape(&text)
+}
+
+/// The `#delivery` section: every fact of the record, and with `csrf` the Deliver button
+/// (while it waits: for an approval or a person's fix) and the Abandon form (until it ends).
+fn delivery(task: &str, d: &pb::Delivery, csrf: Option<&str>, now: SystemTime) -> String {
+    let mut out = format!(
+        "<section id=\"delivery\" class=\"delivery\" data-state=\"{}\"><h2>Delivery</h2><p class=\"summary\">{}</p><dl class=\"facts\">",
+        escape(&d.state),
+        delivery_summary(d)
+    );
+    // (name, HTML) of each fact that has a value.
+    let mut facts: Vec<(&str, String)> = Vec::new();
+    let mut fact = |k: &'static str, v: &str| {
+        if !v.is_empty() {
+            facts.push((k, escape(v)));
+        }
+    };
+    fact("state", &d.state);
+    fact(
+        "mode",
+        &match (d.mode.as_str(), d.strategy.as_str()) {
+            ("", s) | (s, "") => s.to_string(),
+            (m, s) => format!("{m}, strategy {s}"),
+        },
+    );
+    fact(
+        "base",
+        &if d.remote.is_empty() {
+            d.base.clone()
+        } else {
+            format!("{} on {}", d.base, d.remote)
+        },
+    );
+    fact("branch", &d.branch);
+    fact("revision", &d.revision);
+    fact("commit", &d.commit);
+    fact("how", &d.how);
+    fact("waiting", &d.waiting);
+    if d.state == "abandoned" {
+        fact("reason", &d.failure);
+    } else if !d.failure.is_empty() {
+        fact(
+            "last failure",
+            &format!("{} ({} failed so far)", d.failure, d.failures),
+        );
+    }
+    fact("approved by", &d.approved_by);
+    fact("abandoned by", &d.abandoned_by);
+    if d.reworks > 0 {
+        fact(
+            "reworks",
+            &format!("sent back to implement {} time(s)", d.reworks),
+        );
+    }
+    let at = |ts: Option<&Timestamp>| {
+        since(ts, now)
+            .map(|ago| format!("{} ({} ago)", time_text(ts), human_duration(ago)))
+            .unwrap_or_default()
+    };
+    fact("requested", &at(d.requested_at.as_ref()));
+    fact("updated", &at(d.updated_at.as_ref()));
+    if !d.url.is_empty() {
+        facts.push(("pull request", pull_request(d)));
+    }
+    for (k, v) in facts {
+        let _ = write!(
+            out,
+            "<dt>{k}</dt><dd class=\"{}\">{v}</dd>",
+            k.replace(' ', "-")
+        );
+    }
+    out.push_str("</dl>");
+    if let Some(csrf) = csrf
+        && !delivery_final(d)
+    {
+        let back = task_path("/task", task);
+        out.push_str("<div class=\"actions\">");
+        if !d.waiting.is_empty() {
+            out.push_str(&action_form(
+                Some("deliver"),
+                "deliver",
+                "deliver",
+                "Deliver",
+                csrf,
+                &[("task", task), ("back", &back)],
+            ));
+        }
+        let _ = write!(
+            out,
+            "<form method=\"post\" action=\"/action/abandon\" class=\"action abandon\" data-confirm=\"Abandon this delivery? Nothing more of it lands.\">{}\
+             <input type=\"hidden\" name=\"task\" value=\"{}\"><input type=\"hidden\" name=\"back\" value=\"{}\">\
+             <input type=\"text\" name=\"reason\" maxlength=\"200\" placeholder=\"reason (optional)\" aria-label=\"reason\"> \
+             <button type=\"submit\" id=\"abandon\">Abandon</button></form>",
+            csrf_field(csrf),
+            escape(task),
+            escape(&back)
+        );
+        out.push_str("</div>");
     }
     out.push_str("</section>");
     out
@@ -1301,6 +1491,187 @@ mod tests {
         );
         assert_eq!(since(ts(2_000_000).as_ref(), now()), Some(Duration::ZERO));
         assert_eq!(time_text(None), "-");
+    }
+
+    fn delivery(state: &str) -> pb::Delivery {
+        pb::Delivery {
+            state: state.into(),
+            mode: "merge".into(),
+            strategy: "merge".into(),
+            base: "main".into(),
+            branch: "automaton/cart".into(),
+            revision: "1111111111111111".into(),
+            ..Default::default()
+        }
+    }
+
+    fn delivered(d: pb::Delivery) -> pb::TaskSummary {
+        pb::TaskSummary {
+            delivery: Some(d),
+            ..task("cart", "complete")
+        }
+    }
+
+    #[test]
+    fn board_shows_each_delivery_in_a_few_words() {
+        let merged = pb::Delivery {
+            commit: "abc123def4567890".into(),
+            how: "merge commit".into(),
+            ..delivery("merged")
+        };
+        let opened = pb::Delivery {
+            mode: "pull_request".into(),
+            number: 3,
+            url: "https://forge.example/acme/shop/pull/3".into(),
+            ..delivery("opened")
+        };
+        let approval = pb::Delivery {
+            waiting: "awaiting an operator: `automaton deliver cart` lets 111 land on main".into(),
+            ..delivery("requested")
+        };
+        let person = pb::Delivery {
+            waiting: "⚠️ **HUMAN INTERVENTION REQUIRED**: <b>src/a.rs</b> changed on both sides"
+                .into(),
+            ..delivery("preparing")
+        };
+        let cases = [
+            (merged, "merged into main at abc123def456 (merge commit)"),
+            (
+                opened,
+                "<a class=\"pull-request\" href=\"https://forge.example/acme/shop/pull/3\" rel=\"noopener noreferrer\">pull request #3</a>",
+            ),
+            (approval, "awaiting approval to land on main"),
+            (
+                person,
+                "waits: ⚠️ **HUMAN INTERVENTION REQUIRED**: &lt;b&gt;src/a.rs&lt;/b&gt; changed on both sides",
+            ),
+            (delivery("abandoned"), "abandoned"),
+        ];
+        for (d, want) in cases {
+            let state = d.state.clone();
+            let html = render_board(&[delivered(d)], &[], &BoardFilter::default(), now());
+            assert!(
+                html.contains(&format!(
+                    "<div class=\"delivery\" data-state=\"{state}\">{want}</div>"
+                )),
+                "{state}: {html}"
+            );
+        }
+        // Only http(s) URLs are links.
+        let evil = pb::Delivery {
+            number: 4,
+            url: "javascript:alert(1)".into(),
+            ..delivery("opened")
+        };
+        let html = render_board(&[delivered(evil)], &[], &BoardFilter::default(), now());
+        assert!(!html.contains("href=\"javascript"), "{html}");
+        assert!(
+            html.contains("pull request #4 (javascript:alert(1))"),
+            "{html}"
+        );
+        assert_eq!(web_url("HTTPS://x.example/1"), Some("HTTPS://x.example/1"));
+        assert_eq!(web_url("https://x.example/ 1"), None);
+    }
+
+    #[test]
+    fn a_waiting_delivery_needs_a_person_and_a_final_one_does_not() {
+        let waits = delivered(pb::Delivery {
+            waiting: "awaiting an operator".into(),
+            ..delivery("requested")
+        });
+        assert!(needs_person(&waits));
+        assert!(!needs_person(&delivered(delivery("merged"))));
+        assert!(!needs_person(&delivered(delivery("preparing"))));
+    }
+
+    #[test]
+    fn task_page_shows_the_delivery_and_offers_deliver_and_abandon_while_it_waits() {
+        let d = pb::Delivery {
+            waiting: "awaiting an operator: `automaton deliver cart` lets 111 land on main".into(),
+            failure: "main moved <again>".into(),
+            failures: 2,
+            reworks: 1,
+            requested_at: ts(1_000_000 - 90),
+            remote: "origin".into(),
+            ..delivery("requested")
+        };
+        let waiting = pb::TaskDetail {
+            summary: Some(delivered(d)),
+            ..Default::default()
+        };
+        let html = render_task(&waiting, &view(Some("c")));
+        for want in [
+            "<section id=\"delivery\" class=\"delivery\" data-state=\"requested\"><h2>Delivery</h2>",
+            "<dt>base</dt><dd class=\"base\">main on origin</dd>",
+            "<dt>branch</dt><dd class=\"branch\">automaton/cart</dd>",
+            "<dt>revision</dt><dd class=\"revision\">1111111111111111</dd>",
+            "<dt>mode</dt><dd class=\"mode\">merge, strategy merge</dd>",
+            "<dt>last failure</dt><dd class=\"last-failure\">main moved &lt;again&gt; (2 failed so far)</dd>",
+            "<dt>reworks</dt><dd class=\"reworks\">sent back to implement 1 time(s)</dd>",
+            "<dt>requested</dt><dd class=\"requested\">1970-01-12T13:45:10Z (1m 30s ago)</dd>",
+            "action=\"/action/deliver\"",
+            "id=\"deliver\"",
+            "action=\"/action/abandon\"",
+            "name=\"reason\"",
+            "id=\"abandon\"",
+        ] {
+            assert!(html.contains(want), "{want}: {html}");
+        }
+        // Without a session's CSRF token: the facts, no buttons.
+        let ro = render_task(&waiting, &view(None));
+        assert!(ro.contains("id=\"delivery\""));
+        assert!(
+            !ro.contains("/action/deliver") && !ro.contains("/action/abandon"),
+            "{ro}"
+        );
+        // Going on by itself (nothing to approve): Abandon only.
+        let going = pb::TaskDetail {
+            summary: Some(delivered(delivery("ready"))),
+            ..Default::default()
+        };
+        let html = render_task(&going, &view(Some("c")));
+        assert!(!html.contains("id=\"deliver\""), "{html}");
+        assert!(html.contains("id=\"abandon\""), "{html}");
+        // Ended: no buttons at all; who and why are shown.
+        for end in ["merged", "opened", "abandoned"] {
+            let ended = pb::Delivery {
+                waiting: "stale line".into(),
+                abandoned_by: "ann".into(),
+                failure: "superseded".into(),
+                approved_by: "bob".into(),
+                ..delivery(end)
+            };
+            let ended = pb::TaskDetail {
+                summary: Some(delivered(ended)),
+                ..Default::default()
+            };
+            let html = render_task(&ended, &view(Some("c")));
+            assert!(!html.contains("id=\"deliver\""), "{end}: {html}");
+            assert!(!html.contains("id=\"abandon\""), "{end}: {html}");
+            assert!(
+                html.contains("<dd class=\"approved-by\">bob</dd>"),
+                "{html}"
+            );
+        }
+        let gone = pb::TaskDetail {
+            summary: Some(delivered(pb::Delivery {
+                abandoned_by: "ann".into(),
+                failure: "superseded".into(),
+                ..delivery("abandoned")
+            })),
+            ..Default::default()
+        };
+        let html = render_task(&gone, &view(Some("c")));
+        assert!(
+            html.contains("<dt>reason</dt><dd class=\"reason\">superseded</dd>"),
+            "{html}"
+        );
+        assert!(
+            html.contains("<dd class=\"abandoned-by\">ann</dd>"),
+            "{html}"
+        );
+        // No delivery: no section.
+        assert!(!render_task(&detail("complete"), &view(Some("c"))).contains("id=\"delivery\""));
     }
 
     #[test]

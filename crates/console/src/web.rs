@@ -695,6 +695,9 @@ async fn task(
             task: name.clone(),
             // The page renders each artifact's text (escaped markdown).
             with_contents: true,
+            // The change is read once per page, not on every refresh: a diff of up to 1 MiB
+            // per open page and event would cost the coordinator more than it shows anyone.
+            with_changes: !q.fragment(),
         })
         .await
     {
@@ -710,8 +713,17 @@ async fn task(
     if q.fragment() {
         return html(StatusCode::OK, facts);
     }
+    // A delivered task's record names its branch; any other is named as the store names it.
+    let branch = detail
+        .summary
+        .as_ref()
+        .and_then(|s| s.delivery.as_ref())
+        .map(|d| d.branch.clone())
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| crate::diff::task_branch(&name));
     let body = format!(
-        "<div id=\"task\">{facts}{}</div>",
+        "<div id=\"task\">{facts}{}{}</div>",
+        crate::diff::render_change(detail.changes.as_ref(), &branch),
         render::render_output_panel(&name)
     );
     respond(&app, &c, &name, false, body)
@@ -729,6 +741,9 @@ struct ActionForm {
     worker: String,
     #[serde(default)]
     back: String,
+    /// Why a delivery is abandoned (optional).
+    #[serde(default)]
+    reason: String,
 }
 
 async fn action(
@@ -806,6 +821,21 @@ async fn call_action(app: &App, stamp: Stamp, kind: &str, f: &ActionForm) -> Res
         "run" => workers
             .run_task(pb::RunTaskRequest {
                 task: need(&f.task, "task")?,
+            })
+            .await
+            .map(drop),
+        // `automaton deliver TASK`: the approval a delivery waits for, or a retry after a fix.
+        "deliver" => workers
+            .deliver(pb::DeliverRequest {
+                task: need(&f.task, "task")?,
+            })
+            .await
+            .map(drop),
+        // `automaton abandon TASK --reason WHY`.
+        "abandon" => workers
+            .abandon(pb::AbandonRequest {
+                task: need(&f.task, "task")?,
+                reason: f.reason.trim().to_string(),
             })
             .await
             .map(drop),

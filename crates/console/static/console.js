@@ -4,6 +4,7 @@
 //   what comes back in its place, at most every 500 ms. No polling loop.
 // - "reload" (this page fell behind the feed) reloads the page.
 // - Fills pre#output from its data-src (/output/NAME): text appended, gaps marked .gap.
+// - A form with data-confirm (Abandon) asks before it is sent.
 (function () {
   "use strict";
   var DEBOUNCE_MS = 500;
@@ -104,7 +105,17 @@
     });
   }
 
+  // On the document: forms replaced by a refresh are covered too.
+  function confirmations() {
+    document.addEventListener("submit", function (ev) {
+      var form = ev.target;
+      var ask = form && form.getAttribute ? form.getAttribute("data-confirm") : null;
+      if (ask && !window.confirm(ask)) { ev.preventDefault(); }
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
+    confirmations();
     listen();
     output();
   });

@@ -1,5 +1,6 @@
 //! The console over real sockets against a fake coordinator: pages, sign-in, CSRF, actions
-//! (and the token they carry), refusals mapped to HTTP statuses, and both live streams.
+//! (and the token they carry), refusals mapped to HTTP statuses, both live streams, and a
+//! finished task's delivery (its buttons) and change (the diff, escaped and bounded).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -52,9 +53,17 @@ impl pb::tasks_server::Tasks for Fake {
         &self,
         req: Request<pb::GetTaskRequest>,
     ) -> Result<Response<pb::TaskDetail>, Status> {
-        self.note("get_task", &req);
+        let what = format!(
+            "get_task {} changes={}",
+            req.get_ref().task,
+            req.get_ref().with_changes
+        );
+        self.note(&what, &req);
         let r = req.into_inner();
         let name = r.task;
+        if let Some(d) = finished(&name, r.with_changes) {
+            return Ok(Response::new(d));
+        }
         if name != "shop/api" {
             return Err(Status::not_found(format!("no task '{name}'")));
         }
@@ -124,8 +133,21 @@ impl pb::tasks_server::Tasks for Fake {
             state: "new".into(),
             ..Default::default()
         };
+        let landed = pb::TaskSummary {
+            task: "landed".into(),
+            state: "complete".into(),
+            delivery: Some(pb::Delivery {
+                commit: "abc123def4567890abc123def4567890abc123de".into(),
+                how: "merge commit".into(),
+                ..cart_delivery("merged")
+            }),
+            ..Default::default()
+        };
+        let cart = finished("cart", false)
+            .and_then(|d| d.summary)
+            .expect("cart is a fixture");
         Ok(Response::new(pb::ListTasksResponse {
-            tasks: vec![shop, evil],
+            tasks: vec![shop, evil, cart, landed],
             sizing_ratio: 0.0,
         }))
     }
@@ -234,16 +256,51 @@ impl pb::workers_server::Workers for Fake {
 
     async fn deliver(
         &self,
-        _: Request<pb::DeliverRequest>,
+        req: Request<pb::DeliverRequest>,
     ) -> Result<Response<pb::Delivery>, Status> {
-        Err(Status::failed_precondition("no delivery"))
+        self.note(&format!("deliver {}", req.get_ref().task), &req);
+        let task = req.into_inner().task;
+        if task != "cart" {
+            return Err(Status::failed_precondition(format!(
+                "{task} is design:awaiting_approval: its delivery starts when it is complete"
+            )));
+        }
+        Ok(Response::new(pb::Delivery {
+            approved_by: "ann".into(),
+            waiting: String::new(),
+            ..cart_delivery("requested")
+        }))
     }
 
     async fn abandon(
         &self,
-        _: Request<pb::AbandonRequest>,
+        req: Request<pb::AbandonRequest>,
     ) -> Result<Response<pb::Delivery>, Status> {
-        Err(Status::failed_precondition("no delivery"))
+        let what = format!(
+            "abandon {} reason={}",
+            req.get_ref().task,
+            req.get_ref().reason
+        );
+        self.note(&what, &req);
+        let r = req.into_inner();
+        if r.task != "cart" {
+            return Err(Status::failed_precondition(format!(
+                "{} has no delivery to abandon (it is not complete, or [delivery] mode is branch)",
+                r.task
+            )));
+        }
+        Ok(Response::new(pb::Delivery {
+            abandoned_by: "ann".into(),
+            failure: r.reason,
+            ..cart_delivery("abandoned")
+        }))
+    }
+
+    async fn collect_branches(
+        &self,
+        _: Request<pb::CollectBranchesRequest>,
+    ) -> Result<Response<pb::CollectBranchesResponse>, Status> {
+        Err(Status::unimplemented("fake"))
     }
 
     async fn tail_output(
@@ -285,6 +342,81 @@ impl pb::events_server::Events for Fake {
         let s = tokio_stream::StreamExt::filter_map(rx, |e| e.ok().map(Ok));
         Ok(Response::new(Box::pin(s)))
     }
+}
+
+/// `cart`'s delivery in `state`: into `main`, waiting for an operator's approval.
+fn cart_delivery(state: &str) -> pb::Delivery {
+    pb::Delivery {
+        state: state.into(),
+        mode: "merge".into(),
+        strategy: "merge".into(),
+        base: "main".into(),
+        branch: "automaton/cart".into(),
+        revision: "0123456789abcdef0123456789abcdef01234567".into(),
+        waiting: "awaiting an operator: `automaton deliver cart` lets 0123456789ab land on main"
+            .into(),
+        requested_at: Some(automaton_proto::prost_types::Timestamp {
+            seconds: 1_700_000_000,
+            nanos: 0,
+        }),
+        ..Default::default()
+    }
+}
+
+/// A change whose line and file name carry `<script>`, and a control character.
+const CART_DIFF: &str = concat!(
+    "diff --git a/src/cart.rs b/src/cart.rs\n",
+    "index 1111111..2222222 100644\n",
+    "--- a/src/cart.rs\n",
+    "+++ b/src/cart.rs\n",
+    "@@ -1,2 +1,3 @@\n",
+    " fn total() {}\n",
+    "-// old <b>\n",
+    "+// <script>alert(1)</script>\n",
+    "+let red = \"\u{1b}[31m\";\n",
+    "diff --git a/<script>alert(1)</script>.js b/<script>alert(1)</script>.js\n",
+    "new file mode 100644\n",
+    "--- /dev/null\n",
+    "+++ b/<script>alert(1)</script>.js\n",
+    "@@ -0,0 +1 @@\n",
+    "+x\n",
+);
+
+/// The finished top-level tasks: `cart` (delivery awaiting approval, a small change) and
+/// `huge` (a change far past what a page shows). The change only when asked for, as the
+/// coordinator does.
+fn finished(name: &str, with_changes: bool) -> Option<pb::TaskDetail> {
+    let diff = match name {
+        "cart" => CART_DIFF.to_string(),
+        "huge" => {
+            let mut d = String::new();
+            for f in 0..300 {
+                d.push_str(&format!(
+                    "diff --git a/f{f}.rs b/f{f}.rs\n@@ -0,0 +1,50 @@\n"
+                ));
+                for l in 0..50 {
+                    d.push_str(&format!("+line {l} of file {f}\n"));
+                }
+            }
+            d
+        }
+        _ => return None,
+    };
+    Some(pb::TaskDetail {
+        summary: Some(pb::TaskSummary {
+            task: name.into(),
+            state: "complete".into(),
+            delivery: (name == "cart").then(|| cart_delivery("requested")),
+            ..Default::default()
+        }),
+        changes: with_changes.then(|| pb::TaskChanges {
+            base_commit: "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".into(),
+            head_commit: "0123456789abcdef0123456789abcdef01234567".into(),
+            diff,
+            truncated: false,
+        }),
+        ..Default::default()
+    })
 }
 
 /// Starts the fake coordinator; returns its channel.
@@ -1180,4 +1312,279 @@ async fn a_stalled_events_reader_is_cut_after_the_stall_timeout_while_pages_answ
     let drained =
         tokio::time::timeout(Duration::from_secs(10), stalled.read_to_end(&mut rest)).await;
     assert!(drained.is_ok(), "the stalled connection was closed");
+}
+
+/// The board shows a finished task's delivery in a few words (awaiting approval, merged at a
+/// short commit); its page shows the record's facts with Deliver and Abandon, and its change
+/// per file and hunk, every line escaped (a `<script>` in a line and in a file name is text,
+/// a control character shown as its code point). The change is read with the page, not with
+/// each refresh.
+#[tokio::test]
+async fn board_and_task_page_show_the_delivery_and_the_change_escaped() {
+    let (fake, calls) = fake();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+    let board = http(addr, "GET", "/board", "", "").await;
+    assert_eq!(status(&board), 200, "{board}");
+    assert!(
+        board.contains(
+            "<div class=\"delivery\" data-state=\"requested\">awaiting approval to land on main</div>"
+        ),
+        "{board}"
+    );
+    assert!(
+        board.contains("merged into main at abc123def456 (merge commit)"),
+        "{board}"
+    );
+    // A delivery that waits for an operator needs a person.
+    let needs = http(addr, "GET", "/board?needs=person&fragment=1", "", "").await;
+    assert!(needs.contains("data-task=\"cart\""), "{needs}");
+    assert!(!needs.contains("data-task=\"landed\""), "{needs}");
+
+    let page = http(addr, "GET", "/task/cart", "", "").await;
+    assert_eq!(status(&page), 200, "{page}");
+    for want in [
+        "<section id=\"delivery\" class=\"delivery\" data-state=\"requested\">",
+        "<dt>branch</dt><dd class=\"branch\">automaton/cart</dd>",
+        "<dt>revision</dt><dd class=\"revision\">0123456789abcdef0123456789abcdef01234567</dd>",
+        "<dt>requested</dt><dd class=\"requested\">2023-11-14T22:13:20Z",
+        "id=\"deliver\"",
+        "id=\"abandon\"",
+        "<section id=\"change\"><h2>Change</h2>",
+        "<code class=\"base\" title=\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\">aaaaaaaaaaaa</code> → <code class=\"head\" title=\"0123456789abcdef0123456789abcdef01234567\">0123456789ab</code>",
+        "<article class=\"file\" id=\"file-0\" data-file=\"src/cart.rs\"><h3 class=\"file-name\">src/cart.rs</h3>",
+        "<pre class=\"hunk-header\">@@ -1,2 +1,3 @@</pre>",
+        "<span class=\"line ctx\"> fn total() {}</span>",
+        "<span class=\"line del\">-// old &lt;b&gt;</span>",
+        "<span class=\"line add\">+// &lt;script&gt;alert(1)&lt;/script&gt;</span>",
+        "<span class=\"line add\">+let red = &quot;<span class=\"ctl\">U+001B</span>[31m&quot;;</span>",
+        "data-file=\"&lt;script&gt;alert(1)&lt;/script&gt;.js\"><h3 class=\"file-name\">&lt;script&gt;alert(1)&lt;/script&gt;.js</h3>",
+    ] {
+        assert!(page.contains(want), "{want}: {page}");
+    }
+    assert_eq!(page.matches("<article class=\"file\"").count(), 2, "{page}");
+    assert_eq!(page.matches("<div class=\"hunk\">").count(), 2, "{page}");
+    assert!(!page.contains("<script>alert"), "{page}");
+    assert!(!page.contains('\u{1b}'), "{page}");
+    assert!(!page.contains("class=\"cut\""), "{page}");
+    // The refreshed part carries the delivery, not the change (nor asks for it).
+    let fragment = http(addr, "GET", "/task/cart?fragment=1", "", "").await;
+    assert!(fragment.contains("id=\"delivery\""), "{fragment}");
+    assert!(!fragment.contains("id=\"change\""), "{fragment}");
+    let calls = calls.lock().expect("calls").clone();
+    assert!(
+        calls.contains(&"get_task cart changes=true -".to_string()),
+        "{calls:?}"
+    );
+    assert!(
+        calls.contains(&"get_task cart changes=false -".to_string()),
+        "{calls:?}"
+    );
+    // A task without a change says so in one line.
+    let page = http(addr, "GET", "/task/shop/api", "", "").await;
+    assert!(
+        page.contains("<p class=\"empty\">no change to show: the task has no branch yet"),
+        "{page}"
+    );
+    assert!(!page.contains("id=\"delivery\""), "{page}");
+}
+
+/// A change past what a page shows is cut (at most `LINES_SHOWN` lines), with a note that the
+/// whole change is on the task's branch.
+#[tokio::test]
+async fn a_huge_change_is_cut_with_a_note_naming_the_branch() {
+    let (fake, _) = fake();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+    let page = http(addr, "GET", "/task/huge", "", "").await;
+    assert_eq!(status(&page), 200, "{page}");
+    let shown = page.matches("<span class=\"line add\">").count();
+    assert!(shown > 0 && shown < 300 * 50, "{shown}");
+    assert!(
+        page.contains("<p class=\"cut\">cut: the whole change is on branch <code>automaton/huge</code> (300 files"),
+        "{}",
+        &page[page.len().saturating_sub(2000)..]
+    );
+    // The cut files are still listed, without a link.
+    assert!(
+        page.contains("<span class=\"cut-file\">f99.rs</span>"),
+        "cut files named"
+    );
+    assert!(!page.contains("f150.rs"), "the list is bounded too");
+}
+
+/// Deliver and Abandon on a task's page POST to `/action/deliver` and `/action/abandon`,
+/// which call `Deliver` and `Abandon` with the task (and the reason) and the signed-in
+/// operator's token, then go back to the page; the coordinator's refusal is its one line;
+/// a wrong CSRF token or another site reaches no RPC.
+#[tokio::test]
+async fn deliver_and_abandon_buttons_call_the_rpcs_as_the_signed_in_operator() {
+    let (fake, calls) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let (addr, _stop) = console(coordinator(fake).await, Some(auth)).await;
+    let cookie = sign_in(addr).await;
+    let page = http(addr, "GET", "/task/cart", &cookie, "").await;
+    assert_eq!(status(&page), 200, "{page}");
+    assert!(page.contains("action=\"/action/deliver\""), "{page}");
+    assert!(page.contains("action=\"/action/abandon\""), "{page}");
+    let token = csrf(&page);
+    let count = |prefix: &str| {
+        calls
+            .lock()
+            .expect("calls")
+            .iter()
+            .filter(|c| c.starts_with(prefix))
+            .count()
+    };
+
+    for (body, extra) in [
+        ("task=cart&csrf=wrong".to_string(), ""),
+        (
+            format!("task=cart&csrf={token}"),
+            "Sec-Fetch-Site: cross-site\r\n",
+        ),
+        (
+            format!("task=cart&csrf={token}"),
+            "Origin: http://evil.example\r\n",
+        ),
+    ] {
+        for action in ["/action/deliver", "/action/abandon"] {
+            let headers = format!("{}{extra}", form_headers(&cookie));
+            let r = http(addr, "POST", action, &headers, &body).await;
+            assert_eq!(status(&r), 403, "{action} {body} {extra}: {r}");
+            assert!(r.contains("missing or wrong CSRF token"), "{r}");
+        }
+    }
+    assert_eq!(
+        count("deliver") + count("abandon"),
+        0,
+        "no refused POST reached an RPC"
+    );
+
+    let body = format!("task=cart&csrf={token}&back=%2Ftask%2Fcart");
+    let r = http(
+        addr,
+        "POST",
+        "/action/deliver",
+        &form_headers(&cookie),
+        &body,
+    )
+    .await;
+    assert_eq!(status(&r), 303, "{r}");
+    assert!(
+        r.to_ascii_lowercase().contains("location: /task/cart"),
+        "{r}"
+    );
+    assert!(
+        calls
+            .lock()
+            .expect("calls")
+            .contains(&"deliver cart Bearer good".to_string()),
+        "{:?}",
+        calls.lock().expect("calls")
+    );
+
+    let body =
+        format!("task=cart&csrf={token}&back=%2Ftask%2Fcart&reason=+superseded+by+%3Cb%3Ecart-2+");
+    let r = http(
+        addr,
+        "POST",
+        "/action/abandon",
+        &form_headers(&cookie),
+        &body,
+    )
+    .await;
+    assert_eq!(status(&r), 303, "{r}");
+    assert!(
+        calls
+            .lock()
+            .expect("calls")
+            .contains(&"abandon cart reason=superseded by <b>cart-2 Bearer good".to_string()),
+        "{:?}",
+        calls.lock().expect("calls")
+    );
+
+    // The coordinator refuses: its one line, as every action shows it.
+    let body = format!("task=shop%2Fapi&csrf={token}&back=%2Ftask%2Fshop%2Fapi");
+    let r = http(
+        addr,
+        "POST",
+        "/action/deliver",
+        &form_headers(&cookie),
+        &body,
+    )
+    .await;
+    assert_eq!(status(&r), 409, "{r}");
+    assert!(
+        r.contains("<p id=\"action-error\" class=\"error\">shop/api is design:awaiting_approval: its delivery starts when it is complete</p>"),
+        "{r}"
+    );
+    let r = http(
+        addr,
+        "POST",
+        "/action/abandon",
+        &form_headers(&cookie),
+        &body,
+    )
+    .await;
+    assert_eq!(status(&r), 409, "{r}");
+    assert!(r.contains("shop/api has no delivery to abandon"), "{r}");
+    // No task named: the console's own line, no call.
+    let before = count("deliver");
+    let r = http(
+        addr,
+        "POST",
+        "/action/deliver",
+        &form_headers(&cookie),
+        &format!("csrf={token}"),
+    )
+    .await;
+    assert_eq!(status(&r), 400, "{r}");
+    assert!(r.contains("no task named"), "{r}");
+    assert_eq!(count("deliver"), before);
+}
+
+/// Without a signed-in operator's session the task page is the sign-in page (no Deliver or
+/// Abandon button), and a POST to either action, even with a real session's CSRF token, is
+/// refused 401 before any call.
+#[tokio::test]
+async fn without_an_operator_session_no_delivery_buttons_and_their_posts_are_refused() {
+    let (fake, calls) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let (addr, _stop) = console(coordinator(fake).await, Some(auth)).await;
+    let page = http(addr, "GET", "/task/cart", "", "").await;
+    assert_eq!(status(&page), 303, "{page}");
+    assert!(
+        page.to_ascii_lowercase().contains("location: /login"),
+        "{page}"
+    );
+    assert!(!page.contains("/action/deliver") && !page.contains("/action/abandon"));
+    // An agent's token does not sign in, so it never gets a page with the buttons.
+    let r = http(addr, "POST", "/login", &form_headers(""), "token=agent").await;
+    assert_eq!(status(&r), 403, "{r}");
+    assert!(!r.to_ascii_lowercase().contains("set-cookie"), "{r}");
+
+    let cookie = sign_in(addr).await;
+    let token = csrf(&http(addr, "GET", "/task/cart", &cookie, "").await);
+    for action in ["/action/deliver", "/action/abandon"] {
+        let body = format!("task=cart&csrf={token}&reason=x");
+        let r = http(addr, "POST", action, &form_headers(""), &body).await;
+        assert_eq!(status(&r), 401, "{action}: {r}");
+        assert!(r.contains("sign in first"), "{r}");
+        let r = http(
+            addr,
+            "POST",
+            action,
+            &form_headers("Cookie: automaton_console=0000\r\n"),
+            &body,
+        )
+        .await;
+        assert_eq!(status(&r), 401, "{action}: {r}");
+    }
+    assert!(
+        !calls
+            .lock()
+            .expect("calls")
+            .iter()
+            .any(|c| c.starts_with("deliver") || c.starts_with("abandon")),
+        "no RPC was called"
+    );
 }

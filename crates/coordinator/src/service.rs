@@ -152,6 +152,8 @@ fn approval_pb(a: &automaton_store::ApprovalView) -> pb::ApprovalStatus {
 }
 
 /// The most of one artifact `GetTask` sends with `with_contents`.
+/// The most of a task's diff GetTask sends.
+const CHANGES_SHOWN: usize = 1 << 20;
 const ARTIFACT_SHOWN: usize = 256 * 1024;
 
 /// At most `max` bytes of `bytes` as text: cut before a character that does not fit whole,
@@ -422,7 +424,37 @@ impl pb::tasks_server::Tasks for Service {
                 file.content = text_prefix(&bytes, ARTIFACT_SHOWN);
             }
         }
+        let changes = if req.get_ref().with_changes {
+            let t = task.clone();
+            self.coord
+                .engine
+                .read(move |p| p.task_changes(&t))
+                .await
+                .map_err(crate::status)?
+                .map(|c| {
+                    let mut diff = String::from_utf8_lossy(&c.diff).into_owned();
+                    let mut truncated = diff.contains("[changes.diff cut at ");
+                    // Within what a client decodes by default (4 MiB), with room to spare.
+                    if diff.len() > CHANGES_SHOWN {
+                        let mut end = CHANGES_SHOWN;
+                        while !diff.is_char_boundary(end) {
+                            end -= 1;
+                        }
+                        diff.truncate(end);
+                        truncated = true;
+                    }
+                    pb::TaskChanges {
+                        truncated,
+                        base_commit: c.base,
+                        head_commit: c.head,
+                        diff,
+                    }
+                })
+        } else {
+            None
+        };
         Ok(Response::new(pb::TaskDetail {
+            changes,
             summary: Some(row),
             lease,
             implementers: view.implementers.iter().map(|a| a.to_string()).collect(),

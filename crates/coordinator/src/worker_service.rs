@@ -306,6 +306,43 @@ impl pb::workers_server::Workers for Service {
             .map_err(crate::status)?;
         Ok(Response::new(self.coord.delivery_shown(&task, &r)))
     }
+
+    async fn collect_branches(
+        &self,
+        req: Request<pb::CollectBranchesRequest>,
+    ) -> Result<Response<pb::CollectBranchesResponse>, Status> {
+        let who = caller(&req);
+        require_operator(&who, "CollectBranches")?;
+        self.coord.engine.leading().map_err(crate::status)?;
+        let dry_run = req.get_ref().dry_run;
+        let collected = self
+            .coord
+            .engine
+            .read(move |p| p.collect_branches(dry_run))
+            .await
+            .map_err(crate::status)?;
+        let branches: Vec<pb::CollectedBranch> = collected
+            .into_iter()
+            .map(|c| pb::CollectedBranch {
+                task: c.task.to_string(),
+                branch: c.branch,
+                removed: c.removed,
+                why: c.why,
+            })
+            .collect();
+        if !dry_run {
+            for b in branches.iter().filter(|b| b.removed) {
+                self.coord.engine.emit(
+                    "branch_removed",
+                    &b.task,
+                    &who.name,
+                    0,
+                    format!("{}: {}", b.branch, b.why),
+                );
+            }
+        }
+        Ok(Response::new(pb::CollectBranchesResponse { branches }))
+    }
 }
 
 /// The top-level task a Deliver or Abandon names, which must exist.

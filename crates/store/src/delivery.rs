@@ -188,6 +188,17 @@ pub struct Rework {
     pub moved: bool,
 }
 
+/// A task branch [`Project::collect_branches`] looked at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Collected {
+    pub task: TaskName,
+    pub branch: String,
+    /// Removed (or, in a dry run, would be).
+    pub removed: bool,
+    /// Why it goes, or why it stays.
+    pub why: String,
+}
+
 /// The branch HEAD names in `root`'s repository now, if it names one.
 pub fn head_branch_name(repo: &Repository) -> Option<String> {
     let head = repo.find_reference("HEAD").ok()?;
@@ -583,6 +594,18 @@ impl Project {
         Ok(true)
     }
 
+    /// Whether this repository has commit `id` (a delivery's commit built by another leader
+    /// may not have reached it: it is then built again, to the same id).
+    pub fn has_commit(&self, id: &str) -> Result<bool, Error> {
+        let Some(repo) = self.repository()? else {
+            return Ok(false);
+        };
+        let Ok(oid) = parse_commit_id(id) else {
+            return Ok(false);
+        };
+        Ok(repo.find_commit(oid).is_ok())
+    }
+
     /// Pushes `revision` to `task`'s branch on `remote` (a pull request's head): a
     /// fast-forward, never forced.
     pub fn push_task_branch(
@@ -758,6 +781,126 @@ impl Project {
             head: new_head.to_string(),
             moved: true,
         })
+    }
+
+    /// `automaton gc --branches`: removes the task branches whose work is safe without
+    /// them — a top-level task's (and its sub-tasks') once its delivery is `merged` and its
+    /// base holds the branch's head, or once a person abandoned the delivery. Each branch is
+    /// removed only if it still points where it was checked (a branch moved meanwhile
+    /// stays), here and, with a shared remote, there. Every other delivered task's branch is
+    /// listed with why it stays. `dry_run`: nothing is removed.
+    pub fn collect_branches(&self, dry_run: bool) -> Result<Vec<Collected>, Error> {
+        let Some(_) = self.repository()? else {
+            return Ok(Vec::new());
+        };
+        let repo = self.durable_repository()?;
+        let mut out = Vec::new();
+        for entry in self.list(std::time::SystemTime::now())? {
+            let task = entry.task.clone();
+            let Some(record) = self.read_delivery(&task)? else {
+                continue;
+            };
+            let mut branches = vec![task.clone()];
+            branches.extend(entry.subtasks.iter().map(|s| s.task.clone()));
+            let safe: Result<String, String> = match record.state {
+                DeliveryState::Abandoned => Ok(format!(
+                    "its delivery was abandoned by {}",
+                    if record.abandoned_by.is_empty() {
+                        "a person"
+                    } else {
+                        &record.abandoned_by
+                    }
+                )),
+                DeliveryState::Merged => {
+                    let remote = (!record.remote.is_empty()).then_some(record.remote.as_str());
+                    match self.base_head(&repo, &task, &record.base, remote) {
+                        Ok(base) => Ok(base.to_string()),
+                        Err(e) => Err(format!("cannot read its base: {e}")),
+                    }
+                }
+                other => Err(format!("its delivery is {}", other.name())),
+            };
+            for t in branches {
+                let refname = branch_ref(&t);
+                let Some(head) = self.branch_commit(&repo, &refname)? else {
+                    continue;
+                };
+                let verdict = match &safe {
+                    Err(why) => Err(why.clone()),
+                    Ok(base) if record.state == DeliveryState::Merged => {
+                        let base_id = parse_commit_id(base)?;
+                        if self.contains_commit(&repo, base_id, head)? {
+                            Ok(format!("merged into {} ({})", record.base, short(base)))
+                        } else {
+                            Err(format!(
+                                "its head {} is not on {}: it changed after the merge",
+                                short(&head.to_string()),
+                                record.base
+                            ))
+                        }
+                    }
+                    Ok(why) => Ok(why.clone()),
+                };
+                let branch = branch_name(&t);
+                let (removed, why) = match verdict {
+                    Err(why) => (false, why),
+                    Ok(why) if dry_run => (true, why),
+                    Ok(why) => match self.remove_branch(&repo, &t, &refname, head) {
+                        Ok(()) => (true, why),
+                        Err(e) => (false, format!("not removed: {e}")),
+                    },
+                };
+                out.push(Collected {
+                    task: t,
+                    branch,
+                    removed,
+                    why,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes `refname` if it still points at `head`: on the shared remote first (so that a
+    /// new leader does not fetch it back), then here.
+    fn remove_branch(
+        &self,
+        repo: &Repository,
+        task: &TaskName,
+        refname: &str,
+        head: Oid,
+    ) -> Result<(), Error> {
+        if let Some(remote) = self.git_remote() {
+            let lease = format!("--force-with-lease={refname}:{head}");
+            let spec = format!(":{refname}");
+            run_git(&self.root, &["push", "--quiet", &lease, remote, &spec]).map_err(|why| {
+                Error::SharedRemote {
+                    action: "remove the task branch from",
+                    remote: remote.to_string(),
+                    why,
+                }
+            })?;
+        }
+        let mut r = match repo.find_reference(refname) {
+            Ok(r) => r,
+            Err(e) if e.code() == git2::ErrorCode::NotFound => return Ok(()),
+            Err(e) => return Err(self.git("read the task branch")(e)),
+        };
+        if r.target() != Some(head) {
+            return Err(Error::BranchRace {
+                task: task.clone(),
+                branch: branch_name(task),
+            });
+        }
+        r.delete().map_err(self.git("remove the task branch"))?;
+        if let Some(dir) = repo.commondir().join(refname).parent() {
+            sync_dir(dir).or_else(|e| match e {
+                // A folder emptied by the deletion may be gone.
+                Error::Io { .. } => Ok(()),
+                e => Err(e),
+            })?;
+        }
+        Ok(())
     }
 
     /// `ancestor` is `descendant` or one of its ancestors.
@@ -1217,5 +1360,70 @@ mod tests {
                 .write_delivery(&name("absent"), &DeliveryRecord::default())
                 .is_err()
         );
+    }
+
+    #[test]
+    fn gc_removes_only_branches_merged_into_their_base_or_abandoned_and_a_dry_run_nothing() {
+        let (_dir, project, repo, _) = checkout();
+        let record = |state, base: &str| DeliveryRecord {
+            state,
+            base: base.into(),
+            abandoned_by: "ops".into(),
+            ..DeliveryRecord::default()
+        };
+        // Merged: main holds its head.
+        let merged = task(&project, "merged");
+        let head = work(&project, "merged", &[("m.rs", b"m\n")]);
+        repo.reference(
+            "refs/heads/release",
+            Oid::from_str(&head).expect("oid"),
+            true,
+            "t",
+        )
+        .expect("release");
+        project
+            .write_delivery(&merged, &record(DeliveryState::Merged, "release"))
+            .expect("record");
+        // Merged, but its branch moved since: it stays.
+        let moved = task(&project, "moved");
+        work(&project, "moved", &[("a.rs", b"a\n")]);
+        project
+            .write_delivery(&moved, &record(DeliveryState::Merged, "main"))
+            .expect("record");
+        // Abandoned by a person, and one still in flight.
+        let gone = task(&project, "gone");
+        work(&project, "gone", &[("g.rs", b"g\n")]);
+        project
+            .write_delivery(&gone, &record(DeliveryState::Abandoned, "main"))
+            .expect("record");
+        let busy = task(&project, "busy");
+        work(&project, "busy", &[("b.rs", b"b\n")]);
+        project
+            .write_delivery(&busy, &record(DeliveryState::Ready, "main"))
+            .expect("record");
+        let exists = |t: &str| {
+            repo.find_reference(&format!("refs/heads/automaton/{t}"))
+                .is_ok()
+        };
+        let dry = project.collect_branches(true).expect("dry run");
+        let verdict = |list: &[Collected], t: &str| {
+            list.iter()
+                .find(|c| c.task.to_string() == t)
+                .map(|c| (c.removed, c.why.clone()))
+        };
+        assert_eq!(verdict(&dry, "merged").map(|v| v.0), Some(true), "{dry:?}");
+        assert_eq!(verdict(&dry, "gone").map(|v| v.0), Some(true), "{dry:?}");
+        assert!(verdict(&dry, "moved").is_some_and(|v| !v.0 && v.1.contains("not on main")));
+        assert!(verdict(&dry, "busy").is_some_and(|v| !v.0 && v.1.contains("ready")));
+        for t in ["merged", "moved", "gone", "busy"] {
+            assert!(exists(t), "a dry run removed {t}");
+        }
+        let done = project.collect_branches(false).expect("gc");
+        assert_eq!(verdict(&done, "merged").map(|v| v.0), Some(true));
+        assert!(!exists("merged") && !exists("gone"));
+        assert!(exists("moved") && exists("busy"));
+        // Again: nothing left to remove, nothing else touched.
+        let again = project.collect_branches(false).expect("again");
+        assert!(again.iter().all(|c| !c.removed), "{again:?}");
     }
 }

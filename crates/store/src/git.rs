@@ -98,10 +98,7 @@ pub struct Applied {
 
 /// The branch of `task`: `automaton/{task}`, or `automaton/{parent}--{sub}` for a sub-task.
 pub fn branch_name(task: &TaskName) -> String {
-    match task.parent() {
-        Some(parent) => format!("automaton/{}--{}", parent.leaf(), task.leaf()),
-        None => format!("automaton/{}", task.leaf()),
-    }
+    task.branch()
 }
 
 /// The ref of `task`'s branch: `refs/heads/` and [`branch_name`].

@@ -50,7 +50,8 @@ use automaton_workflow::{
 pub use audit::{AuditReport, AuditTask, Category3, Modification};
 pub use change::{ApproveOutcome, COMPLETION_RECORD_AGE, Completion, TransitionOutcome, Upgraded};
 pub use delivery::{
-    CONFLICTS, DeliveryRecord, DeliveryState, Prepared, Rework, Strategy, head_branch_name,
+    CONFLICTS, Collected, DeliveryRecord, DeliveryState, Prepared, Rework, Strategy,
+    head_branch_name,
 };
 pub use dispatch::{DispatchRecord, MAX_TAIL_KEPT, RunRecord};
 pub use git::{

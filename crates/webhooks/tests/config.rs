@@ -116,7 +116,7 @@ fn bad_webhook_config_gets_one_line_errors() {
         (with(&|h| h.url = "http:///x".into()), "http://host"),
         (
             with(&|h| h.events = vec!["approved".into()]),
-            "unknown event 'approved': write one of awaiting_approval, human_intervention, held, worker_lost, subtask_too_large, or \"*\" for all",
+            "unknown event 'approved': write one of awaiting_approval, human_intervention, held, worker_lost, subtask_too_large, merged, pull_request_opened, delivery_failed, or \"*\" for all",
         ),
         (with(&|h| h.events = vec![]), "events is empty"),
         (

@@ -54,6 +54,16 @@ pub struct TaskName {
 }
 
 impl TaskName {
+    /// The git branch the task's code is on: `automaton/NAME`, a sub-task's
+    /// `automaton/PARENT--SUB` (one level, so that a parent's branch and its sub-tasks'
+    /// never nest as git refs).
+    pub fn branch(&self) -> String {
+        match &self.parent {
+            Some(parent) => format!("automaton/{parent}--{}", self.name),
+            None => format!("automaton/{}", self.name),
+        }
+    }
+
     pub fn parent(&self) -> Option<TaskName> {
         self.parent.as_ref().map(|p| TaskName {
             parent: None,

@@ -24,6 +24,8 @@ const FIRST_PAUSE: Duration = Duration::from_secs(1);
 const MAX_PAUSE: Duration = Duration::from_secs(60);
 /// Steps one round may take for one delivery (a base that keeps moving waits a round).
 const STEPS_PER_ROUND: usize = 8;
+/// The most of an abandon's reason kept.
+const MAX_REASON: usize = 500;
 
 /// What a rework came to.
 pub(crate) enum Reworked {
@@ -391,6 +393,17 @@ impl Coordinator {
                         }
                         break;
                     }
+                    // A leader that cannot prove it still leads moves no base (with etcd, a
+                    // deposed one's record writes are refused too; this is before the push).
+                    self.engine.leading()?;
+                    // Built by another leader and never pushed: built again (the same inputs
+                    // make the same commit), or found landed.
+                    let (p, c) = (project.clone(), r.commit.clone());
+                    if !blocking(move || p.has_commit(&c)).await? {
+                        r.state = DeliveryState::Preparing;
+                        self.save_delivery(task, r.clone()).await?;
+                        continue;
+                    }
                     let (p, t, base, before, commit, rem) = (
                         project.clone(),
                         task.clone(),
@@ -449,6 +462,7 @@ impl Coordinator {
             title: self.delivery_title(task).await,
             body: self.pull_request_body(task, r).await,
         };
+        self.engine.leading()?;
         let opened = match automaton_forge::Forge::new(&config) {
             Ok(forge) => forge.open_pull_request(&spec).await,
             Err(e) => Err(e),
@@ -775,11 +789,26 @@ impl Coordinator {
     ) -> Result<DeliveryRecord, Error> {
         let me = self.clone();
         let (t, by) = (task.clone(), by.to_string());
-        let reason = if reason.trim().is_empty() {
-            "abandoned by an operator".to_string()
-        } else {
-            automaton_workflow::excerpt(reason.trim()).to_string()
-        };
+        // One line of at most MAX_REASON bytes: it is shown in listings and events.
+        let line: String = reason
+            .split(['\n', '\r'])
+            .next()
+            .unwrap_or_default()
+            .chars()
+            .filter(|c| !c.is_control())
+            .collect();
+        let mut reason = line.trim().to_string();
+        if reason.len() > MAX_REASON {
+            let mut end = MAX_REASON;
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.truncate(end);
+            reason.push('…');
+        }
+        if reason.is_empty() {
+            reason = "abandoned by an operator".to_string();
+        }
         let why = reason.clone();
         let r = self
             .engine
