@@ -737,3 +737,114 @@ async fn ha_a_failover_mid_delivery_lands_exactly_one_merge_on_the_shared_remote
         "init, the person's, the task's, one merge:\n{log}"
     );
 }
+
+/// Issue 31, part 1: three sub-tasks of one wave, each on its own file and all started from
+/// one head, land on the parent's branch in whatever order they pass (a fast-forward, then
+/// merge commits), and the parent completes holding all three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_sub_tasks_of_one_wave_on_disjoint_files_all_land_on_the_parent_branch() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let rows = spec(&[("one", "-", 4), ("two", "-", 4), ("three", "-", 4)]);
+    approved_decomposition(&mut api, &env, "p", &rows[rows.find('|').unwrap_or(0)..]).await;
+    for sub in ["p/one", "p/two", "p/three"] {
+        events.expect("subtask_created", sub).await;
+    }
+    for b in ["automaton/p--one", "automaton/p--two", "automaton/p--three"] {
+        git(&env, &["branch", b, "HEAD"]);
+    }
+    let _a = worker(&coord, "gpu-a", "sim:24GiB", &[]);
+    let _b = worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    let approver = approve_all(&api);
+    let end = events
+        .find("the parent's end", Duration::from_secs(90), |e| {
+            e.kind == "parent_ended" && e.task == "p"
+        })
+        .await;
+    approver.abort();
+    assert!(end.detail.contains("PASS: 3"), "{end:?}");
+    let files = git(&env, &["ls-tree", "-r", "--name-only", "automaton/p"]);
+    for sub in ["one", "two", "three"] {
+        assert!(
+            files.contains(&format!("AUTOMATON_SCRIPTED.{sub}.md")),
+            "{sub} is not on the parent's branch:\n{files}"
+        );
+    }
+    let merged = events
+        .settle(Duration::from_millis(10))
+        .await
+        .iter()
+        .filter(|e| e.kind == "subtask_merged")
+        .count();
+    assert_eq!(merged, 3);
+    assert!(
+        !events.all.iter().any(|e| e.kind == "rework"),
+        "disjoint files needed no rework"
+    );
+}
+
+/// Issue 31, part 3: the compare-and-swap push. The coordinator stops right after recording
+/// `ready` (its merge built on the remote's `main` as it was); a person pushes to that `main`
+/// meanwhile; after the restart the leased push is refused, the merge is built again on the
+/// person's commit, and lands: the person's commit is never overwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leased_push_never_overwrites_a_commit_pushed_to_the_remote_meanwhile() {
+    let remote = tempfile::tempdir().expect("remote");
+    let url = remote.path().display().to_string();
+    let env = Env::with_config(&format!(
+        "[delivery]\nmode = \"merge\"\nremote = \"{url}\"\n"
+    ));
+    git_init(&env);
+    git(&env, &["init", "-q", "--bare", &url]);
+    git(&env, &["push", "-q", &url, "main"]);
+    let revision = finished_task(&env, "feat", "feat.rs", "pub fn feat() {}\n");
+    let mut coord = Coord::start_with_env(
+        &env,
+        &FLEET,
+        &[("AUTOMATON_FAILPOINTS", "delivery-crash-after=ready")],
+    );
+    let mut api = coord.api().await;
+    api.transition("feat", "complete").await.expect("complete");
+    let exit = wait_bounded(&mut coord.child, Duration::from_secs(20));
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "{exit:?}\n{}",
+        coord.stderr()
+    );
+    let record =
+        std::fs::read_to_string(env.task_dir("feat").join(".state.delivery")).expect("the record");
+    let built: serde_json::Value = serde_json::from_str(&record).expect("json");
+    assert_eq!(built["state"], "ready", "{record}");
+    // The person's push, after the merge was built.
+    let pushed = commit_on(&env, "elsewhere", "main", "other.rs", "other");
+    git(&env, &["push", "-q", &url, "elsewhere:main"]);
+    coord.restart_after_kill(&FLEET);
+    let mut api = coord.api().await;
+    let d = wait_for_delivery(&mut api, "feat", |d| d.state == "merged").await;
+    assert_ne!(
+        built["commit"].as_str().unwrap_or_default(),
+        d.commit,
+        "the merge built before the push landed over it"
+    );
+    assert!(d.failures >= 1 && d.failure.contains("moved"), "{d:?}");
+    for c in [&pushed, &revision] {
+        let ok = Command::new("git")
+            .args([
+                "--git-dir",
+                &url,
+                "merge-base",
+                "--is-ancestor",
+                c,
+                &d.commit,
+            ])
+            .status()
+            .expect("git")
+            .success();
+        assert!(ok, "{c} is not under the delivered commit {}", d.commit);
+    }
+    let on_remote = git(&env, &["--git-dir", &url, "rev-parse", "main"]);
+    assert_eq!(on_remote.trim(), d.commit);
+}

@@ -523,10 +523,9 @@ impl Project {
                 short(base_before)
             ),
         };
-        if now != before {
-            return Err(moved(now));
-        }
         if let Some(remote) = remote {
+            // The lease is the compare-and-swap: the push lands only if the remote's base is
+            // still `base_before`, whatever the fetch above saw.
             let lease = format!("--force-with-lease=refs/heads/{base}:{base_before}");
             let spec = format!("{commit}:refs/heads/{base}");
             return match run_git(&self.root, &["push", "--quiet", &lease, remote, &spec]) {
@@ -545,6 +544,9 @@ impl Project {
                     why,
                 }),
             };
+        }
+        if now != before {
+            return Err(moved(now));
         }
         let checked_out = !repo.is_bare() && head_branch_name(&repo).as_deref() == Some(base);
         if checked_out {
