@@ -334,12 +334,18 @@ impl Coordinator {
                 }
             });
         }
+        // Deliveries run beside the rounds, not in them: a merge queue or a forge's rate
+        // limit must not hold up the offering of work. One at a time per task.
         for task in deliveries {
+            if !self.work.inner().delivering.insert(task.clone()) {
+                continue;
+            }
             let me = self.clone();
-            running.spawn(async move {
+            tokio::spawn(async move {
                 if let Err(e) = me.advance_delivery(&task).await {
                     tracing::warn!(task = %task, error = %e, "delivery step failed");
                 }
+                me.work.inner().delivering.remove(&task);
             });
         }
         for task in reworks {

@@ -92,6 +92,8 @@ pub(crate) struct Inner {
     pub(crate) delivery_pause: HashMap<TaskName, (Instant, Duration)>,
     /// One delivery into a base at a time, per (remote, base).
     pub(crate) base_locks: HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>,
+    /// Deliveries being driven now (each by one task beside the rounds).
+    pub(crate) delivering: HashSet<TaskName>,
 }
 
 pub(crate) struct Work {
