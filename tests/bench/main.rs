@@ -927,3 +927,53 @@ fn console_bench_times_every_page_and_every_stream_gets_the_events() {
     assert!(s["rss_end_mib"].as_f64().unwrap_or(0.0) > 1.0, "{s}");
     assert!(run.stdout.contains("| `/board` | 3 |"), "{}", run.stdout);
 }
+
+/// `automaton-bench delivery`: tasks completed at once are each merged into the project's
+/// `main` exactly once by the real coordinator (the bench checks main's files, commits and
+/// merge commits against the events, and fails otherwise), the git CLI merges the same
+/// branches as the reference, and a decomposition's sub-tasks are merged into their
+/// parent's branch — the first a fast-forward, the rest merge commits.
+#[test]
+fn delivery_bench_merges_every_task_into_main_once_and_every_subtask_into_its_parent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("delivery.json");
+    let coordinator = coordinator_bin();
+    let run = bench(&[
+        "delivery",
+        "--spawn-coordinator",
+        coordinator.to_str().expect("utf8 path"),
+        "--tasks",
+        "5",
+        "--subtasks",
+        "3",
+        "--runs",
+        "1",
+        "--timeout",
+        "60s",
+        "--json-out",
+        json.to_str().expect("utf8 path"),
+    ]);
+    assert_eq!(run.code, 0, "{run:?}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("JSON");
+    let r = &report["runs"][0];
+    let top = &r["top_level"];
+    assert_eq!(top["tasks"], 5, "{top}");
+    assert_eq!(top["complete_to_merged"]["count"], 5, "{top}");
+    assert_eq!(
+        top["fast_forwards"], 1,
+        "the first lands as a fast-forward: {top}"
+    );
+    assert_eq!(top["merge_commits"], 4, "{top}");
+    assert_eq!(top["git_merge"]["count"], 5, "{top}");
+    assert!(top["merges_per_s"].as_f64().unwrap_or(0.0) > 0.0, "{top}");
+    let g = &r["integration"];
+    assert_eq!(
+        g["store_kinds"],
+        serde_json::json!(["fast-forward", "merge commit", "merge commit"]),
+        "{g}"
+    );
+    assert_eq!(g["git"]["count"], 3, "{g}");
+    assert_eq!(r["split"]["land"]["count"], 5, "{r}");
+    assert!(run.stdout.contains("coordinator / git"), "{}", run.stdout);
+}

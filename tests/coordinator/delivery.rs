@@ -848,3 +848,100 @@ async fn the_leased_push_never_overwrites_a_commit_pushed_to_the_remote_meanwhil
     let on_remote = git(&env, &["--git-dir", &url, "rev-parse", "main"]);
     assert_eq!(on_remote.trim(), d.commit);
 }
+
+/// Issue 31, part 5: a leader paused (SIGSTOP) mid-delivery past its lease. It had built its
+/// merge on the remote's `main` as it was; a person pushes meanwhile; the other coordinator
+/// takes over and lands its own merge on the person's commit. Woken, the deposed leader
+/// steps down and its stalled delivery's next step is refused (its record write is fenced:
+/// "deposed … nothing written"): it merges nothing, and `main` stays the new leader's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_leader_paused_mid_delivery_past_its_lease_merges_nothing_when_it_wakes() {
+    let cluster = crate::cluster::Cluster::three().await;
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let remote = scratch.path().join("shared.git");
+    let extra = format!(
+        "git_remote = {:?}\n\n[delivery]\nmode = \"merge\"\n",
+        remote.display().to_string()
+    );
+    let a_env = crate::ha::env_on_with(&cluster, "paused", &extra);
+    git_init(&a_env);
+    let url = remote.display().to_string();
+    git(&a_env, &["clone", "-q", "--bare", ".", &url]);
+    let revision = commit_on(
+        &a_env,
+        "automaton/feat",
+        "main",
+        "feat.rs",
+        "pub fn feat() {}",
+    );
+    git(&a_env, &["push", "-q", &url, "automaton/feat"]);
+    let b_env = crate::ha::env_on_with(&cluster, "paused", &extra);
+    git(&b_env, &["clone", "-q", &url, "."]);
+    let a = Coord::start_with_env(
+        &a_env,
+        &FLEET,
+        &[("AUTOMATON_FAILPOINTS", "delivery-stall-after=ready")],
+    );
+    assert_eq!(
+        crate::ha::leader_of(&[&a], Duration::from_secs(20)).await,
+        0
+    );
+    let b = Coord::start(&b_env, &FLEET);
+    let mut api = Api::new(connect(&a.url).await, None);
+    api.create("feat").await.expect("create");
+    a_env.artifact("feat", ".state", "referee\n");
+    a_env.artifact("feat", "VERDICT.md", "# VERDICT\n\nVerdict: PASS\n");
+    api.transition("feat", "complete").await.expect("complete");
+    assert!(
+        a.wait_stderr(
+            "failpoint delivery-stall-after=ready",
+            Duration::from_secs(20)
+        ),
+        "{}",
+        a.stderr()
+    );
+    let record = std::fs::read_to_string(a_env.task_dir("feat").join(".state.delivery"))
+        .expect("the record");
+    let built: serde_json::Value = serde_json::from_str(&record).expect("json");
+    let old = built["commit"].as_str().unwrap_or_default().to_string();
+    signal(a.pid(), "-STOP");
+    let pushed = commit_on(&a_env, "elsewhere", "main", "other.rs", "pub fn other() {}");
+    git(&a_env, &["push", "-q", &url, "elsewhere:main"]);
+    assert_eq!(
+        crate::ha::leader_of(&[&b], Duration::from_secs(30)).await,
+        0
+    );
+    let mut api = Api::new(connect(&b.url).await, None);
+    let d = wait_for_delivery(&mut api, "feat", |d| d.state == "merged").await;
+    assert_ne!(d.commit, old, "{d:?}");
+    signal(a.pid(), "-CONT");
+    // The woken leader's stalled step goes on, to the next one: refused.
+    assert!(
+        a.wait_stderr("delivery step failed", Duration::from_secs(20)),
+        "the woken leader's delivery did not try its next step:\n{}",
+        a.stderr()
+    );
+    let on_remote = git(&a_env, &["--git-dir", &url, "rev-parse", "main"]);
+    assert_eq!(on_remote.trim(), d.commit, "the deposed leader moved main");
+    let log = git(
+        &a_env,
+        &["--git-dir", &url, "log", "--format=%H %s", "main"],
+    );
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("automaton: feat"))
+            .count(),
+        1,
+        "{log}"
+    );
+    for c in [&pushed, &revision] {
+        assert!(log.contains(c.as_str()), "{c}:\n{log}");
+    }
+    let mut api = Api::new(connect(&b.url).await, None);
+    assert_eq!(delivery(&mut api, "feat").await.commit, d.commit);
+    assert!(
+        a.wait_stderr("stepped down", Duration::from_secs(10)),
+        "the woken leader did not step down:\n{}",
+        a.stderr()
+    );
+}

@@ -78,7 +78,13 @@ pub struct Failpoints {
     /// The coordinator aborts (as a `kill -9` would stop it) right after a delivery's step:
     /// one of [`DELIVERY_STEPS`].
     pub delivery_crash_after: Option<&'static str>,
+    /// A delivery stalls for [`DELIVERY_STALL`] right after this step (one of
+    /// [`DELIVERY_STEPS`]), as a paused or overloaded leader would.
+    pub delivery_stall_after: Option<&'static str>,
 }
+
+/// How long `delivery-stall-after` stalls.
+pub const DELIVERY_STALL: Duration = Duration::from_secs(8);
 
 /// The points a delivery can be crashed at: after its record says each state, and after
 /// the base moved but before the record says so (`landed`).
@@ -107,6 +113,20 @@ impl Failpoints {
                     f.log_sync_delay = Some(Duration::from_millis(ms));
                 }
                 None if item == "log-rewrite-dir-sync-fails" => f.log_rewrite_dir_sync_fails = true,
+                Some(("delivery-stall-after", step)) => {
+                    f.delivery_stall_after = Some(
+                        DELIVERY_STEPS
+                            .iter()
+                            .copied()
+                            .find(|s| *s == step.trim())
+                            .ok_or_else(|| {
+                                format!(
+                                    "failpoint '{item}': write delivery-stall-after= one of {}",
+                                    DELIVERY_STEPS.join(", ")
+                                )
+                            })?,
+                    );
+                }
                 Some(("delivery-crash-after", step)) => {
                     f.delivery_crash_after = Some(
                         DELIVERY_STEPS
@@ -123,7 +143,7 @@ impl Failpoints {
                 }
                 _ => {
                     return Err(format!(
-                        "unknown failpoint '{item}': use log-sync-fails-after=N, log-rewrite-dir-sync-fails, log-sync-delay-ms=N or delivery-crash-after=STEP"
+                        "unknown failpoint '{item}': use log-sync-fails-after=N, log-rewrite-dir-sync-fails, log-sync-delay-ms=N, delivery-crash-after=STEP or delivery-stall-after=STEP"
                     ));
                 }
             }

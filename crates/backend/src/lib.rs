@@ -26,7 +26,7 @@ pub mod etcd;
 pub mod files;
 
 pub use etcd::EtcdBackend;
-pub use files::{Failpoints, FileBackend, FileLog};
+pub use files::{DELIVERY_STALL, Failpoints, FileBackend, FileLog};
 
 /// One durable lease record.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -274,7 +274,7 @@ impl Coordinator {
                     ..DeliveryRecord::default()
                 };
                 self.save_delivery(task, r.clone()).await?;
-                self.crash_point("requested");
+                self.crash_point("requested").await;
                 self.engine.emit(
                     "delivery_requested",
                     &task.to_string(),
@@ -322,7 +322,7 @@ impl Coordinator {
                         .unwrap_or_default();
                     r.state = DeliveryState::Preparing;
                     self.save_delivery(task, r.clone()).await?;
-                    self.crash_point("preparing");
+                    self.crash_point("preparing").await;
                 }
                 DeliveryState::Preparing => {
                     if r.mode == "pull_request" {
@@ -368,7 +368,7 @@ impl Coordinator {
                             r.how = how.into();
                             r.state = DeliveryState::Ready;
                             self.save_delivery(task, r.clone()).await?;
-                            self.crash_point("ready");
+                            self.crash_point("ready").await;
                         }
                         Prepared::NotAsReviewed { base_head, why, .. } => {
                             r.failure = why.clone();
@@ -384,7 +384,7 @@ impl Coordinator {
                 DeliveryState::Ready => {
                     r.state = DeliveryState::Merging;
                     self.save_delivery(task, r.clone()).await?;
-                    self.crash_point("merging");
+                    self.crash_point("merging").await;
                 }
                 DeliveryState::Merging => {
                     if r.mode == "pull_request" {
@@ -418,7 +418,7 @@ impl Coordinator {
                     .await;
                     match landed {
                         Ok(_) => {
-                            self.crash_point("landed");
+                            self.crash_point("landed").await;
                             r.state = DeliveryState::Merged;
                             r.waiting.clear();
                             self.save_delivery(task, r.clone()).await?;
@@ -564,10 +564,16 @@ impl Coordinator {
 
     /// Tests: stops the process right here, as a `kill -9` would
     /// (`AUTOMATON_FAILPOINTS=delivery-crash-after=STEP`).
-    fn crash_point(&self, step: &str) {
-        if self.options.engine.failpoints.delivery_crash_after == Some(step) {
+    async fn crash_point(&self, step: &str) {
+        let f = &self.options.engine.failpoints;
+        if f.delivery_crash_after == Some(step) {
             eprintln!("failpoint delivery-crash-after={step}: the coordinator stops here");
             std::process::abort();
+        }
+        if f.delivery_stall_after == Some(step) {
+            eprintln!("failpoint delivery-stall-after={step}: the delivery stalls here");
+            // The step is stuck; the rest of the process (its leadership's keepalives) is not.
+            tokio::time::sleep(automaton_backend::DELIVERY_STALL).await;
         }
     }
 
