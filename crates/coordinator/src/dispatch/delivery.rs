@@ -154,11 +154,9 @@ impl Coordinator {
                 let recorded = self
                     .engine
                     .to_completion(task, move |_| async move {
-                        if let Some(mut r) = me.delivery_of(&t).await
-                            && r.failure != w
-                        {
+                        if let Some(mut r) = me.delivery_of(&t).await {
                             r.failure = w;
-                            r.failures += 1;
+                            r.failures = r.failures.saturating_add(1);
                             me.save_delivery(&t, r).await?;
                         }
                         Ok(())
@@ -175,23 +173,32 @@ impl Coordinator {
             let outcome = self.rework(task, onto, why.clone()).await?;
             let me = self.clone();
             let t = task.clone();
-            self.engine
+            let waits = self
+                .engine
                 .to_completion(task, move |_| async move {
                     let Some(mut r) = me.delivery_of(&t).await else {
-                        return Ok(());
+                        return Ok(None);
                     };
-                    match outcome {
+                    let waits = match outcome {
                         Reworked::Sent => {
                             r.state = DeliveryState::Requested;
                             r.failure = format!("sent back to implement: {why}");
+                            None
                         }
                         Reworked::ForAPerson(line) => {
-                            r.waiting = line;
+                            r.waiting = line.clone();
+                            Some(line)
                         }
-                    }
-                    me.save_delivery(&t, r).await
+                    };
+                    me.save_delivery(&t, r).await?;
+                    Ok(waits)
                 })
                 .await?;
+            // A person is needed: said once it is recorded (a webhook can tell them).
+            if let Some(line) = waits {
+                self.engine
+                    .emit("delivery_failed", &task.to_string(), "", 0, line);
+            }
         }
         Ok(())
     }
@@ -372,7 +379,7 @@ impl Coordinator {
                         }
                         Prepared::NotAsReviewed { base_head, why, .. } => {
                             r.failure = why.clone();
-                            r.failures += 1;
+                            r.failures = r.failures.saturating_add(1);
                             self.save_delivery(task, r.clone()).await?;
                             return Ok(Next::Rework {
                                 onto: base_head,
@@ -428,7 +435,7 @@ impl Coordinator {
                         Err(Error::Store(e @ automaton_store::Error::BaseMoved { .. })) => {
                             // Built again on the new head, at once.
                             r.failure = e.to_string();
-                            r.failures += 1;
+                            r.failures = r.failures.saturating_add(1);
                             r.state = DeliveryState::Preparing;
                             self.save_delivery(task, r.clone()).await?;
                         }
@@ -500,7 +507,7 @@ impl Coordinator {
                 let why = e.to_string();
                 r.state = DeliveryState::Ready;
                 r.failure = why.clone();
-                r.failures += 1;
+                r.failures = r.failures.saturating_add(1);
                 r.waiting = format!("{why}: fix it, then `automaton deliver {task}`");
                 self.save_delivery(task, r.clone()).await?;
                 self.engine.emit(
