@@ -30,6 +30,7 @@
 mod backend;
 mod console;
 mod coord;
+mod delivery;
 mod dispatch;
 mod echo;
 mod etcd;
@@ -104,6 +105,10 @@ enum Cmd {
     /// One wave of sub-tasks dispatched to many simulated workers of mixed budgets: the time
     /// from the decomposition's approval to the last assignment, every assignment checked.
     Dispatch(dispatch::DispatchArgs),
+    /// Top-level tasks completing at once with `merge` delivery into one `main`: complete →
+    /// merged per task and merges per second, against `git merge` one after another; a
+    /// decomposition's sub-tasks merged into their parent's branch, against `git merge`.
+    Delivery(delivery::DeliveryArgs),
     /// The operator's console (`--web-listen`) over a large project: board, fleet and task
     /// page times and bytes; then many open event streams, the coordinator's CPU and memory.
     Console(console::ConsoleArgs),
@@ -908,6 +913,7 @@ async fn main() -> Result<()> {
         Cmd::HaLeases(args) => ha_leases::run(args).await,
         Cmd::Phases(args) => phases::run(args).await,
         Cmd::Dispatch(args) => dispatch::run(args).await,
+        Cmd::Delivery(args) => delivery::run(args).await,
         Cmd::Console(args) => console::run(args).await,
         Cmd::EchoServer { listen, inline } => echo::serve(listen, inline).await,
         Cmd::OtlpSink { listen } => otlp::serve(listen).await,
