@@ -26,6 +26,7 @@ mod issue21_failures;
 mod issue21_prompts;
 mod issue24;
 mod leases;
+mod lifecycles;
 mod limits;
 mod logs;
 mod metrics;

@@ -544,6 +544,8 @@ impl pb::tasks_server::Tasks for Service {
             .transition(&task, target, &presented)
             .await
             .map_err(crate::status)?;
+        self.coord
+            .task_changed_by_person(&task, &format!("moved {from} → {target}"));
         Ok(Response::new(pb::TransitionResponse {
             task: task.to_string(),
             from: from.to_string(),
@@ -569,6 +571,8 @@ impl pb::tasks_server::Tasks for Service {
             .approve(&task, &approver)
             .await
             .map_err(crate::status)?;
+        self.coord
+            .task_changed_by_person(&task, &format!("approved by {approver}"));
         Ok(Response::new(pb::ApproveResponse {
             task: task.to_string(),
             from: out.from.to_string(),

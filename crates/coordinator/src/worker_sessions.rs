@@ -375,6 +375,8 @@ impl Coordinator {
         };
         tracing::info!(worker = %name, session = %id, leases = n, reason, "worker session ended");
         self.engine.emit(kind, "", name.as_str(), 0, detail);
+        // Its runs end with it: whatever ran there is gone or unheard of.
+        self.end_runs_of(name.as_str(), reason, &ending).await;
         Ok(())
     }
 
@@ -447,17 +449,28 @@ impl Coordinator {
                     "draining"
                 } else if s.awaiting {
                     "reconnecting"
-                } else if leases.len() >= s.reg.capacity.max(1) as usize {
+                } else if leases
+                    .len()
+                    .max(self.work.unfinished_of(s.name.as_str()).len())
+                    >= s.reg.capacity.max(1) as usize
+                {
                     "busy"
                 } else {
                     "idle"
                 };
                 let shown = secrets || me == Some(s.name.as_str());
-                let runs = table
+                let mut runs: Vec<pb::Run> = table
                     .of_session(&s.id, now)
                     .into_iter()
                     .filter_map(|l| self.work.run_of(&l.task, l.token))
                     .collect();
+                // A run that has not stopped is its worker's, lease or not (one stopping after
+                // its lease was released, say).
+                for (_, r) in self.work.unfinished_of(s.name.as_str()) {
+                    if !runs.iter().any(|k| k.token == r.token) {
+                        runs.push(r);
+                    }
+                }
                 let mut w = info(
                     &s.reg,
                     state,

@@ -133,11 +133,23 @@ impl Coordinator {
     /// Holds `task` with `why`; `durable`: kept in its dispatch record (the caller saves it).
     /// Whether the hold is new.
     pub(crate) fn hold_as(&self, task: &TaskName, why: String, durable: bool) -> bool {
+        self.hold_with(task, why, durable, false)
+    }
+
+    /// Holds `task` because the lifecycle refused a move its own files decide (a stale
+    /// approval, a bad `Next:` line): lifted by the next approval or transition of the task
+    /// ([`Coordinator::task_changed_by_person`]), not only by `--resume`.
+    pub(crate) fn hold_until_changed(&self, task: &TaskName, why: String) {
+        self.hold_with(task, why, false, true);
+    }
+
+    fn hold_with(&self, task: &TaskName, why: String, durable: bool, lifts: bool) -> bool {
         let new = {
             let mut inner = self.work.inner();
             let hold = Hold {
                 why: why.clone(),
                 durable,
+                lifts_on_change: lifts,
             };
             inner
                 .held
@@ -156,6 +168,28 @@ impl Coordinator {
                 .emit("task_held", &task.to_string(), "", 0, detail);
         }
         new
+    }
+
+    /// A person approved or moved `task`: a hold waiting for exactly that (see
+    /// [`Coordinator::hold_until_changed`]) is lifted, and dispatch looks at the task again.
+    pub(crate) fn task_changed_by_person(&self, task: &TaskName, what: &str) {
+        let lifted = {
+            let mut inner = self.work.inner();
+            match inner.held.get(task) {
+                Some(h) if h.lifts_on_change => inner.held.remove(task),
+                _ => None,
+            }
+        };
+        if let Some(h) = lifted {
+            self.engine.emit(
+                "task_resumed",
+                &task.to_string(),
+                "",
+                0,
+                format!("{what}: the hold ({}) is lifted", h.why),
+            );
+        }
+        self.work.poke();
     }
 
     /// `automaton run TASK` (manual mode): asks for `task`'s next phase to run, once; durable

@@ -148,6 +148,15 @@ impl Coordinator {
         }
         for s in &mut slots {
             s.free = s.free.saturating_sub(self.work.offered_to(&s.session));
+            // A run still stopping after its lease was released holds its worker: offering
+            // it more work would only be declined.
+            let unleased = self
+                .work
+                .unfinished_of(s.name.as_str())
+                .iter()
+                .filter(|(t, r)| self.engine.live_of(t).is_none_or(|l| l.token != r.token))
+                .count();
+            s.free = s.free.saturating_sub(unleased);
         }
         slots.retain(|s| s.free > 0);
         slots
@@ -237,7 +246,7 @@ impl Coordinator {
                 Ok(Some(w)) => w,
                 Ok(None) => continue,
                 Err(e) => {
-                    self.hold(&task, e.to_string());
+                    self.hold_until_changed(&task, e.to_string());
                     continue;
                 }
             };
@@ -491,7 +500,7 @@ impl Coordinator {
             // The lifecycle refuses the move (an artifact out of order, say): nothing a retry
             // can cure, so the task is held with the reason, for a person to see.
             Err(Error::Store(e)) if e.kind() == automaton_store::ErrorKind::Refused => {
-                self.hold(task, format!("cannot move {state} → {target}: {e}"));
+                self.hold_until_changed(task, format!("cannot move {state} → {target}: {e}"));
                 false
             }
             Err(e) => {

@@ -32,15 +32,20 @@ impl Coordinator {
         if a.accepted {
             return;
         }
-        tracing::info!(task = %o.task, worker = %worker, reason = %a.reason, "offer refused");
+        tracing::info!(task = %o.task, worker = %worker, reason = %a.reason, "offer declined");
+        // An offer declined is the offer's outcome (seed 003: deferred), not a run: no agent
+        // ran. Said as an event, with the worker's why.
         if let Some(l) = self
             .engine
             .live_of(&o.task)
             .filter(|l| l.lease_id == a.lease_id)
         {
-            let reason = format!("refused: {}", automaton_workflow::excerpt(&a.reason));
-            self.record_run(
-                &o.task, worker, l.state, l.token, "stopped", &reason, "", -1,
+            self.engine.emit(
+                "offer_declined",
+                &o.task.to_string(),
+                worker.as_str(),
+                l.token,
+                format!("{}: {}", l.state, automaton_workflow::excerpt(&a.reason)),
             );
         }
         self.work
@@ -66,6 +71,13 @@ impl Coordinator {
     ) {
         let now = Some(crate::wire::timestamp(SystemTime::now()));
         let mut inner = self.work.inner();
+        // A run is its worker's until it has stopped (the fleet view and the offers count it).
+        let unfinished = inner.unfinished.entry(worker.to_string()).or_default();
+        if run_state == "stopped" {
+            unfinished.remove(&(task.clone(), token));
+        } else {
+            unfinished.insert((task.clone(), token));
+        }
         let runs = inner.runs.entry(task.clone()).or_default();
         match runs.iter_mut().rev().find(|r| r.token == token) {
             Some(r) => {
@@ -120,10 +132,12 @@ impl Coordinator {
         match self.work.run_of(&task, u.token) {
             Some(r) if r.worker != worker.as_str() => return,
             // A stop is reported once: a repeat changes nothing, nor does a step after it (a
-            // `run_lost` the coordinator guessed gives way to the worker's own stop).
+            // `run_lost` or `worker_lost` the coordinator guessed gives way to the worker's own
+            // stop).
             Some(r)
                 if r.state == "stopped"
-                    && (r.stop_reason != "run_lost" || u.state != "stopped") =>
+                    && (!matches!(r.stop_reason.as_str(), "run_lost" | "worker_lost")
+                        || u.state != "stopped") =>
             {
                 return;
             }
@@ -327,6 +341,66 @@ impl Coordinator {
         }
     }
 
+    /// `worker`'s session ended (`reason`): every run of it that has not stopped ends now —
+    /// its agent died with the worker, or the worker stopped hearing from it. A run never
+    /// stays `active` after its worker's session.
+    /// `ended`: the session's leases that ended with it. A lease with no run on record (its
+    /// run began before this coordinator's restart, and the worker never came back to report
+    /// it) gets one, ended the same way: nothing that ran is left without an end.
+    pub(crate) async fn end_runs_of(&self, worker: &str, reason: &str, ended: &[Live]) {
+        for l in ended {
+            if self.work.run_of(&l.task, l.token).is_none() {
+                self.adopt_run(l, "active");
+            }
+        }
+        let open: Vec<(TaskName, u64)> = self
+            .work
+            .inner()
+            .unfinished
+            .remove(worker)
+            .map(|s| s.into_iter().collect())
+            .unwrap_or_default();
+        // `worker_lost`: seed 003's `crashed`, as the coordinator sees it — its guess, which
+        // gives way to the worker's own report should the worker come back (it was paused).
+        let (stop, detail) = match reason {
+            "released" => (
+                "shutdown",
+                "the worker deregistered before the run reported its end",
+            ),
+            "session_replaced" => (
+                "worker_lost",
+                "the worker was replaced (a new process under its name): the run died with the old one",
+            ),
+            _ => (
+                "worker_lost",
+                "the worker's session ended (it died or went silent, session_expired) before the run reported its end",
+            ),
+        };
+        for (task, token) in open {
+            let Some(run) = self.work.run_of(&task, token) else {
+                continue;
+            };
+            if run.state == "stopped" {
+                continue;
+            }
+            let Ok(agent) = run.worker.parse::<AgentId>() else {
+                continue;
+            };
+            let Ok(phase) = run.phase.parse::<State>() else {
+                continue;
+            };
+            self.record_run(&task, &agent, phase, token, "stopped", stop, detail, -1);
+            self.engine.emit(
+                "run_stopped",
+                &task.to_string(),
+                worker,
+                token,
+                format!("{phase}: {stop} ({detail})"),
+            );
+            self.save_or_warn(&task).await;
+        }
+    }
+
     /// Records the run under lease `l` as `state` if this coordinator has no record of it
     /// (it began before this start): adopted. Whether it was.
     pub(crate) fn adopt_run(&self, l: &Live, state: &str) -> bool {
@@ -340,9 +414,20 @@ impl Coordinator {
         if let Some(r) = runs.iter_mut().rev().find(|r| r.token == l.token) {
             if r.state != "stopped" {
                 r.state = state.into();
+                inner
+                    .unfinished
+                    .entry(l.agent.to_string())
+                    .or_default()
+                    .insert((l.task.clone(), l.token));
             }
             return false;
         }
+        inner
+            .unfinished
+            .entry(l.agent.to_string())
+            .or_default()
+            .insert((l.task.clone(), l.token));
+        let runs = inner.runs.entry(l.task.clone()).or_default();
         runs.push_back(pb::Run {
             worker: l.agent.to_string(),
             phase: l.state.to_string(),

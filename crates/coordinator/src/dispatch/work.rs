@@ -37,6 +37,10 @@ pub(crate) struct Offer {
 pub(crate) struct Hold {
     pub(crate) why: String,
     pub(crate) durable: bool,
+    /// The lifecycle refused a move the task's own files decide (a stale approval, an
+    /// artifact's bad `Next:` line): lifted as soon as an approval or a transition changes
+    /// the task, without a person's `--resume`.
+    pub(crate) lifts_on_change: bool,
 }
 
 #[derive(Default)]
@@ -94,6 +98,9 @@ pub(crate) struct Inner {
     pub(crate) base_locks: HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>,
     /// Deliveries being driven now (each by one task beside the rounds).
     pub(crate) delivering: HashSet<TaskName>,
+    /// Each worker's runs that have not stopped (task, token): a run stays its worker's
+    /// until it has stopped, lease or no lease (a stopping run whose lease was released).
+    pub(crate) unfinished: HashMap<String, HashSet<(TaskName, u64)>>,
 }
 
 pub(crate) struct Work {
@@ -271,6 +278,28 @@ impl Work {
             .and_then(|r| r.iter().rev().find(|r| r.token == token).cloned())
     }
 
+    /// `worker`'s runs that have not stopped, with their state (the fleet view shows them;
+    /// a stopping run whose lease was released still holds its worker).
+    pub(crate) fn unfinished_of(&self, worker: &str) -> Vec<(TaskName, pb::Run)> {
+        let inner = self.inner();
+        let Some(open) = inner.unfinished.get(worker) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(TaskName, pb::Run)> = open
+            .iter()
+            .filter_map(|(task, token)| {
+                inner
+                    .runs
+                    .get(task)
+                    .and_then(|r| r.iter().rev().find(|r| r.token == *token))
+                    .filter(|r| r.state != "stopped")
+                    .map(|r| (task.clone(), r.clone()))
+            })
+            .collect();
+        out.sort_by_key(|(_, r)| r.token);
+        out
+    }
+
     /// Offers not yet answered by `session`.
     pub(crate) fn offered_to(&self, session: &str) -> usize {
         self.inner()
@@ -354,16 +383,18 @@ impl Work {
                     Hold {
                         why: why.clone(),
                         durable: false,
+                        lifts_on_change: false,
                     },
                 );
                 return Some(why);
             }
         };
         if let Some(why) = r.held {
-            inner
-                .held
-                .entry(task.clone())
-                .or_insert(Hold { why, durable: true });
+            inner.held.entry(task.clone()).or_insert(Hold {
+                why,
+                durable: true,
+                lifts_on_change: false,
+            });
         }
         for (state, n) in r.failures {
             let c = inner.failures.entry((task.clone(), state)).or_insert(0);
@@ -430,6 +461,13 @@ impl Work {
         runs.extend(known);
         while runs.len() > RUNS_KEPT {
             runs.pop_front();
+        }
+        for r in runs.iter().filter(|r| r.state != "stopped") {
+            inner
+                .unfinished
+                .entry(r.worker.clone())
+                .or_default()
+                .insert((task.clone(), r.token));
         }
         if !runs.is_empty() {
             inner.runs.insert(task.clone(), runs);

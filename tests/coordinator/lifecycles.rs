@@ -1,0 +1,221 @@
+//! Issue 36: small lifecycles that always end (seed 003). A run whose worker is killed ends,
+//! with a reason, within the session timeout — and after a coordinator restart too; a run
+//! still stopping is shown on its worker, which is offered nothing meanwhile (no declined
+//! offer becomes a run); a hold that waits for a fresh approval lifts when the approval is.
+
+use std::time::Duration;
+
+use automaton_proto::v1 as pb;
+
+use crate::harness::*;
+use crate::work::{FLEET, git_init};
+use crate::workers::Worker;
+
+/// A scripted worker whose agent hangs (ignoring SIGTERM) and is killed `grace` after a stop.
+fn hanging_worker(coord: &Coord, name: &str, grace: &str) -> Worker {
+    Worker::start(
+        &coord.url,
+        &[
+            "--name",
+            name,
+            "--simulate-gpu",
+            "sim:24GiB",
+            "--agent",
+            "scripted",
+            "--kill-grace",
+            grace,
+        ],
+        &[("AUTOMATON_SCRIPTED_BEHAVIOUR", "hang")],
+    )
+}
+
+/// Waits for `task`'s run to be `active`; its lease.
+async fn running(api: &Api, task: &str) -> pb::Lease {
+    poll(&format!("{task} running"), Duration::from_secs(15), || {
+        let mut api = api.clone();
+        let task = task.to_string();
+        async move {
+            let d = api.get(&task).await.ok()?;
+            d.runs
+                .iter()
+                .any(|r| r.state == "active")
+                .then_some(d.lease?)
+        }
+    })
+    .await
+}
+
+/// Waits for the run under `token` on `task` to stop; the run.
+async fn stopped(api: &Api, task: &str, token: u64, within: Duration) -> pb::Run {
+    poll(&format!("{task}'s run {token} stopped"), within, || {
+        let mut api = api.clone();
+        let task = task.to_string();
+        async move {
+            let d = api.get(&task).await.ok()?;
+            d.runs
+                .into_iter()
+                .find(|r| r.token == token && r.state == "stopped")
+        }
+    })
+    .await
+}
+
+async fn workers(api: &Api) -> Vec<pb::WorkerInfo> {
+    let mut client = api.workers.clone();
+    client
+        .list_workers(api.req(pb::ListWorkersRequest {}))
+        .await
+        .expect("ListWorkers")
+        .into_inner()
+        .workers
+}
+
+/// Issue 36, item 1: `kill -9` of a worker mid-run. Its session ends at the timeout (1 s
+/// here), its lease with it — and its run ends too, `worker_lost` (seed 003's `crashed`, as the
+/// coordinator sees it) with why, instead of staying
+/// `active` for ever; the fleet view shows the worker lost with no run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_run_leaves_a_run_that_ends_worker_lost_within_the_session_timeout() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let api = coord.api().await;
+    let mut w = hanging_worker(&coord, "gpu-a", "300ms");
+    api.clone().create("t").await.expect("create");
+    let lease = running(&api, "t").await;
+    let _ = w.child.kill();
+    let _ = w.child.wait();
+    let run = stopped(&api, "t", lease.token, Duration::from_secs(5)).await;
+    assert_eq!(run.stop_reason, "worker_lost", "{run:?}");
+    assert!(run.detail.contains("session"), "{run:?}");
+    assert!(run.ended_at.is_some());
+    let fleet = workers(&api).await;
+    let a = fleet
+        .iter()
+        .find(|w| w.name == "gpu-a")
+        .expect("gpu-a listed");
+    assert_eq!(a.state, "lost");
+    assert!(a.runs.iter().all(|r| r.state == "stopped"), "{a:?}");
+}
+
+/// Issue 36, item 1, after a restart: the coordinator and the worker both `kill -9`ed
+/// mid-run. The restarted coordinator keeps the lease through its grace period waiting for
+/// the worker, which never comes back: the session ends, and the run with it, `worker_lost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_worker_never_comes_back_after_a_coordinator_restart_ends_worker_lost() {
+    let env = Env::new();
+    git_init(&env);
+    let args = [&FLEET[..], &["--grace-period", "2s"]].concat();
+    let mut coord = Coord::start(&env, &args);
+    let api = coord.api().await;
+    let mut w = hanging_worker(&coord, "gpu-a", "300ms");
+    api.clone().create("t").await.expect("create");
+    let lease = running(&api, "t").await;
+    // Its record is durable (the run's start is in `.state.dispatch` once a round saves it).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    coord.kill9();
+    let _ = w.child.kill();
+    let _ = w.child.wait();
+    coord.restart_after_kill(&args);
+    let api = coord.api().await;
+    let run = stopped(&api, "t", lease.token, Duration::from_secs(10)).await;
+    assert_eq!(run.stop_reason, "worker_lost", "{run:?}");
+    let d = api.clone().get("t").await.expect("get");
+    assert!(
+        d.runs.iter().all(|r| r.state == "stopped"),
+        "a run stayed open: {:?}",
+        d.runs
+    );
+}
+
+/// Issue 36, items 2 and 3: a run stopped by an operator whose agent ignores SIGTERM stays
+/// `stopping` until the worker kills it (5 s here). Meanwhile the fleet view shows that run on
+/// its worker (busy, not idle), and the worker is offered nothing: no declined offer becomes a
+/// run of the other task. Once the run has stopped, the other task runs there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_run_is_shown_on_its_worker_and_no_declined_offer_becomes_a_run() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let api = coord.api().await;
+    let _w = hanging_worker(&coord, "gpu-a", "5s");
+    api.clone().create("t").await.expect("create");
+    let lease = running(&api, "t").await;
+    let stop = cli_at(&env, &coord, &["stop", "t"]);
+    stop.ok();
+    api.clone().create("u").await.expect("create u");
+    poll("t's run stopping", Duration::from_secs(5), || {
+        let mut api = api.clone();
+        async move {
+            let d = api.get("t").await.ok()?;
+            d.runs
+                .iter()
+                .any(|r| r.token == lease.token && r.state == "stopping")
+                .then_some(())
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let fleet = workers(&api).await;
+    let a = fleet.iter().find(|w| w.name == "gpu-a").expect("gpu-a");
+    assert_eq!(a.state, "busy", "{a:?}");
+    assert!(
+        a.runs
+            .iter()
+            .any(|r| r.token == lease.token && r.state == "stopping"),
+        "the stopping run is not on its worker: {a:?}"
+    );
+    let u = api.clone().get("u").await.expect("get u");
+    assert!(
+        u.runs.iter().all(|r| !r.stop_reason.starts_with("refused")),
+        "a declined offer became a run: {:?}",
+        u.runs
+    );
+    assert!(u.runs.is_empty(), "{:?}", u.runs);
+    // The run ends (killed after the grace), and then the worker takes u.
+    let run = stopped(&api, "t", lease.token, Duration::from_secs(15)).await;
+    assert_eq!(run.stop_reason, "operator_stopped");
+    running(&api, "u").await;
+}
+
+/// Issue 36, item 4: an approved SPEC.md edited. Dispatch holds the task (the approval is
+/// stale: `--approve` again); the `--approve` makes it fresh — and the hold lifts by itself,
+/// the task moving on without `automaton stop T --resume`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_approval_hold_lifts_when_the_approval_is_fresh_again() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    api.approved_research(&env, "t", None).await;
+    env.artifact(
+        "t",
+        "SPEC.md",
+        "# Spec\nwhat to build, edited after approval\n",
+    );
+    let _w = crate::work::scripted_worker(&coord, "gpu-a", "sim:24GiB", &[]);
+    let held = events
+        .find("the stale hold", Duration::from_secs(15), |e| {
+            e.kind == "task_held" && e.task == "t"
+        })
+        .await;
+    assert!(held.detail.to_lowercase().contains("stale"), "{held:?}");
+    assert_eq!(api.state("t").await, "research:approved");
+    api.approve("t", "ops").await.expect("approve again");
+    events.expect("task_resumed", "t").await;
+    poll("t moved on", Duration::from_secs(15), || {
+        let mut api = api.clone();
+        async move {
+            let s = api.state("t").await;
+            (s != "research:approved").then_some(s)
+        }
+    })
+    .await;
+    let d = api.get("t").await.expect("get");
+    assert!(
+        d.summary.as_ref().is_some_and(|s| s.held.is_empty()),
+        "{:?}",
+        d.summary
+    );
+}
