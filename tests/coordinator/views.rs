@@ -361,10 +361,16 @@ async fn watch_reconnects_after_the_coordinator_restarts_and_says_so_once() {
         1,
         "said once:\n{err}"
     );
-    assert_eq!(err.matches("reconnected to").count(), 1, "{err}");
+    assert_eq!(err.matches("; reconnecting (").count(), 1, "{err}");
+    assert_eq!(err.matches(" again after ").count(), 1, "{err}");
+    let back = format!("automaton watch: connected to {} again after ", coord.url);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with(&back))
+        .unwrap_or_else(|| panic!("no {back:?} line:\n{err}"));
     assert!(
-        err.contains(&format!("reconnected to {}", coord.url)),
-        "{err}"
+        line.ends_with("s; events missed while disconnected are not shown"),
+        "{line}"
     );
 }
 
@@ -623,6 +629,87 @@ async fn top_restores_the_terminal_on_sigterm() {
         .expect("a pid");
     signal(pid, "-TERM");
     exited_0_with_the_terminal_restored(&tmux);
+}
+
+/// The `N` of `data Ns old` in `top`'s header (`data 1m05s old` is 65); 0 for `fresh`.
+fn data_age_secs(head: &str) -> Option<u64> {
+    if head.contains("  fresh  ") {
+        return Some(0);
+    }
+    let age = head.split("  data ").nth(1)?.split(" old").next()?;
+    let (m, s) = match age.split_once('m') {
+        Some((m, s)) => (m.parse::<u64>().ok()?, s),
+        None => (0, age),
+    };
+    Some(m * 60 + s.strip_suffix('s')?.parse::<u64>().ok()?)
+}
+
+/// Issue 36 (seed 003: connection and freshness are two facts): `top` running against a
+/// coordinator that is `kill -9`ed says `reconnecting (why)` in its header within seconds
+/// and, apart from it, how old its data is — an age that keeps growing while it is down
+/// (the screen never passes for current) — and once a coordinator owns the project again (a
+/// new one, another port, found through `coordinator.lock`) `connected` with `fresh` data
+/// that shows what changed meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn top_says_reconnecting_and_a_growing_data_age_after_a_kill_9_and_connected_and_fresh_after_the_restart()
+ {
+    let tmux = Tmux::new();
+    let env = Env::new();
+    let mut coord = Coord::start(&env, &[]);
+    let mut api = coord.api().await;
+    api.create("before-the-kill").await.expect("create");
+    tmux.session(
+        "top",
+        &format!(
+            "{}{} top --project {}\necho \"top exited $?\"\nexec sleep 600\n",
+            prelude(&env),
+            quote(&cli_bin()),
+            quote(env.root()),
+        ),
+    );
+    let head = |s: &str| s.lines().next().unwrap_or("").to_string();
+    let up = tmux.wait_screen(&["  fresh  connected", "1  new"], Duration::from_secs(30));
+    assert!(
+        head(&up).contains("0 workers, 1 task  fresh  connected"),
+        "{up}"
+    );
+
+    drop(api);
+    coord.kill9();
+    let killed = Instant::now();
+    let down = tmux.wait_screen(&["  reconnecting ("], Duration::from_secs(10));
+    eprintln!("{:?} after the kill: {}", killed.elapsed(), head(&down));
+    assert!(killed.elapsed() < Duration::from_secs(5), "{down}");
+    // The age, apart from the connection, grows while nothing answers.
+    let aged = tmux.wait_screen(&[" old  reconnecting ("], Duration::from_secs(10));
+    let first = data_age_secs(&head(&aged)).unwrap_or_else(|| panic!("an age: {aged}"));
+    std::thread::sleep(Duration::from_secs(3));
+    let later_screen = tmux.screen_of("top", false);
+    let later =
+        data_age_secs(&head(&later_screen)).unwrap_or_else(|| panic!("an age: {later_screen}"));
+    assert!(
+        later >= first + 2,
+        "{first}s, then: {}",
+        head(&later_screen)
+    );
+    assert!(
+        head(&later_screen).contains(" old  reconnecting ("),
+        "{later_screen}"
+    );
+    // What it showed stays on the screen, for what it is: old.
+    assert!(later_screen.contains("1  new"), "{later_screen}");
+
+    // Changed while nobody watched: the files, as the CLI writes them without a coordinator.
+    env.cli(&["--create-task", "while-down"]).ok();
+    coord = Coord::start(&env, &[]);
+    let back = tmux.wait_screen(&["  fresh  connected", "2  new"], Duration::from_secs(30));
+    assert!(head(&back).contains(&coord.url), "{back}");
+    assert!(
+        head(&back).contains("0 workers, 2 tasks  fresh  connected"),
+        "{back}"
+    );
+    tmux.cmd(&["send-keys", "-t", "top", "q"]);
+    tmux.wait_screen(&["top exited 0"], Duration::from_secs(10));
 }
 
 #[tokio::test]

@@ -2,6 +2,10 @@
 //! coordinator's stream triggers a re-fetch of `ListWorkers` and `ListTasks` (at most four a
 //! second); a quiet second re-fetches the workers alone and a 1 s tick redraws, so heartbeat
 //! ages stay true; `q`, Esc, Ctrl-C (or SIGINT, SIGTERM, SIGHUP) quit and restore the terminal.
+//! The header says two things apart (seed 003): the connection to the event stream
+//! (`connected`, `reconnecting (why)`) and how old the data shown is (`fresh`, `data 12s old`),
+//! which keeps counting while disconnected: the screen never passes for current when it is
+//! not ([`Freshness`]).
 //!
 //! The proto messages become a [`Snapshot`] in one function ([`snapshot`]); drawing is a pure
 //! function of that snapshot ([`render`]), tested with ratatui's `TestBackend`.
@@ -189,13 +193,89 @@ pub(crate) fn snapshot(workers: Vec<pb::WorkerInfo>, tasks: Vec<pb::TaskSummary>
     }
 }
 
+/// The event stream, as the header says it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Connection {
+    /// Not open yet.
+    Connecting,
+    Connected,
+    /// Down, and why (reopened with backoff).
+    Reconnecting(String),
+}
+
+impl Connection {
+    pub(crate) fn text(&self) -> String {
+        match self {
+            Connection::Connecting => "connecting".into(),
+            Connection::Connected => "connected".into(),
+            Connection::Reconnecting(why) => format!("reconnecting ({why})"),
+        }
+    }
+}
+
+/// Data younger than this is `fresh`: the workers are re-fetched every quiet second.
+pub(crate) const FRESH_FOR: Duration = Duration::from_secs(3);
+
+/// When what `top` shows was last known current. The workers are as of their last fetch;
+/// the tasks as of their last full fetch, or of a later workers-only fetch when the event
+/// stream has been up since before that full fetch (no event, no change). The data is as old
+/// as its older part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Freshness {
+    workers: Instant,
+    tasks: Instant,
+}
+
+impl Freshness {
+    /// Everything fetched at `at`.
+    pub(crate) fn new(at: Instant) -> Freshness {
+        Freshness {
+            workers: at,
+            tasks: at,
+        }
+    }
+
+    /// A fetch that started at `started` succeeded: the tasks too when `full`. `live_since`:
+    /// since when the event stream has been up (`None`: it is down).
+    pub(crate) fn fetched(&mut self, started: Instant, full: bool, live_since: Option<Instant>) {
+        self.workers = self.workers.max(started);
+        let unchanged = live_since.is_some_and(|l| l <= self.tasks);
+        if full || unchanged {
+            self.tasks = self.tasks.max(started);
+        }
+    }
+
+    /// How old the data shown is at `now`.
+    pub(crate) fn age(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.workers.min(self.tasks))
+    }
+}
+
+/// The data's age as the header says it: `fresh`, `data 12s old`, `data 3m05s old`.
+pub(crate) fn data_age(d: Duration) -> String {
+    if d < FRESH_FOR {
+        return "fresh".into();
+    }
+    let s = d.as_secs();
+    if s < 60 {
+        format!("data {s}s old")
+    } else if s < 3600 {
+        format!("data {}m{:02}s old", s / 60, s % 60)
+    } else {
+        format!("data {}h{:02}m old", s / 3600, s % 3600 / 60)
+    }
+}
+
 /// Everything one frame shows.
 pub(crate) struct Screen<'a> {
     pub snapshot: &'a Snapshot,
     pub address: &'a str,
-    /// `live`, or why the dashboard may be behind.
-    pub link: &'a str,
-    /// Since the snapshot was fetched (heartbeat ages grow by it).
+    pub connection: &'a Connection,
+    /// How old the data shown is ([`Freshness::age`]): it grows while disconnected.
+    pub data_age: Duration,
+    /// Why the last fetch failed (cleared by the next that succeeds).
+    pub refresh_failed: Option<&'a str>,
+    /// Since the workers were fetched (heartbeat ages grow by it).
     pub since: Duration,
 }
 
@@ -276,26 +356,7 @@ pub(crate) fn render(frame: &mut Frame, s: &Screen) {
     ])
     .areas(area);
 
-    let link_style = if s.link == "live" {
-        Style::new().fg(Color::Green)
-    } else {
-        Style::new().fg(Color::Yellow)
-    };
-    frame.render_widget(
-        Paragraph::new(Line::from(vec![
-            Span::styled("automaton top", Style::new().add_modifier(Modifier::BOLD)),
-            Span::raw(format!(
-                " (q quits)  {}  {}, {}, updated {} ago  ",
-                s.address,
-                count(snap.workers.len(), "worker"),
-                count(snap.tasks, "task"),
-                age(s.since)
-            )),
-            // Last: the reason the screen may be behind can be long.
-            Span::styled(s.link.to_string(), link_style),
-        ])),
-        head,
-    );
+    frame.render_widget(Paragraph::new(header(s, snap)), head);
 
     let block = |title: String| Block::new().borders(Borders::ALL).title(title);
     if snap.workers.is_empty() {
@@ -418,11 +479,49 @@ pub(crate) fn render(frame: &mut Frame, s: &Screen) {
     );
 }
 
+/// The header: counts, then the data's age, then the connection — two facts, each in its own
+/// words and colour; what can be long (why) comes last.
+fn header<'a>(s: &Screen, snap: &Snapshot) -> Line<'a> {
+    let attention = Style::new().fg(Color::Yellow).add_modifier(Modifier::BOLD);
+    let data = data_age(s.data_age);
+    let data_style = if s.data_age < FRESH_FOR {
+        Style::new().fg(Color::Green)
+    } else {
+        attention
+    };
+    let connection_style = match s.connection {
+        Connection::Connected => Style::new().fg(Color::Green),
+        _ => attention,
+    };
+    let mut spans = vec![
+        Span::styled("automaton top", Style::new().add_modifier(Modifier::BOLD)),
+        Span::raw(format!(
+            " (q quits)  {}  {}, {}  ",
+            s.address,
+            count(snap.workers.len(), "worker"),
+            count(snap.tasks, "task"),
+        )),
+        Span::styled(data, data_style),
+        Span::raw("  "),
+        Span::styled(s.connection.text(), connection_style),
+    ];
+    // Connected but not current: say why (while reconnecting, the connection says it).
+    if let (Connection::Connected, Some(why)) = (s.connection, s.refresh_failed) {
+        spans.push(Span::styled(format!("  refresh failed ({why})"), attention));
+    }
+    Line::from(spans)
+}
+
 /// What the dashboard's loop reacts to.
 enum Update {
-    Snapshot(Result<Snapshot, String>),
-    /// `live`, or why the event stream is down.
-    Link(String),
+    /// A fetch that started at `started` (of the tasks too when `full`) ended.
+    Fetched {
+        result: Result<Snapshot, String>,
+        started: Instant,
+        full: bool,
+    },
+    /// The event stream opened or broke, at that instant.
+    Link(Connection, Instant),
     Redraw,
     Quit,
 }
@@ -514,7 +613,9 @@ async fn follow(link: Arc<Link>, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
         let why = match link.events(WHAT).await {
             Ok((_, mut stream)) => {
                 attempt = 0;
-                if tx.send(Update::Link("live".into())).await.is_err() {
+                // Before the wake: the fetch it causes starts after the stream was up.
+                let opened = Update::Link(Connection::Connected, Instant::now());
+                if tx.send(opened).await.is_err() {
                     return;
                 }
                 // What changed while the stream was down.
@@ -529,11 +630,8 @@ async fn follow(link: Arc<Link>, tx: mpsc::Sender<Update>, wake: Arc<Notify>) {
             }
             Err(f) => describe(&f),
         };
-        if tx
-            .send(Update::Link(format!("reconnecting ({why})")))
-            .await
-            .is_err()
-        {
+        let broke = Update::Link(Connection::Reconnecting(why), Instant::now());
+        if tx.send(broke).await.is_err() {
             return;
         }
         tokio::time::sleep(backoff(attempt)).await;
@@ -574,12 +672,22 @@ async fn refresh(link: Arc<Link>, mut cache: Cache, tx: mpsc::Sender<Update>, wa
         wake,
         last_full: None,
     };
+    // After a failed fetch the next is a full one: the event that asked for the last may
+    // have gone unanswered.
+    let mut owed = false;
     loop {
-        let everything = pacer.next().await;
-        let s = fetch(&link, &mut cache, everything)
+        let full = pacer.next().await || owed;
+        let started = Instant::now();
+        let result = fetch(&link, &mut cache, full)
             .await
             .map_err(|f| describe(&f));
-        if tx.send(Update::Snapshot(s)).await.is_err() {
+        owed = result.is_err();
+        let update = Update::Fetched {
+            result,
+            started,
+            full,
+        };
+        if tx.send(update).await.is_err() {
             return;
         }
     }
@@ -640,9 +748,12 @@ async fn dashboard(link: Link) -> Result<(), Failure> {
     let mut address = link.address(WHAT)?;
     // Before the screen changes: a coordinator that cannot answer is a one-line error.
     let mut cache = Cache::default();
+    let started = Instant::now();
     let mut snap = fetch(&link, &mut cache, true).await?;
     let mut fetched = Instant::now();
-    let mut stream_state = "connecting".to_string();
+    let mut freshness = Freshness::new(started);
+    let mut connection = Connection::Connecting;
+    let mut live_since: Option<Instant> = None;
     let mut fetch_error: Option<String> = None;
 
     let (_tui, mut terminal) =
@@ -657,11 +768,12 @@ async fn dashboard(link: Link) -> Result<(), Failure> {
     let interrupted = stopped();
     tokio::pin!(interrupted);
     let outcome = loop {
-        let link_text = fetch_error.as_deref().unwrap_or(&stream_state);
         let screen = Screen {
             snapshot: &snap,
             address: &address,
-            link: link_text,
+            connection: &connection,
+            data_age: freshness.age(Instant::now()),
+            refresh_failed: fetch_error.as_deref(),
             since: fetched.elapsed(),
         };
         if let Err(e) = terminal.draw(|f| render(f, &screen)) {
@@ -669,16 +781,20 @@ async fn dashboard(link: Link) -> Result<(), Failure> {
         }
         tokio::select! {
             u = rx.recv() => match u {
-                Some(Update::Snapshot(Ok(s))) => {
+                Some(Update::Fetched { result: Ok(s), started, full }) => {
                     snap = s;
                     fetched = Instant::now();
+                    freshness.fetched(started, full, live_since);
                     fetch_error = None;
                     if let Ok(a) = link.address(WHAT) {
                         address = a;
                     }
                 }
-                Some(Update::Snapshot(Err(e))) => fetch_error = Some(format!("refresh failed ({e})")),
-                Some(Update::Link(l)) => stream_state = l,
+                Some(Update::Fetched { result: Err(e), .. }) => fetch_error = Some(e),
+                Some(Update::Link(c, at)) => {
+                    live_since = (c == Connection::Connected).then_some(at);
+                    connection = c;
+                }
                 Some(Update::Redraw) => {}
                 Some(Update::Quit) | None => break Ok(()),
             },
@@ -802,15 +918,31 @@ mod tests {
     }
 
     fn draw(snap: &Snapshot, w: u16, h: u16) -> String {
-        draw_with(snap, w, h, "live")
+        draw_with(
+            snap,
+            w,
+            h,
+            &Connection::Connected,
+            Duration::from_millis(600),
+            None,
+        )
     }
 
-    fn draw_with(snap: &Snapshot, w: u16, h: u16, link: &str) -> String {
+    fn draw_with(
+        snap: &Snapshot,
+        w: u16,
+        h: u16,
+        connection: &Connection,
+        data_age: Duration,
+        refresh_failed: Option<&str>,
+    ) -> String {
         let mut terminal = Terminal::new(TestBackend::new(w, h)).expect("test backend");
         let screen = Screen {
             snapshot: snap,
             address: "http://127.0.0.1:7070",
-            link,
+            connection,
+            data_age,
+            refresh_failed,
             since: Duration::from_millis(600),
         };
         terminal
@@ -966,26 +1098,94 @@ mod tests {
         assert!(start.elapsed() >= Pacer::QUIET);
     }
 
+    fn head(connection: &Connection, data_age: Duration, failed: Option<&str>) -> String {
+        let screen = draw_with(&fleet(), 140, 30, connection, data_age, failed);
+        screen.lines().next().unwrap_or("").trim_end().to_string()
+    }
+
+    /// Seed 003: the connection and the data's age are two facts, each in its own words, side
+    /// by side: connected and fresh, reconnecting with data 12 s old, and connected with
+    /// data 15 s old because refreshes fail (never one slot for both).
     #[test]
-    fn header_shows_the_counts_and_why_the_screen_may_be_behind() {
-        let screen = draw_with(&fleet(), 140, 30, "reconnecting (connection refused)");
-        let head = screen.lines().next().unwrap_or("");
-        assert!(head.contains("(q quits)  http://127.0.0.1:7070"), "{head}");
+    fn header_says_the_connection_and_the_datas_age_apart() {
+        let h = head(&Connection::Connected, Duration::from_millis(600), None);
+        assert!(h.ends_with("3 workers, 7 tasks  fresh  connected"), "{h}");
+        let why = Connection::Reconnecting("connection refused".into());
+        let h = head(&why, Duration::from_secs(12), Some("connection refused"));
         assert!(
-            head.contains("3 workers, 7 tasks, updated 0.6s ago"),
-            "{head}"
+            h.ends_with("3 workers, 7 tasks  data 12s old  reconnecting (connection refused)"),
+            "{h}"
+        );
+        let h = head(
+            &Connection::Connected,
+            Duration::from_secs(15),
+            Some("deadline has elapsed"),
         );
         assert!(
-            head.trim_end()
-                .ends_with("reconnecting (connection refused)"),
-            "{head}"
+            h.ends_with("data 15s old  connected  refresh failed (deadline has elapsed)"),
+            "{h}"
+        );
+        let h = head(&Connection::Connecting, Duration::ZERO, None);
+        assert!(h.ends_with("fresh  connecting"), "{h}");
+        for h in [h, head(&why, Duration::from_secs(90), None)] {
+            assert!(!h.contains("live") && !h.contains("updated"), "{h}");
+        }
+    }
+
+    #[test]
+    fn the_datas_age_reads_fresh_then_in_whole_seconds_minutes_hours() {
+        for (ms, says) in [
+            (0, "fresh"),
+            (2_999, "fresh"),
+            (3_000, "data 3s old"),
+            (12_400, "data 12s old"),
+            (65_000, "data 1m05s old"),
+            (3_720_000, "data 1h02m old"),
+        ] {
+            assert_eq!(data_age(Duration::from_millis(ms)), says, "{ms} ms");
+        }
+    }
+
+    /// The data's age keeps counting while the stream is down (workers-only fetches that
+    /// succeed then vouch for the workers, not for the tasks), and a reopened stream vouches
+    /// for nothing until a full fetch after it.
+    #[test]
+    fn the_datas_age_counts_on_while_disconnected_until_a_full_fetch_after_reconnecting() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut f = Freshness::new(t0);
+        // The stream opens at 1 s; its wake's full fetch at 2 s; quiet seconds after.
+        f.fetched(at(2), true, Some(at(1)));
+        f.fetched(at(3), false, Some(at(1)));
+        assert_eq!(f.age(at(3)), Duration::ZERO);
+        // Down from 3.5 s: workers-only fetches vouch for the workers alone.
+        f.fetched(at(4), false, None);
+        assert_eq!(f.age(at(5)), Duration::from_secs(2));
+        // Nothing answers: the age grows.
+        assert_eq!(f.age(at(15)), Duration::from_secs(12));
+        // Back at 16 s: a workers-only fetch before the full one does not vouch for tasks.
+        f.fetched(at(17), false, Some(at(16)));
+        assert_eq!(f.age(at(17)), Duration::from_secs(14));
+        f.fetched(at(18), true, Some(at(16)));
+        assert_eq!(f.age(at(18)), Duration::ZERO);
+        // A late answer to an older fetch does not make the data look older.
+        f.fetched(at(10), true, Some(at(16)));
+        assert_eq!(f.age(at(18)), Duration::ZERO);
+    }
+
+    #[test]
+    fn header_shows_the_address_and_the_counts() {
+        let h = head(&Connection::Connected, Duration::ZERO, None);
+        assert!(
+            h.contains("(q quits)  http://127.0.0.1:7070  3 workers, 7 tasks"),
+            "{h}"
         );
         let one = snapshot(
             vec![worker("gpu-a", "idle", vec![], 0)],
             vec![task("t", "new")],
         );
         let head = draw(&one, 140, 30);
-        assert!(head.contains("1 worker, 1 task,"), "{head}");
+        assert!(head.contains("1 worker, 1 task  fresh"), "{head}");
     }
 
     #[test]

@@ -320,9 +320,9 @@ async fn watch(args: &WatchArgs, filter: Option<&TaskName>) -> Result<End, Failu
             Ok(None) => "the stream ended".to_string(),
             Err(s) => s.message().to_string(),
         };
-        eprintln!(
-            "automaton watch: lost the coordinator at {address} ({why}); reconnecting, events until then are not shown"
-        );
+        // The same words as `top`'s header: `reconnecting (why)`, then `connected`.
+        eprintln!("{}", lost_line(&address, &why));
+        let lost = std::time::Instant::now();
         let mut attempt = 0;
         loop {
             tokio::select! {
@@ -338,7 +338,7 @@ async fn watch(args: &WatchArgs, filter: Option<&TaskName>) -> Result<End, Failu
             match opened {
                 Ok((a, s)) => {
                     (address, stream) = (a, s);
-                    eprintln!("automaton watch: reconnected to {address}");
+                    eprintln!("{}", back_line(&address, lost.elapsed()));
                     break;
                 }
                 // The restarted coordinator does not accept our token.
@@ -348,6 +348,19 @@ async fn watch(args: &WatchArgs, filter: Option<&TaskName>) -> Result<End, Failu
             }
         }
     }
+}
+
+/// What `watch` says on stderr when the stream breaks.
+fn lost_line(address: &str, why: &str) -> String {
+    format!("automaton watch: lost the coordinator at {address}; reconnecting ({why})")
+}
+
+/// What `watch` says on stderr when the stream is open again, `gap` after it broke.
+fn back_line(address: &str, gap: Duration) -> String {
+    format!(
+        "automaton watch: connected to {address} again after {:.1}s; events missed while disconnected are not shown",
+        gap.as_secs_f64()
+    )
 }
 
 /// Runs `automaton watch`; returns the exit code (0 on Ctrl-C or a closed stdout).
@@ -466,6 +479,19 @@ mod tests {
             ["agent", "at", "detail", "kind", "seq", "task", "token"]
         );
         assert_eq!(v["at"], "2026-12-01T08:12:03.123Z");
+    }
+
+    /// The outage in `top`'s words (`reconnecting (why)`, `connected`), and the gap said plainly.
+    #[test]
+    fn lost_and_back_lines_say_reconnecting_then_connected_and_that_missed_events_are_not_shown() {
+        assert_eq!(
+            lost_line("http://127.0.0.1:7070", "transport error"),
+            "automaton watch: lost the coordinator at http://127.0.0.1:7070; reconnecting (transport error)"
+        );
+        assert_eq!(
+            back_line("http://127.0.0.1:7071", Duration::from_millis(4_250)),
+            "automaton watch: connected to http://127.0.0.1:7071 again after 4.2s; events missed while disconnected are not shown"
+        );
     }
 
     #[test]

@@ -43,6 +43,8 @@ pub(crate) async fn run(app: Arc<App>) {
             match newest {
                 Some(t) => Some(t),
                 None => {
+                    app.feed_down
+                        .send_replace(Some("waiting for an operator to sign in".into()));
                     app.signed_in.notified().await;
                     continue;
                 }
@@ -52,7 +54,10 @@ pub(crate) async fn run(app: Arc<App>) {
         };
         match watch_once(&app, token.as_deref()).await {
             Ok(()) => backoff = MIN_BACKOFF,
-            Err(e) => tracing::warn!(error = %e, "console: event feed broke; reconnecting"),
+            Err(e) => {
+                tracing::warn!(error = %e, "console: event feed broke; reconnecting");
+                app.feed_down.send_replace(Some(e));
+            }
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -67,6 +72,7 @@ async fn watch_once(app: &App, token: Option<&str>) -> Result<(), String> {
         .await
         .map_err(|s| grpc::http_status(&s).1)?
         .into_inner();
+    app.feed_down.send_replace(None);
     // Pages may have missed events while the feed was down: they refresh once.
     app.changed();
     let _ = app.events.send(r#"{"kind":"resync"}"#.to_string());
@@ -83,37 +89,86 @@ async fn watch_once(app: &App, token: Option<&str>) -> Result<(), String> {
     }
 }
 
-/// One page's `/events`: each feed event as a `change` event; a page that reads too slowly
-/// for the broadcast gets one `reload` event and its stream ends (it never queues more than
-/// the broadcast's buffer). Ends at shutdown.
+/// What an `alive` event says: the feed is `up`, or `down` and why.
+pub fn alive_json(feed_down: Option<&str>) -> String {
+    match feed_down {
+        None => serde_json::json!({ "feed": "up" }),
+        Some(why) => serde_json::json!({ "feed": "down", "why": why }),
+    }
+    .to_string()
+}
+
+/// One page's `/events`: each feed event as a `change` event, and at once then every
+/// [`ALIVE_EVERY`](crate::render::ALIVE_EVERY) an `alive` event with the feed's state (a page
+/// takes "alive, feed up, no change" as "what I show is still current"); a page that reads
+/// too slowly for the broadcast gets one `reload` event and its stream ends (it never queues
+/// more than the broadcast's buffer). `after`: the feed's count of changes when the page's
+/// data was fetched; any other count now means it missed one, and it is told at once (a
+/// `change` of kind `resync`). Ends at shutdown.
 pub(crate) fn subscribe(
     app: &App,
+    after: Option<u64>,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    // The first at once: the page learns the feed's state as its stream opens.
+    let mut alive = tokio::time::interval(crate::render::ALIVE_EVERY);
+    alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Subscribed before the count is read: a change after it comes through `rx`.
     let rx = app.events.subscribe();
-    let stop = app.stop.clone();
-    futures_util::stream::unfold((rx, stop, false), |(mut rx, mut stop, done)| async move {
-        if done || *stop.borrow() {
+    let missed = after.is_some_and(|n| n != app.changes.load(std::sync::atomic::Ordering::Acquire));
+    let page = Page {
+        rx,
+        missed,
+        stop: app.stop.clone(),
+        feed_down: app.feed_down.subscribe(),
+        alive,
+        done: false,
+    };
+    futures_util::stream::unfold(page, |mut p| async move {
+        if p.done || *p.stop.borrow() {
             return None;
         }
+        if std::mem::take(&mut p.missed) {
+            let ev = Event::default()
+                .event("change")
+                .data(r#"{"kind":"resync"}"#);
+            return Some((Ok(ev), p));
+        }
         tokio::select! {
-            r = rx.recv() => match r {
+            // Events first: an `alive` must never overtake a change it would vouch past.
+            biased;
+            r = p.rx.recv() => match r {
                 Ok(json) => {
                     let ev = if json.contains(r#""kind":"lagged""#) {
                         Event::default().event("reload").data("lagged")
                     } else {
                         Event::default().event("change").data(json)
                     };
-                    Some((Ok(ev), (rx, stop, false)))
+                    Some((Ok(ev), p))
                 }
-                Err(RecvError::Lagged(n)) => Some((
-                    Ok(Event::default().event("reload").data(format!("lagged {n}"))),
-                    (rx, stop, true),
-                )),
+                Err(RecvError::Lagged(n)) => {
+                    p.done = true;
+                    Some((Ok(Event::default().event("reload").data(format!("lagged {n}"))), p))
+                }
                 Err(RecvError::Closed) => None,
             },
-            _ = stop.changed() => None,
+            _ = p.stop.changed() => None,
+            _ = p.alive.tick() => {
+                let json = alive_json(p.feed_down.borrow().as_deref());
+                Some((Ok(Event::default().event("alive").data(json)), p))
+            }
         }
     })
+}
+
+/// One page's stream state.
+struct Page {
+    rx: tokio::sync::broadcast::Receiver<String>,
+    /// A change came between the page's fetch and this subscription.
+    missed: bool,
+    stop: watch::Receiver<bool>,
+    feed_down: watch::Receiver<Option<String>>,
+    alive: tokio::time::Interval,
+    done: bool,
 }
 
 /// Turns a run's output bytes into text without splitting a UTF-8 character across two
@@ -244,6 +299,18 @@ mod tests {
     #[tokio::test]
     async fn a_lagging_page_is_told_to_reload() {
         use futures_util::StreamExt as _;
+        let (app, _stop) = app();
+        let mut page = std::pin::pin!(subscribe(&app, None));
+        for i in 0..crate::web::FEED_BUFFER * 2 {
+            let _ = app.events.send(format!("{{\"seq\":{i}}}"));
+        }
+        let first = page.next().await.expect("an event").expect("infallible");
+        assert!(format!("{first:?}").contains("reload"), "{first:?}");
+        assert!(page.next().await.is_none(), "the lagging stream ends");
+    }
+
+    /// An app, and the sender of its stop (its streams end when it is dropped).
+    fn app() -> (App, watch::Sender<bool>) {
         let opts = crate::Options {
             channel: tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy(),
             auth: None,
@@ -252,16 +319,84 @@ mod tests {
             tls: None,
             streams: crate::StreamLimits::default(),
         };
-        let (_stop_tx, stop) = watch::channel(false);
-        let local = "127.0.0.1:8080".parse().expect("addr");
-        let app = App::new(opts, local, stop).expect("app");
-        let mut page = std::pin::pin!(subscribe(&app));
-        for i in 0..crate::web::FEED_BUFFER * 2 {
-            let _ = app.events.send(format!("{{\"seq\":{i}}}"));
-        }
+        let (stop_tx, stop) = watch::channel(false);
+        let app = App::new(opts, "127.0.0.1:8080".parse().expect("addr"), stop).expect("app");
+        (app, stop_tx)
+    }
+
+    /// At once, then every [`ALIVE_EVERY`](crate::render::ALIVE_EVERY), a page's stream says
+    /// it is alive and whether the feed is up: down (and why) until it opens, up after, down
+    /// when it breaks.
+    #[tokio::test]
+    async fn a_pages_stream_says_alive_with_the_feeds_state() {
+        use futures_util::StreamExt as _;
+        let (app, _stop) = app();
+        let mut page = std::pin::pin!(subscribe(&app, None));
+        let next = std::time::Instant::now();
         let first = page.next().await.expect("an event").expect("infallible");
-        assert!(format!("{first:?}").contains("reload"), "{first:?}");
-        assert!(page.next().await.is_none(), "the lagging stream ends");
+        let first = format!("{first:?}");
+        assert!(first.contains("alive"), "{first}");
+        assert!(
+            first.contains(r#"\"feed\":\"down\""#) && first.contains(crate::web::FEED_CONNECTING),
+            "{first}"
+        );
+        assert!(next.elapsed() < crate::render::ALIVE_EVERY / 2, "at once");
+        app.feed_down.send_replace(None);
+        let next = std::time::Instant::now();
+        let up = format!(
+            "{:?}",
+            page.next().await.expect("an event").expect("infallible")
+        );
+        assert!(up.contains(r#"\"feed\":\"up\""#), "{up}");
+        let took = next.elapsed();
+        assert!(
+            took >= crate::render::ALIVE_EVERY - Duration::from_millis(50),
+            "{took:?}"
+        );
+        // A change goes before an `alive` that would vouch for the page past it.
+        app.feed_down
+            .send_replace(Some("unknown bearer token".into()));
+        let _ = app.events.send("{\"kind\":\"transitioned\"}".into());
+        let change = format!(
+            "{:?}",
+            page.next().await.expect("an event").expect("infallible")
+        );
+        assert!(change.contains("change"), "{change}");
+        let down = format!(
+            "{:?}",
+            page.next().await.expect("an event").expect("infallible")
+        );
+        assert!(down.contains("unknown bearer token"), "{down}");
+    }
+
+    /// A page whose data was fetched before a change it has not heard of (the feed's count
+    /// moved on since its `data-changes`) is told at once to refresh; one that is up to date
+    /// is not.
+    #[tokio::test]
+    async fn a_page_that_missed_a_change_before_subscribing_is_told_at_once() {
+        use futures_util::StreamExt as _;
+        let (app, _stop) = app();
+        app.changed();
+        let now = app.changes.load(std::sync::atomic::Ordering::Acquire);
+        for (after, says) in [
+            (Some(now - 1), "resync"),
+            (Some(now), "alive"),
+            (None, "alive"),
+        ] {
+            let mut page = std::pin::pin!(subscribe(&app, after));
+            let first = page.next().await.expect("an event").expect("infallible");
+            let first = format!("{first:?}");
+            assert!(first.contains(says), "{after:?}: {first}");
+        }
+    }
+
+    #[test]
+    fn alive_says_up_or_down_and_why_as_json() {
+        assert_eq!(alive_json(None), r#"{"feed":"up"}"#);
+        let v: serde_json::Value =
+            serde_json::from_str(&alive_json(Some("a \"quoted\" <why>\n"))).expect("json");
+        assert_eq!(v["feed"], "down");
+        assert_eq!(v["why"], "a \"quoted\" <why>\n");
     }
 
     #[test]

@@ -10,8 +10,10 @@
 //! minute per client address), the CSRF and cross-site checks of every POST, without tokens
 //! the check that every request names this console by a loopback name (no DNS rebinding),
 //! and two kinds of live stream: one shared `WatchEvents` feed per console fanned out to
-//! every open page as server-sent events, and a task's `TailOutput`, both bounded per
-//! session and cut when their client stops reading (`streams.rs`).
+//! every open page as server-sent events (with an `alive` event every 2 s saying whether the
+//! feed is up: a page shows, apart, whether it is connected and how old its data is), and a
+//! task's `TailOutput`, both bounded per session and cut when their client stops reading
+//! (`streams.rs`).
 //!
 //! What it must not do: decide policy or keep state beyond sessions. It is a client of the
 //! coordinator's own gRPC API (`automaton_proto`): every page is a read the CLI could make,
@@ -33,7 +35,7 @@ mod tls;
 mod web;
 
 pub use diff::{escape_code, render_change, task_branch};
-pub use feed::{Utf8Carry, event_json, output_json};
+pub use feed::{Utf8Carry, alive_json, event_json, output_json};
 pub use grpc::http_status;
 pub use limit::{MAX_FAILURES, SignInLimit, WINDOW};
 pub use render::{

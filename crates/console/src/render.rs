@@ -19,7 +19,15 @@
 //!   and `#output`, the `pre` that live output is appended to (`.gap` marks skipped bytes).
 //! - `#login-error` on the sign-in page, `#action-error` on a refused action's page.
 //! - Any element with `data-refresh=URL` is replaced by what `URL` returns when an event
-//!   arrives (the URL carries `fragment=1`).
+//!   arrives (the URL carries `fragment=1`); its `data-age-ms` says how old its data was
+//!   when the console sent it, and `data-changes` where the console's feed stood when it
+//!   was fetched (the page opens `/events?after=N` with it: a change since is told at once).
+//! - `#liveness` in the header of every live page (board, fleet, task): `#connection`
+//!   (`role=status`, `data-state` `connecting` / `connected` / `reconnecting`, its text the
+//!   same word and, when reconnecting, why) and `#freshness` (`data-state` `fresh` /
+//!   `stale`), holding `#stale` (`role=status`: `stale`, or empty) and `#age` (`role=timer`:
+//!   `updated 3s ago`). Connection and freshness are two facts: connected with stale data
+//!   is shown as such. The script keeps them up to date.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -160,6 +168,13 @@ fn ktokens(n: u64) -> String {
     }
 }
 
+/// How often the event stream says it is alive (with the feed's state), so a page can tell
+/// its data is still current when nothing changes, and a silent connection from a live one.
+pub const ALIVE_EVERY: Duration = Duration::from_secs(2);
+/// How long a page's data may go unconfirmed (no refresh, no word that nothing changed)
+/// before the page marks it stale.
+pub const STALE_AFTER: Duration = Duration::from_secs(10);
+
 /// The whole page around a body. `operator` names who is signed in (a sign-out form is then
 /// shown); `csrf` is the token that form carries.
 pub fn page(
@@ -169,6 +184,62 @@ pub fn page(
     csrf: Option<&str>,
     body: &str,
 ) -> String {
+    page_with(project, title, operator, csrf, body, false)
+}
+
+/// [`page`] for a page that updates itself (board, fleet, task): its header says whether it
+/// is connected and how old what it shows is ([`liveness`]).
+pub fn live_page(
+    project: &str,
+    title: &str,
+    operator: Option<&str>,
+    csrf: Option<&str>,
+    body: &str,
+) -> String {
+    page_with(project, title, operator, csrf, body, true)
+}
+
+/// The header's status of a live page: the connection and the freshness of the data, two
+/// facts side by side, shown by the script (without it, a line says the page is not live).
+pub fn liveness() -> String {
+    format!(
+        r#"<div id="liveness" class="liveness" data-alive-ms="{}" data-stale-after-ms="{}"><span id="connection" role="status" data-state="connecting" hidden>connecting</span><noscript>not live: scripts are off, reload to update</noscript><span id="freshness" data-state="fresh" hidden><span id="stale" role="status"></span> <span id="age" role="timer"></span></span></div>"#,
+        ALIVE_EVERY.as_millis(),
+        STALE_AFTER.as_millis(),
+    )
+}
+
+/// Marks a refreshable part (the `data-refresh` element `html` opens with) with how old its
+/// data is (`data-age-ms`: the page counts its freshness from the data's fetch, not from when
+/// it arrived) and the feed's count of changes when it was fetched (`data-changes`). `html` is
+/// one of this module's parts; anything else is left as it is.
+pub fn with_data_stamp(html: String, age: Duration, changes: u64) -> String {
+    let Some(at) = html.find(" data-refresh=\"") else {
+        return html;
+    };
+    if html[..at].contains('>') {
+        return html;
+    }
+    let mut out = String::with_capacity(html.len() + 48);
+    out.push_str(&html[..at]);
+    let _ = write!(
+        out,
+        " data-age-ms=\"{}\" data-changes=\"{changes}\"",
+        age.as_millis()
+    );
+    out.push_str(&html[at..]);
+    out
+}
+
+fn page_with(
+    project: &str,
+    title: &str,
+    operator: Option<&str>,
+    csrf: Option<&str>,
+    body: &str,
+    live: bool,
+) -> String {
+    let live = if live { liveness() } else { String::new() };
     let mut who = String::new();
     if let (Some(op), Some(csrf)) = (operator, csrf) {
         let _ = write!(
@@ -184,7 +255,7 @@ pub fn page(
          <title>{} · {}</title><link rel=\"stylesheet\" href=\"/static/console.css\">\
          <script src=\"/static/console.js\" defer></script></head>\n<body>\
          <header><span class=\"project\">{}</span><nav><a href=\"/board\">Board</a> \
-         <a href=\"/board?needs=person\">Needs a person</a> <a href=\"/fleet\">Fleet</a></nav>{who}</header>\n\
+         <a href=\"/board?needs=person\">Needs a person</a> <a href=\"/fleet\">Fleet</a></nav>{live}{who}</header>\n\
          <main id=\"content\">{body}</main></body></html>\n",
         escape(title),
         escape(project),
@@ -1672,6 +1743,80 @@ mod tests {
         );
         // No delivery: no section.
         assert!(!render_task(&detail("complete"), &view(Some("c"))).contains("id=\"delivery\""));
+    }
+
+    /// A live page's header says the connection and the data's freshness apart, in words a
+    /// screen reader gets (`role=status`; the ticking age a `timer`, not announced each
+    /// second), with the periods the script works by; other pages have no such status.
+    #[test]
+    fn a_live_page_says_its_connection_and_its_datas_freshness_apart() {
+        let html = live_page("p", "Board", Some("ann"), Some("c"), "<section></section>");
+        let header = &html
+            [html.find("<header>").expect("a header")..html.find("</header>").expect("its end")];
+        for part in [
+            "<div id=\"liveness\" class=\"liveness\" data-alive-ms=\"2000\" data-stale-after-ms=\"10000\">",
+            "<span id=\"connection\" role=\"status\" data-state=\"connecting\" hidden>connecting</span>",
+            "<span id=\"freshness\" data-state=\"fresh\" hidden>",
+            "<span id=\"stale\" role=\"status\"></span>",
+            "<span id=\"age\" role=\"timer\"></span>",
+            "<noscript>not live: scripts are off, reload to update</noscript>",
+        ] {
+            assert!(header.contains(part), "{part}: {header}");
+        }
+        // Before who is signed in: the operator's name stays last.
+        assert!(
+            header.find("liveness") < header.find("class=\"operator\""),
+            "{header}"
+        );
+        for other in [
+            page("p", "Refused", None, None, "x"),
+            render_login("p", None),
+            render_action_error("p", "no", "/board"),
+        ] {
+            assert!(!other.contains("id=\"liveness\""), "{other}");
+        }
+    }
+
+    /// Each refreshable part says how old its data was when sent and where the feed stood
+    /// when it was fetched (in its own opening tag); anything else is left as it was.
+    #[test]
+    fn a_refreshable_part_carries_its_datas_age_and_the_feeds_count() {
+        let board = with_data_stamp(
+            render_board(&[task("a", "new")], &[], &BoardFilter::default(), now()),
+            Duration::from_millis(1500),
+            42,
+        );
+        assert!(
+            board.starts_with(
+                "<section id=\"board\" data-age-ms=\"1500\" data-changes=\"42\" data-refresh=\"/board?fragment=1\">"
+            ),
+            "{board}"
+        );
+        let fleet = with_data_stamp(render_fleet(&[], None, now()), Duration::ZERO, 0);
+        assert!(
+            fleet.starts_with(
+                "<section id=\"fleet\" data-age-ms=\"0\" data-changes=\"0\" data-refresh="
+            ),
+            "{fleet}"
+        );
+        let facts = with_data_stamp(
+            render_task(&detail("new"), &view(None)),
+            Duration::from_millis(7),
+            3,
+        );
+        assert!(
+            facts.starts_with(
+                "<section id=\"task-facts\" data-age-ms=\"7\" data-changes=\"3\" data-refresh="
+            ),
+            "{facts}"
+        );
+        assert_eq!(facts.matches("data-age-ms").count(), 1, "{facts}");
+        for other in [
+            "<p>no part</p>",
+            "<div><section data-refresh=\"/x\"></section></div>",
+        ] {
+            assert_eq!(with_data_stamp(other.to_string(), Duration::ZERO, 1), other);
+        }
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 pub const FEED_BUFFER: usize = 256;
 /// How much of a run's kept output a new output panel starts with.
 pub const OUTPUT_TAIL_BYTES: u64 = 64 * 1024;
+/// Why the feed is down before it first opens.
+pub const FEED_CONNECTING: &str = "connecting to the coordinator's event stream";
 /// How long the board's task list may be reused when no event has arrived since it was
 /// fetched (the bound on its age when the feed is down).
 pub const TASKS_REUSE: Duration = Duration::from_secs(1);
@@ -66,6 +68,10 @@ pub(crate) struct App {
     pub csrf_secret: String,
     /// The shared event feed: JSON of each event, fanned out to every `/events` page.
     pub events: broadcast::Sender<String>,
+    /// Why the shared feed is down (`None` while it is up): each page's stream says it with
+    /// every `alive` event, so a page connected to a console that lost the coordinator's
+    /// events does not take its quiet for "nothing changed".
+    pub feed_down: watch::Sender<Option<String>>,
     /// Someone signed in: the feed may have a token to watch with now.
     pub signed_in: Notify,
     /// Events the feed has passed on (and its reconnects): a task list fetched before the
@@ -100,6 +106,7 @@ impl App {
             sign_in_limit: Mutex::new(SignInLimit::new()),
             csrf_secret: session::random_hex(32)?,
             events,
+            feed_down: watch::channel(Some(FEED_CONNECTING.to_string())).0,
             signed_in: Notify::new(),
             changes: AtomicU64::new(0),
             tasks: tokio::sync::Mutex::new(None),
@@ -123,17 +130,20 @@ impl App {
     }
 
     /// The task list for a board: the shared one while no change has come since it was
-    /// fetched (for at most [`TASKS_REUSE`]), else a fresh `ListTasks` with `stamp`. Every
-    /// caller here is a signed-in operator (or loopback without tokens), and operators all
-    /// see the same list.
-    async fn board_tasks(&self, stamp: Stamp) -> Result<Arc<Vec<pb::TaskSummary>>, tonic::Status> {
+    /// fetched (for at most [`TASKS_REUSE`]), else a fresh `ListTasks` with `stamp`; with
+    /// when it was fetched and the feed's count of changes then. Every caller here is a
+    /// signed-in operator (or loopback without tokens), and operators all see the same list.
+    async fn board_tasks(
+        &self,
+        stamp: Stamp,
+    ) -> Result<(Arc<Vec<pb::TaskSummary>>, Instant, u64), tonic::Status> {
         let mut shared = self.tasks.lock().await;
         let changes = self.changes.load(Ordering::Acquire);
         if let Some(s) = shared.as_ref()
             && s.changes == changes
             && s.at.elapsed() < TASKS_REUSE
         {
-            return Ok(s.tasks.clone());
+            return Ok((s.tasks.clone(), s.at, s.changes));
         }
         let tasks = Arc::new(
             grpc::tasks(&self.channel, stamp)
@@ -142,12 +152,13 @@ impl App {
                 .into_inner()
                 .tasks,
         );
+        let at = Instant::now();
         *shared = Some(TasksSnapshot {
             changes,
-            at: Instant::now(),
+            at,
             tasks: tasks.clone(),
         });
-        Ok(tasks)
+        Ok((tasks, at, changes))
     }
 }
 
@@ -434,14 +445,14 @@ fn plain(status: StatusCode, line: &str) -> Response {
     html(status, render::render_error(line))
 }
 
-/// A full page for `caller`, or only the refreshable part with `?fragment=1`.
+/// A full live page for `caller`, or only the refreshable part with `?fragment=1`.
 fn respond(app: &App, c: &Caller, title: &str, fragment: bool, body: String) -> Response {
     if fragment {
         return html(StatusCode::OK, body);
     }
     html(
         StatusCode::OK,
-        render::page(
+        render::live_page(
             &app.project,
             title,
             c.operator.as_deref(),
@@ -644,7 +655,7 @@ async fn board(
         app.board_tasks(stamp),
         workers.list_workers(pb::ListWorkersRequest {})
     );
-    let tasks = match t {
+    let (tasks, fetched, changes) = match t {
         Ok(t) => t,
         Err(s) => return refused(&app, &c, "Board", &s),
     };
@@ -655,6 +666,7 @@ async fn board(
         needs_person: q.needs.as_deref() == Some("person"),
     };
     let body = render::render_board(&tasks, &workers, &filter, SystemTime::now());
+    let body = render::with_data_stamp(body, fetched.elapsed(), changes);
     respond(&app, &c, "Board", q.fragment(), body)
 }
 
@@ -668,6 +680,7 @@ async fn fleet(
         Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
+    let changes = app.changes.load(Ordering::Acquire);
     let workers = match grpc::workers(&app.channel, stamp)
         .list_workers(pb::ListWorkersRequest {})
         .await
@@ -675,7 +688,9 @@ async fn fleet(
         Ok(w) => w.into_inner().workers,
         Err(s) => return refused(&app, &c, "Fleet", &s),
     };
+    let fetched = Instant::now();
     let body = render::render_fleet(&workers, Some(&c.csrf), SystemTime::now());
+    let body = render::with_data_stamp(body, fetched.elapsed(), changes);
     respond(&app, &c, "Fleet", q.fragment(), body)
 }
 
@@ -690,6 +705,7 @@ async fn task(
         Ok(cs) => cs,
         Err(r) => return r.into_response(),
     };
+    let changes = app.changes.load(Ordering::Acquire);
     let detail = match grpc::tasks(&app.channel, stamp)
         .get_task(pb::GetTaskRequest {
             task: name.clone(),
@@ -704,12 +720,14 @@ async fn task(
         Ok(d) => d.into_inner(),
         Err(s) => return refused(&app, &c, &name, &s),
     };
+    let fetched = Instant::now();
     let view = TaskView {
         csrf: Some(&c.csrf),
         trace_url: app.trace_url.as_deref(),
         now: SystemTime::now(),
     };
     let facts = render::render_task(&detail, &view);
+    let facts = render::with_data_stamp(facts, fetched.elapsed(), changes);
     if q.fragment() {
         return html(StatusCode::OK, facts);
     }
@@ -875,16 +893,23 @@ fn stream_slot(app: &App, c: &Caller) -> Result<crate::streams::Slot, Denied> {
         .map_err(|why| Denied::Refused(StatusCode::TOO_MANY_REQUESTS, why))
 }
 
+#[derive(Deserialize, Default)]
+struct EventsQuery {
+    /// The feed's count of changes when the page's data was fetched (`data-changes`).
+    after: Option<u64>,
+}
+
 async fn events(
     State(app): State<Arc<App>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
+    Query(q): Query<EventsQuery>,
 ) -> Response {
     let slot = match caller(&app, &headers, &peer, Want::Api).and_then(|c| stream_slot(&app, &c)) {
         Ok(s) => s,
         Err(r) => return r.into_response(),
     };
-    sse(Box::pin(crate::feed::subscribe(&app)), slot)
+    sse(Box::pin(crate::feed::subscribe(&app, q.after)), slot)
 }
 
 async fn output(

@@ -1588,3 +1588,106 @@ async fn without_an_operator_session_no_delivery_buttons_and_their_posts_are_ref
         "no RPC was called"
     );
 }
+
+/// Issue 36: every live page (board, fleet, task) has the header's status — the connection
+/// and the data's freshness apart — and each refreshable part, whole page or fragment, says
+/// how old its data was when sent and where the feed stood when it was fetched (a stream
+/// opened `?after=` an older count is told to refresh at once); a page that does not update
+/// itself has no such status.
+#[tokio::test]
+async fn live_pages_say_connection_and_freshness_and_each_part_its_datas_age() {
+    let (fake, _) = fake();
+    let (addr, _stop) = console(coordinator(fake).await, None).await;
+    for (path, part) in [
+        ("/board", "<section id=\"board\" data-age-ms=\""),
+        ("/fleet", "<section id=\"fleet\" data-age-ms=\""),
+        (
+            "/task/shop/api",
+            "<section id=\"task-facts\" data-age-ms=\"",
+        ),
+    ] {
+        let page = http(addr, "GET", path, "", "").await;
+        assert_eq!(status(&page), 200, "{page}");
+        assert!(page.contains("<div id=\"liveness\""), "{path}: {page}");
+        assert!(
+            page.contains("<span id=\"connection\" role=\"status\""),
+            "{path}: {page}"
+        );
+        assert!(page.contains("<span id=\"age\" role=\"timer\">"), "{path}");
+        assert!(page.contains(part), "{path}: {page}");
+        let fragment = http(addr, "GET", &format!("{path}?fragment=1"), "", "").await;
+        let body = fragment.split("\r\n\r\n").nth(1).unwrap_or("");
+        assert!(body.starts_with(part), "{path}: {fragment}");
+        assert!(!body.contains("liveness"), "{path}: {fragment}");
+    }
+    let missing = http(addr, "GET", "/task/nope", "", "").await;
+    assert_eq!(status(&missing), 404, "{missing}");
+    assert!(!missing.contains("liveness"), "{missing}");
+    // Where the feed stood when the data was fetched: a page whose count is behind is told
+    // at once, before anything else, to refresh.
+    let board = http(addr, "GET", "/board", "", "").await;
+    let at = board.find("data-changes=\"").expect("data-changes") + 14;
+    let n: u64 = board[at..]
+        .split('"')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("a count");
+    let behind = format!("/events?after={}", n + 1000);
+    let told = stream_until(addr, &behind, "", "\n\n").await;
+    assert!(
+        told.contains("event: change\ndata: {\"kind\":\"resync\"}"),
+        "{told}"
+    );
+}
+
+/// Issue 36: a page's `/events` says `alive` at once and every 2 s with the feed's state
+/// (`up` once the console watches the coordinator's events), which is how a page knows its
+/// data is still current when nothing changes; and `HEAD /events` answers as a stream's opening would —
+/// 200 (its place given back at once), 401 without a session, 429 past `web_max_streams` —
+/// which is how a page whose stream broke learns why.
+#[tokio::test]
+async fn events_say_alive_with_the_feed_up_and_head_events_says_whether_a_stream_would_open() {
+    let (fake, _) = fake();
+    let auth: Arc<dyn Authenticate> = Arc::new(Tokens);
+    let limits = StreamLimits {
+        per_session: 1,
+        ..StreamLimits::default()
+    };
+    let (addr, _stop) = console_limited(coordinator(fake).await, Some(auth), None, limits).await;
+    let r = http(addr, "HEAD", "/events", "", "").await;
+    assert_eq!(status(&r), 401, "{r}");
+    let ann = sign_in(addr).await;
+    for _ in 0..3 {
+        let r = http(addr, "HEAD", "/events", &ann, "").await;
+        assert_eq!(status(&r), 200, "{r}");
+        assert!(r.contains("text/event-stream"), "{r}");
+        assert!(r.ends_with("\r\n\r\n"), "no body: {r}");
+    }
+    let feed = stream_until(addr, "/events", &ann, r#""feed":"up""#).await;
+    assert!(feed.contains("event: alive"), "{feed}");
+    let _held = open_stream(addr, "/events", &ann)
+        .await
+        .expect("the one place");
+    let r = http(addr, "HEAD", "/events", &ann, "").await;
+    assert_eq!(status(&r), 429, "{r}");
+}
+
+/// Issue 36, connected but not current: a console that cannot reach the coordinator's event
+/// stream keeps a page's stream open and says on it, at once and every 2 s, that the feed is
+/// down and why — the page shows itself connected to the console with data it cannot vouch
+/// for.
+#[tokio::test]
+async fn a_console_without_the_coordinators_events_says_the_feed_is_down_and_why() {
+    let channel = tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy();
+    let (addr, _stop) = console(channel, None).await;
+    let feed = stream_until(addr, "/events", "", r#""feed":"down""#).await;
+    let line = feed
+        .lines()
+        .find(|l| l.contains(r#""feed":"down""#))
+        .expect("the alive event's data");
+    let v: serde_json::Value =
+        serde_json::from_str(line.trim_start_matches("data:").trim()).expect("JSON");
+    let why = v["why"].as_str().expect("why");
+    assert!(!why.is_empty() && !why.contains('\n'), "{why}");
+    assert!(feed.contains("event: alive"), "{feed}");
+}
