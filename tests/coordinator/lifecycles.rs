@@ -219,3 +219,70 @@ async fn a_stale_approval_hold_lifts_when_the_approval_is_fresh_again() {
         d.summary
     );
 }
+
+/// Issue 36, item 5's first part: every run records the commit of the task branch it was
+/// served — what a review read — in `GetTask.runs`, `status --task` and across a restart
+/// (its dispatch record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_run_records_the_commit_it_was_served_and_status_shows_it() {
+    let env = Env::new();
+    git_init(&env);
+    let mut coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let _a = crate::work::scripted_worker(&coord, "gpu-a", "sim:24GiB", &[]);
+    let _b = crate::work::scripted_worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    let approver = crate::waves::approve_all(&api);
+    api.create("t").await.expect("create");
+    crate::waves::ended(&mut api, "t", Duration::from_secs(60)).await;
+    approver.abort();
+    let head = crate::work::git(&env, &["rev-parse", "automaton/t"])
+        .trim()
+        .to_string();
+    let runs = api.get("t").await.expect("get").runs;
+    let completed: Vec<&pb::Run> = runs
+        .iter()
+        .filter(|r| r.stop_reason == "completed")
+        .collect();
+    assert!(completed.len() >= 5, "{runs:#?}");
+    for r in &completed {
+        assert!(
+            r.commit.len() == 40 && r.commit.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{r:?}"
+        );
+    }
+    let referee = completed
+        .iter()
+        .rev()
+        .find(|r| r.phase == "referee")
+        .expect("the referee's run");
+    assert_eq!(referee.commit, head, "the referee read the branch's head");
+    let review = completed
+        .iter()
+        .rev()
+        .find(|r| r.phase == "code_review")
+        .expect("the code review's run");
+    let reviewed = crate::work::git(
+        &env,
+        &["merge-base", "--is-ancestor", &review.commit, &head],
+    );
+    assert!(reviewed.is_empty());
+    let status = cli_at(&env, &coord, &["status", "--task", "t"]);
+    assert!(
+        status
+            .ok()
+            .stdout
+            .contains(&format!("read {}", &head[..12])),
+        "{}",
+        status.stdout
+    );
+    // Kept across a restart.
+    coord.restart(&FLEET);
+    let mut api = coord.api().await;
+    let again = api.get("t").await.expect("get").runs;
+    assert!(
+        again
+            .iter()
+            .any(|r| r.phase == "referee" && r.commit == head),
+        "{again:#?}"
+    );
+}

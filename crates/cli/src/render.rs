@@ -55,9 +55,15 @@ pub fn runs(runs: &[automaton_proto::v1::Run], held: &str) -> String {
                 (p, 0) => format!(", peak {p} tokens{source}"),
                 (p, e) => format!(", peak {p} of {e} tokens sized{source}"),
             };
+            // The commit it was served: what a review read.
+            let read = if r.commit.is_empty() {
+                String::new()
+            } else {
+                format!(", read {}", short(&r.commit))
+            };
             let _ = writeln!(
                 out,
-                "  - {} by {} (token {}): {}{reason}{detail}, started {}{peak}",
+                "  - {} by {} (token {}): {}{reason}{detail}, started {}{peak}{read}",
                 r.phase,
                 r.worker,
                 r.token,

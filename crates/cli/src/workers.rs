@@ -355,6 +355,7 @@ pub fn runs_json(runs: &[pb::Run]) -> serde_json::Value {
                     "peak_context_tokens": r.peak_context_tokens,
                     "peak_context_source": r.peak_context_source,
                     "why": r.why,
+                    "commit": r.commit,
                 })
             })
             .collect(),

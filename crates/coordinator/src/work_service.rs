@@ -272,6 +272,10 @@ impl Service {
             })
             .await
             .map_err(crate::status)?;
+        // What the run read (issue 36: a review is bound to the commit it reviewed).
+        if let Some(h) = &head {
+            self.coord.work.served(&l.task, l.token, &h.commit);
+        }
         let mut files = Vec::new();
         let mut bodies: Vec<(&'static str, String, Vec<u8>)> = Vec::new();
         for InputFile {

@@ -85,6 +85,9 @@ pub struct RunRecord {
     /// The phase run's trace id (empty without trace export).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub trace_id: String,
+    /// The task branch's commit the run was served (what a review read).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub commit: String,
 }
 
 /// How much of a run's output tail a record keeps.

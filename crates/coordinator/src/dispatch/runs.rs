@@ -78,6 +78,7 @@ impl Coordinator {
         } else {
             unfinished.insert((task.clone(), token));
         }
+        let served = inner.served.remove(&(task.clone(), token));
         let runs = inner.runs.entry(task.clone()).or_default();
         match runs.iter_mut().rev().find(|r| r.token == token) {
             Some(r) => {
@@ -107,6 +108,7 @@ impl Coordinator {
                     trace_id: String::new(),
                     output_tail: String::new(),
                     warnings: Vec::new(),
+                    commit: served.unwrap_or_default(),
                 });
                 while runs.len() > RUNS_KEPT {
                     runs.pop_front();
@@ -445,6 +447,7 @@ impl Coordinator {
             why: "adopted: the run began before the coordinator's restart".into(),
             peak_context_source: String::new(),
             trace_id: String::new(),
+            commit: String::new(),
         });
         while runs.len() > RUNS_KEPT {
             runs.pop_front();

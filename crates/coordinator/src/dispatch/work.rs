@@ -43,6 +43,9 @@ pub(crate) struct Hold {
     pub(crate) lifts_on_change: bool,
 }
 
+/// Served commits kept for runs not recorded yet (bounded: a worker that never reports).
+const SERVED_KEPT: usize = 4096;
+
 #[derive(Default)]
 pub(crate) struct Inner {
     /// Every task the coordinator knows, with when it was created (oldest first wins).
@@ -101,6 +104,8 @@ pub(crate) struct Inner {
     /// Each worker's runs that have not stopped (task, token): a run stays its worker's
     /// until it has stopped, lease or no lease (a stopping run whose lease was released).
     pub(crate) unfinished: HashMap<String, HashSet<(TaskName, u64)>>,
+    /// The commit a run was served before its run record existed.
+    pub(crate) served: HashMap<(TaskName, u64), String>,
 }
 
 pub(crate) struct Work {
@@ -276,6 +281,26 @@ impl Work {
             .runs
             .get(task)
             .and_then(|r| r.iter().rev().find(|r| r.token == token).cloned())
+    }
+
+    /// Records that the run under `token` on `task` was served `commit` (its workspace's
+    /// code); kept until the run is recorded, if it is not yet.
+    pub(crate) fn served(&self, task: &TaskName, token: u64, commit: &str) {
+        let mut inner = self.inner();
+        if let Some(r) = inner
+            .runs
+            .get_mut(task)
+            .and_then(|r| r.iter_mut().rev().find(|r| r.token == token))
+        {
+            r.commit = commit.to_string();
+            return;
+        }
+        if inner.served.len() >= SERVED_KEPT {
+            inner.served.clear();
+        }
+        inner
+            .served
+            .insert((task.clone(), token), commit.to_string());
     }
 
     /// `worker`'s runs that have not stopped, with their state (the fleet view shows them;
@@ -536,6 +561,7 @@ pub(crate) fn run_record(r: &pb::Run) -> RunRecord {
         output_tail: clip_front(&r.output_tail, automaton_store::MAX_TAIL_KEPT),
         warnings: r.warnings.clone(),
         trace_id: r.trace_id.clone(),
+        commit: r.commit.clone(),
     }
 }
 
@@ -563,6 +589,7 @@ pub(crate) fn run_pb(r: &RunRecord) -> pb::Run {
             .map(|w| clip(w, WARNING_BYTES))
             .collect(),
         trace_id: clip(&r.trace_id, 32),
+        commit: clip(&r.commit, 40),
     }
 }
 
