@@ -275,14 +275,114 @@ async fn every_run_records_the_commit_it_was_served_and_status_shows_it() {
         "{}",
         status.stdout
     );
-    // Kept across a restart.
+    // Kept across a restart (its dispatch record is read by the first round).
     coord.restart(&FLEET);
+    let api = coord.api().await;
+    poll(
+        "the referee's run read back",
+        Duration::from_secs(10),
+        || {
+            let mut api = api.clone();
+            let head = head.clone();
+            async move {
+                let runs = api.get("t").await.ok()?.runs;
+                runs.iter()
+                    .any(|r| r.phase == "referee" && r.commit == head)
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+/// Issue 36, item 5: a commit on the task's branch after its code review was written. The
+/// review read the older commit, so its gate does not pass: the coordinator sends the task
+/// back to `code_review`, the review runs again on the new head, and only that review's
+/// approval moves the task on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_code_review_sends_the_review_back_and_only_a_review_of_the_new_head_passes()
+{
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
     let mut api = coord.api().await;
-    let again = api.get("t").await.expect("get").runs;
-    assert!(
-        again
-            .iter()
-            .any(|r| r.phase == "referee" && r.commit == head),
-        "{again:#?}"
-    );
+    let mut events = Events::watch(&api).await;
+    let _a = crate::work::scripted_worker(&coord, "gpu-a", "sim:24GiB", &[]);
+    let _b = crate::work::scripted_worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    api.create("t").await.expect("create");
+    // Every gate but the code review's is approved as it comes.
+    let gates = {
+        let api = api.clone();
+        tokio::spawn(async move {
+            loop {
+                let mut api = api.clone();
+                let s = api.state("t").await;
+                if s.ends_with(":awaiting_approval") && !s.starts_with("code_review") {
+                    let _ = api.approve("t", "ops").await;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    poll(
+        "t at its code review's gate",
+        Duration::from_secs(60),
+        || {
+            let mut api = api.clone();
+            async move { (api.state("t").await == "code_review:awaiting_approval").then_some(()) }
+        },
+    )
+    .await;
+    gates.abort();
+    // A person's commit on the branch, after the review.
+    let root = env.root();
+    let sh = |script: &str| {
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir(root)
+            .output()
+            .expect("sh");
+        assert!(out.status.success(), "{script}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let blob = sh("echo late | git hash-object -w --stdin");
+    let tree = sh(&format!(
+        "export GIT_INDEX_FILE=$(mktemp -u); git read-tree automaton/t && git update-index --add --cacheinfo 100644,{blob},late.rs && git write-tree; rm -f $GIT_INDEX_FILE"
+    ));
+    let head = sh(&format!(
+        "git -c user.name=p -c user.email=p@x commit-tree {tree} -p automaton/t -m late"
+    ));
+    sh(&format!("git update-ref refs/heads/automaton/t {head}"));
+    let stale = events
+        .find("the review going stale", Duration::from_secs(10), |e| {
+            e.kind == "review_stale" && e.task == "t"
+        })
+        .await;
+    assert!(stale.detail.contains(&head[..12]), "{stale:?}");
+    // It runs again, on the new head, and waits at the gate again.
+    let again = poll(
+        "the review of the new head",
+        Duration::from_secs(30),
+        || {
+            let mut api = api.clone();
+            let head = head.clone();
+            async move {
+                let d = api.get("t").await.ok()?;
+                let s = d.summary.as_ref()?.state.clone();
+                let run = d
+                    .runs
+                    .into_iter()
+                    .rev()
+                    .find(|r| r.phase == "code_review" && r.stop_reason == "completed")?;
+                (s == "code_review:awaiting_approval" && run.commit == head).then_some(run)
+            }
+        },
+    )
+    .await;
+    assert_eq!(again.commit, head);
+    api.approve("t", "ops")
+        .await
+        .expect("the review of the new head is approved");
+    assert_eq!(api.state("t").await, "code_review:approved");
 }

@@ -565,6 +565,19 @@ impl pb::tasks_server::Tasks for Service {
         } else {
             r.approver
         };
+        // A review approved is a review of the code it read: not of a branch that moved since.
+        if let Ok(state) = self.coord.state_now(&task).await
+            && state == State::awaiting(automaton_workflow::Phase::CodeReview)
+            && let Some((read, head)) = self
+                .coord
+                .review_moved(&task, automaton_workflow::Phase::CodeReview)
+                .await
+        {
+            return Err(Error::Refused(format!(
+                "{task}'s code review read commit {read}, and its branch is at {head} since: approving it would authorize code nobody reviewed; the review runs again on the new head (the coordinator sends it back), then approve that"
+            ))
+            .into_status());
+        }
         let out = self
             .coord
             .engine

@@ -905,6 +905,52 @@ impl Project {
         Ok(())
     }
 
+    /// Sends a review gate (`{phase}:awaiting_approval` or `{phase}:approved`) back to its
+    /// open phase, so that the review runs again: its branch moved since the review read it
+    /// (seed 003: a review goes stale when the candidate revision changes; an approval does
+    /// not authorize another revision). The review's artifact stays, to be written again by
+    /// the next run (its approval, bound to the old text, no longer matches); artifacts of
+    /// later phases become `PREVIOUS_*`. Whether the state moved (false: it had already).
+    pub fn review_again(&self, task: &TaskName, phase: Phase) -> Result<bool, Error> {
+        let _lock = self.lock(task)?;
+        let (folder, state) = self.tracked(task)?;
+        if state == State::open(phase) {
+            return Ok(false);
+        }
+        if state != State::awaiting(phase) && state != State::approved(phase) {
+            return Err(Error::Transition(
+                automaton_workflow::TransitionError::Illegal {
+                    current: state,
+                    target: State::open(phase),
+                    legal: state.legal_targets(),
+                },
+            ));
+        }
+        for artifact in automaton_workflow::out_of_order(
+            State::open(phase),
+            &folder
+                .artifacts
+                .iter()
+                .map(|a| a.artifact)
+                .collect::<Vec<Artifact>>(),
+        ) {
+            let from = folder.dir.join(artifact.file_name());
+            if let Some(bytes) = fsx::read_capped(&self.meta, &from, fsx::MAX_STATE_FILE)? {
+                let to =
+                    folder
+                        .dir
+                        .join(format!("{}{}", crate::work::PREVIOUS, artifact.file_name()));
+                self.write(&to, &bytes)?;
+            }
+            self.remove_durably(&from)?;
+        }
+        self.write(
+            &folder.dir.join(STATE),
+            format!("{}\n", State::open(phase)).as_bytes(),
+        )?;
+        Ok(true)
+    }
+
     /// `ancestor` is `descendant` or one of its ancestors.
     fn contains_commit(
         &self,

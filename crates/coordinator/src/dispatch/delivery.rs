@@ -365,6 +365,33 @@ impl Coordinator {
                     r.revision = blocking(move || p.branch_head(&t))
                         .await?
                         .unwrap_or_default();
+                    // The revision that lands is the one the referee read (issue 36): a branch
+                    // that moved after the verdict is not delivered blind.
+                    let refereed = self
+                        .work
+                        .runs(task)
+                        .into_iter()
+                        .rev()
+                        .find(|run| run.phase == "referee" && run.stop_reason == "completed")
+                        .map(|run| run.commit)
+                        .filter(|c| !c.is_empty());
+                    // A person's `automaton deliver` authorizes the revision as it is now.
+                    if let Some(read) = refereed
+                        && read != r.revision
+                        && r.approved_by.is_empty()
+                    {
+                        let line = automaton_store::human_intervention_line(&format!(
+                            "{task}'s branch is at {} but its referee read {read}: the verdict is not of the code that would land; review the new commits and `automaton deliver {task}` to deliver the branch as it is now, or reset it to what was reviewed",
+                            r.revision
+                        ));
+                        if r.waiting != line {
+                            r.waiting = line.clone();
+                            self.save_delivery(task, r.clone()).await?;
+                            self.engine
+                                .emit("delivery_failed", &task.to_string(), "", 0, line);
+                        }
+                        break;
+                    }
                     r.state = DeliveryState::Preparing;
                     self.save_delivery(task, r.clone()).await?;
                     self.crash_point("preparing").await;
@@ -908,5 +935,81 @@ impl Coordinator {
             format!("by {}: {reason}", r.abandoned_by),
         );
         Ok(r)
+    }
+}
+
+impl Coordinator {
+    /// A review gate whose branch moved since the review read it: the commit the review's
+    /// last completed run was served, and the branch's head now. `None` when the review is
+    /// of the head, or nothing says what it read (a review written by hand).
+    pub(crate) async fn review_moved(
+        &self,
+        task: &TaskName,
+        phase: Phase,
+    ) -> Option<(String, String)> {
+        let read = self
+            .work
+            .runs(task)
+            .into_iter()
+            .rev()
+            .find(|r| r.phase == phase.to_string() && r.stop_reason == "completed")
+            .map(|r| r.commit)
+            .filter(|c| !c.is_empty())?;
+        let t = task.clone();
+        let head = self
+            .engine
+            .read(move |p| p.branch_head(&t))
+            .await
+            .ok()
+            .flatten()?;
+        (head != read).then_some((read, head))
+    }
+
+    /// Sends `task`'s review gate back to its review, to run again on the branch as it is
+    /// now (issue 36: a review is bound to the commit it read).
+    pub(crate) async fn review_again(
+        self: &Arc<Self>,
+        task: &TaskName,
+        phase: Phase,
+        read: &str,
+        head: &str,
+    ) -> Result<(), Error> {
+        let t = task.clone();
+        let from = self.state_now(task).await?;
+        let moved = self
+            .engine
+            .to_completion(task, move |c| async move {
+                let project = c.project().clone();
+                let t2 = t.clone();
+                let moved = tokio::task::spawn_blocking(move || project.review_again(&t2, phase))
+                    .await
+                    .map_err(|e| Error::Internal(format!("a review's reset failed: {e}")))?
+                    .map_err(Error::from)?;
+                c.states().insert(t, State::open(phase));
+                Ok(moved)
+            })
+            .await?;
+        if moved {
+            self.engine.emit(
+                "transitioned",
+                &task.to_string(),
+                "",
+                0,
+                format!("{from} → {} (review stale)", State::open(phase)),
+            );
+            self.engine.emit(
+                "review_stale",
+                &task.to_string(),
+                "",
+                0,
+                format!(
+                    "{phase} read commit {}; the branch is at {} since: the review runs again on it (an approval does not authorize another revision)",
+                    read.get(..12).unwrap_or(read),
+                    head.get(..12).unwrap_or(head)
+                ),
+            );
+            self.work.poke();
+        }
+        Ok(())
     }
 }

@@ -234,6 +234,17 @@ impl Coordinator {
                 );
                 continue;
             }
+            // A review gate whose branch moved since the review read it goes back to the
+            // review (seed 003: an approval does not authorize another revision).
+            if state.phase == automaton_workflow::Phase::CodeReview
+                && state.gate != automaton_workflow::Gate::Open
+                && let Some((read, head)) = self.review_moved(&task, state.phase).await
+            {
+                if let Err(e) = self.review_again(&task, state.phase, &read, &head).await {
+                    self.hold_until_changed(&task, format!("cannot send the review back: {e}"));
+                }
+                continue;
+            }
             // A decomposed parent: its sub-tasks are made, and it ends when they have. Each
             // parent's lock is its own: they are advanced together with the round's work.
             if state == State::approved(automaton_workflow::Phase::Decomposition) {
