@@ -945,3 +945,42 @@ async fn ha_a_leader_paused_mid_delivery_past_its_lease_merges_nothing_when_it_w
         a.stderr()
     );
 }
+
+/// Issue 36 with issue 31: delivery lands only the revision the referee read. A task run to
+/// `complete` by real workers; a commit lands on its branch after the verdict (while the
+/// delivery stalls at `requested`, `delivery-stall-after=requested`). The delivery does not
+/// land it blind: it waits with seed 002's line naming both commits, `main` unmoved, until a
+/// person's `automaton deliver` authorizes the branch as it is now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_the_verdict_is_not_delivered_until_a_person_says_so() {
+    let env = Env::with_config("[delivery]\nmode = \"merge\"\n");
+    git_init(&env);
+    let coord = Coord::start_with_env(
+        &env,
+        &FLEET,
+        &[("AUTOMATON_FAILPOINTS", "delivery-stall-after=requested")],
+    );
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let _a = worker(&coord, "gpu-a", "sim:24GiB", &[]);
+    let _b = worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    let approver = approve_all(&api);
+    api.create("t").await.expect("create");
+    events
+        .find("the delivery requested", Duration::from_secs(60), |e| {
+            e.kind == "delivery_requested" && e.task == "t"
+        })
+        .await;
+    approver.abort();
+    let main = rev(&env, "main");
+    let late = commit_on(&env, "automaton/t", "automaton/t", "late.rs", "late");
+    let waits = wait_for_delivery(&mut api, "t", |d| !d.waiting.is_empty()).await;
+    assert!(
+        waits.waiting.contains("referee read") && waits.waiting.contains(&late),
+        "{waits:?}"
+    );
+    assert_eq!(rev(&env, "main"), main, "a revision nobody reviewed landed");
+    cli_at(&env, &coord, &["deliver", "t"]).ok();
+    let d = wait_for_delivery(&mut api, "t", |d| d.state == "merged").await;
+    assert!(is_ancestor(&env, &late, &d.commit), "{d:?}");
+}

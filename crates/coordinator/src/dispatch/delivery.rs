@@ -325,7 +325,6 @@ impl Coordinator {
                     ..DeliveryRecord::default()
                 };
                 self.save_delivery(task, r.clone()).await?;
-                self.crash_point("requested").await;
                 self.engine.emit(
                     "delivery_requested",
                     &task.to_string(),
@@ -333,6 +332,7 @@ impl Coordinator {
                     0,
                     format!("{} into {} ({})", r.branch, r.base, r.mode),
                 );
+                self.crash_point("requested").await;
                 r
             }
         };
