@@ -29,7 +29,7 @@ fn sh(env: &Env, script: &str) -> String {
 
 /// A commit on `branch` (made from `from`) adding `path`, with plumbing: the checkout, its
 /// index and HEAD are not touched. Its id.
-fn commit_on(env: &Env, branch: &str, from: &str, path: &str, content: &str) -> String {
+pub(crate) fn commit_on(env: &Env, branch: &str, from: &str, path: &str, content: &str) -> String {
     let blob = sh(
         env,
         &format!("printf '%s' '{content}' | git hash-object -w --stdin"),
@@ -653,43 +653,37 @@ async fn pull_request_errors_401_waits_for_a_fixed_token_429_is_retried_an_open_
     fake.shutdown().await;
 }
 
-/// Issue 31, part 5: a failover mid-delivery on etcd. The leader records `merging` (its
-/// merge commit built, never pushed) and stops as `kill -9` stops it; the other coordinator
-/// takes over, builds the same commit again from the same inputs and lands it on the shared
-/// remote's `main` with a leased push: exactly one merge, the person's commit kept.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ha_a_failover_mid_delivery_lands_exactly_one_merge_on_the_shared_remote() {
-    let cluster = crate::cluster::Cluster::three().await;
+/// Two coordinators on `cluster` (project `name`) delivering by merge through a shared bare
+/// remote made from A's repository. `prepare` makes commits in A's repository; `push` (refspecs)
+/// sends them to the remote before B clones it. A starts with `failpoint` and leads, B
+/// follows, and `feat` — at `referee` with a PASS verdict — is moved to `complete` on A.
+struct HaDelivery {
+    a_env: Arc<Env>,
+    a: Coord,
+    b: Coord,
+    url: String,
+    _scratch: tempfile::TempDir,
+}
+
+async fn ha_delivery<T>(
+    cluster: &crate::cluster::Cluster,
+    name: &str,
+    failpoint: &str,
+    prepare: impl FnOnce(&Env) -> T,
+    push: &[&str],
+) -> (HaDelivery, T) {
     let scratch = tempfile::tempdir().expect("tempdir");
     let remote = scratch.path().join("shared.git");
-    let extra = format!(
-        "git_remote = {:?}\n\n[delivery]\nmode = \"merge\"\n",
-        remote.display().to_string()
-    );
-    let a_env = crate::ha::env_on_with(&cluster, "deliver", &extra);
-    git_init(&a_env);
     let url = remote.display().to_string();
+    let extra = format!("git_remote = {url:?}\n\n[delivery]\nmode = \"merge\"\n");
+    let a_env = crate::ha::env_on_with(cluster, name, &extra);
+    git_init(&a_env);
     git(&a_env, &["clone", "-q", "--bare", ".", &url]);
-    // The task's reviewed branch, and a person's commit on the remote's main meanwhile.
-    let revision = commit_on(
-        &a_env,
-        "automaton/feat",
-        "main",
-        "feat.rs",
-        "pub fn feat() {}",
-    );
-    let person = commit_on(&a_env, "person", "main", "other.rs", "pub fn other() {}");
-    git(
-        &a_env,
-        &["push", "-q", &url, "automaton/feat", "person:main"],
-    );
-    let b_env = crate::ha::env_on_with(&cluster, "deliver", &extra);
+    let made = prepare(&a_env);
+    git(&a_env, &[&["push", "-q", url.as_str()][..], push].concat());
+    let b_env = crate::ha::env_on_with(cluster, name, &extra);
     git(&b_env, &["clone", "-q", &url, "."]);
-    let mut a = Coord::start_with_env(
-        &a_env,
-        &FLEET,
-        &[("AUTOMATON_FAILPOINTS", "delivery-crash-after=merging")],
-    );
+    let a = Coord::start_with_env(&a_env, &FLEET, &[("AUTOMATON_FAILPOINTS", failpoint)]);
     assert_eq!(
         crate::ha::leader_of(&[&a], Duration::from_secs(20)).await,
         0
@@ -700,6 +694,43 @@ async fn ha_a_failover_mid_delivery_lands_exactly_one_merge_on_the_shared_remote
     a_env.artifact("feat", ".state", "referee\n");
     a_env.artifact("feat", "VERDICT.md", "# VERDICT\n\nVerdict: PASS\n");
     api.transition("feat", "complete").await.expect("complete");
+    let ha = HaDelivery {
+        a_env,
+        a,
+        b,
+        url,
+        _scratch: scratch,
+    };
+    (ha, made)
+}
+
+/// Issue 31, part 5: a failover mid-delivery on etcd. The leader records `merging` (its
+/// merge commit built, never pushed) and stops as `kill -9` stops it; the other coordinator
+/// takes over, builds the same commit again from the same inputs and lands it on the shared
+/// remote's `main` with a leased push: exactly one merge, the person's commit kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ha_a_failover_mid_delivery_lands_exactly_one_merge_on_the_shared_remote() {
+    let cluster = crate::cluster::Cluster::three().await;
+    // The task's reviewed branch, and a person's commit on the remote's main meanwhile.
+    let (ha, (revision, person)) = ha_delivery(
+        &cluster,
+        "deliver",
+        "delivery-crash-after=merging",
+        |env| {
+            let revision = commit_on(env, "automaton/feat", "main", "feat.rs", "pub fn feat() {}");
+            let person = commit_on(env, "person", "main", "other.rs", "pub fn other() {}");
+            (revision, person)
+        },
+        &["automaton/feat", "person:main"],
+    )
+    .await;
+    let HaDelivery {
+        a_env,
+        mut a,
+        b,
+        url,
+        ..
+    } = ha;
     let exit = wait_bounded(&mut a.child, Duration::from_secs(20));
     assert!(
         exit.is_some_and(|s| !s.success()),
@@ -857,41 +888,17 @@ async fn the_leased_push_never_overwrites_a_commit_pushed_to_the_remote_meanwhil
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ha_a_leader_paused_mid_delivery_past_its_lease_merges_nothing_when_it_wakes() {
     let cluster = crate::cluster::Cluster::three().await;
-    let scratch = tempfile::tempdir().expect("tempdir");
-    let remote = scratch.path().join("shared.git");
-    let extra = format!(
-        "git_remote = {:?}\n\n[delivery]\nmode = \"merge\"\n",
-        remote.display().to_string()
-    );
-    let a_env = crate::ha::env_on_with(&cluster, "paused", &extra);
-    git_init(&a_env);
-    let url = remote.display().to_string();
-    git(&a_env, &["clone", "-q", "--bare", ".", &url]);
-    let revision = commit_on(
-        &a_env,
-        "automaton/feat",
-        "main",
-        "feat.rs",
-        "pub fn feat() {}",
-    );
-    git(&a_env, &["push", "-q", &url, "automaton/feat"]);
-    let b_env = crate::ha::env_on_with(&cluster, "paused", &extra);
-    git(&b_env, &["clone", "-q", &url, "."]);
-    let a = Coord::start_with_env(
-        &a_env,
-        &FLEET,
-        &[("AUTOMATON_FAILPOINTS", "delivery-stall-after=ready")],
-    );
-    assert_eq!(
-        crate::ha::leader_of(&[&a], Duration::from_secs(20)).await,
-        0
-    );
-    let b = Coord::start(&b_env, &FLEET);
-    let mut api = Api::new(connect(&a.url).await, None);
-    api.create("feat").await.expect("create");
-    a_env.artifact("feat", ".state", "referee\n");
-    a_env.artifact("feat", "VERDICT.md", "# VERDICT\n\nVerdict: PASS\n");
-    api.transition("feat", "complete").await.expect("complete");
+    let (ha, revision) = ha_delivery(
+        &cluster,
+        "paused",
+        "delivery-stall-after=ready",
+        |env| commit_on(env, "automaton/feat", "main", "feat.rs", "pub fn feat() {}"),
+        &["automaton/feat"],
+    )
+    .await;
+    let HaDelivery {
+        a_env, a, b, url, ..
+    } = ha;
     assert!(
         a.wait_stderr(
             "failpoint delivery-stall-after=ready",

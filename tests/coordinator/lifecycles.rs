@@ -335,25 +335,7 @@ async fn a_commit_after_code_review_sends_the_review_back_and_only_a_review_of_t
     .await;
     gates.abort();
     // A person's commit on the branch, after the review.
-    let root = env.root();
-    let sh = |script: &str| {
-        let out = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .current_dir(root)
-            .output()
-            .expect("sh");
-        assert!(out.status.success(), "{script}: {out:?}");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
-    let blob = sh("echo late | git hash-object -w --stdin");
-    let tree = sh(&format!(
-        "export GIT_INDEX_FILE=$(mktemp -u); git read-tree automaton/t && git update-index --add --cacheinfo 100644,{blob},late.rs && git write-tree; rm -f $GIT_INDEX_FILE"
-    ));
-    let head = sh(&format!(
-        "git -c user.name=p -c user.email=p@x commit-tree {tree} -p automaton/t -m late"
-    ));
-    sh(&format!("git update-ref refs/heads/automaton/t {head}"));
+    let head = crate::delivery::commit_on(&env, "automaton/t", "automaton/t", "late.rs", "late");
     let stale = events
         .find("the review going stale", Duration::from_secs(10), |e| {
             e.kind == "review_stale" && e.task == "t"

@@ -404,25 +404,7 @@ async fn a_parent_completes_only_with_every_sub_tasks_code_on_its_branch() {
         events.expect("subtask_created", sub).await;
     }
     // A commit on p/one's branch, made with plumbing (the checkout is not touched).
-    let root = env.root();
-    let sh = |script: &str| {
-        let out = Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .current_dir(root)
-            .output()
-            .expect("sh");
-        assert!(out.status.success(), "{script}: {out:?}");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
-    let blob = sh("echo one | git hash-object -w --stdin");
-    let tree = sh(&format!(
-        "export GIT_INDEX_FILE=$(mktemp -u); git read-tree HEAD && git update-index --add --cacheinfo 100644,{blob},one.rs && git write-tree; rm -f $GIT_INDEX_FILE"
-    ));
-    let commit = sh(&format!("git commit-tree {tree} -p HEAD -m one"));
-    sh(&format!(
-        "git update-ref refs/heads/automaton/p--one {commit}"
-    ));
+    crate::delivery::commit_on(&env, "automaton/p--one", "HEAD", "one.rs", "one");
     for sub in ["p/one", "p/two"] {
         env.artifact(sub, "VERDICT.md", "# VERDICT\n\nVerdict: PASS\n");
         env.artifact(sub, ".state", "complete\n");

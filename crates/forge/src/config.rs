@@ -75,11 +75,11 @@ pub struct Config {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
     /// One request, from connecting to the answer's last byte (default 30s).
-    #[serde(default = "default_timeout", with = "duration")]
+    #[serde(default = "default_timeout", with = "automaton_webhooks::duration")]
     pub timeout: Duration,
     /// The most time one call spends waiting out rate limits and retrying errors (default
     /// 5m); past it the call fails as retryable ([`crate::Error::Unavailable`]).
-    #[serde(default = "default_max_wait", with = "duration")]
+    #[serde(default = "default_max_wait", with = "automaton_webhooks::duration")]
     pub max_wait: Duration,
 }
 
@@ -299,35 +299,6 @@ pub(crate) fn read_token(
         ));
     }
     Ok(Token(token.to_string()))
-}
-
-/// A duration in the config: `500ms`, `30s`, `5m` (humantime), or a bare number of seconds.
-mod duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        if d.subsec_millis() == 0 {
-            s.serialize_str(&format!("{}s", d.as_secs()))
-        } else {
-            s.serialize_str(&format!("{}ms", d.as_millis()))
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        let t = text.trim();
-        t.parse::<u64>()
-            .ok()
-            .map(Duration::from_secs)
-            .or_else(|| humantime::parse_duration(t).ok())
-            .ok_or_else(|| {
-                serde::de::Error::custom(format!(
-                    "'{text}' is not a duration: write e.g. '500ms', '30s', '5m'"
-                ))
-            })
-    }
 }
 
 #[cfg(test)]

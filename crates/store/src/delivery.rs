@@ -16,7 +16,7 @@
 use std::path::Path;
 
 use automaton_workflow::{Artifact, Phase, State, TaskName};
-use git2::{FileFavor, MergeOptions, Oid, Repository, Signature};
+use git2::{FileFavor, MergeOptions, Oid, Repository};
 use serde::{Deserialize, Serialize};
 
 use crate::fsx::{self, sync_dir};
@@ -360,7 +360,7 @@ impl Project {
         let rev = parse_commit_id(revision)?;
         let rev_commit = self.find_commit(&repo, rev)?;
         let base_commit = self.find_commit(&repo, base_head)?;
-        if self.contains_commit(&repo, base_head, rev)? {
+        if self.contains(&repo, base_head, rev)? {
             return Ok(Prepared::Already {
                 commit: base_head.to_string(),
             });
@@ -401,7 +401,7 @@ impl Project {
                         &message,
                         &tree,
                         &[&base_commit],
-                        &rev_commit,
+                        Some(&rev_commit),
                     )?;
                     Prepared::Ready {
                         base_before: base_head.to_string(),
@@ -460,37 +460,12 @@ impl Project {
             Strategy::Squash => (vec![&base_commit], "squash commit"),
             _ => (vec![&base_commit, &rev_commit], "merge commit"),
         };
-        let c = self.deterministic_commit(&repo, &message, &tree, &parents, &rev_commit)?;
+        let c = self.deterministic_commit(&repo, &message, &tree, &parents, Some(&rev_commit))?;
         Ok(Prepared::Ready {
             base_before: base_head.to_string(),
             commit: c.to_string(),
             how,
         })
-    }
-
-    /// A commit signed by automaton at the later of its parents' and `like`'s times: the same
-    /// inputs make the same commit, so a step retried after a crash makes no second one.
-    fn deterministic_commit(
-        &self,
-        repo: &Repository,
-        message: &str,
-        tree: &git2::Tree<'_>,
-        parents: &[&git2::Commit<'_>],
-        like: &git2::Commit<'_>,
-    ) -> Result<Oid, Error> {
-        let when = parents
-            .iter()
-            .map(|p| p.time())
-            .chain([like.time()])
-            .max_by_key(git2::Time::seconds)
-            .unwrap_or_else(|| like.time());
-        let signature = Signature::new("automaton", "automaton@automaton.invalid", &when)
-            .map_err(self.git("sign the commit"))?;
-        let c = repo
-            .commit(None, &signature, &signature, message, tree, parents)
-            .map_err(self.git("write the commit"))?;
-        sync_dir(&repo.commondir().join("objects"))?;
-        Ok(c)
     }
 
     /// Moves `base` from `base_before` to `commit`, or finds it landed already. In this
@@ -511,7 +486,7 @@ impl Project {
         let target = parse_commit_id(commit)?;
         let before = parse_commit_id(base_before)?;
         let now = self.base_head(&repo, task, base, remote)?;
-        if self.contains_commit(&repo, now, target)? {
+        if self.contains(&repo, now, target)? {
             return Ok(false);
         }
         let moved = |now: Oid| Error::BaseMoved {
@@ -532,7 +507,7 @@ impl Project {
                 Ok(_) => Ok(true),
                 Err(why) if why.contains("stale info") || why.contains("rejected") => {
                     let now = self.base_head(&repo, task, base, Some(remote))?;
-                    if self.contains_commit(&repo, now, target)? {
+                    if self.contains(&repo, now, target)? {
                         Ok(false)
                     } else {
                         Err(moved(now))
@@ -711,7 +686,7 @@ impl Project {
             |p| side(&repo, onto_commit.tree().ok().as_ref(), p),
         );
         // 1. The branch, unless it holds `onto` already (a retry).
-        let new_head = if self.contains_commit(&repo, head, onto_id)? {
+        let new_head = if self.contains(&repo, head, onto_id)? {
             head
         } else {
             let mut opts = MergeOptions::new();
@@ -734,7 +709,7 @@ impl Project {
                 &message,
                 &tree,
                 &[&head_commit, &onto_commit],
-                &onto_commit,
+                None,
             )?;
             let branch = branch_name(task);
             self.share_branch_head(task, &branch, &c.to_string())?;
@@ -753,31 +728,10 @@ impl Project {
         };
         // 2. What the agent is told.
         self.write(&folder.dir.join(CONFLICTS), conflicts.as_bytes())?;
-        // 3. The reviews of the old revision, kept as context.
-        for artifact in automaton_workflow::out_of_order(
-            State::open(Phase::Implement),
-            &folder
-                .artifacts
-                .iter()
-                .map(|a| a.artifact)
-                .collect::<Vec<Artifact>>(),
-        ) {
-            let from = folder.dir.join(artifact.file_name());
-            if let Some(bytes) = fsx::read_capped(&self.meta, &from, fsx::MAX_STATE_FILE)? {
-                let to =
-                    folder
-                        .dir
-                        .join(format!("{}{}", crate::work::PREVIOUS, artifact.file_name()));
-                self.write(&to, &bytes)?;
-            }
-            self.remove_durably(&from)?;
-        }
-        // 4. The state, last: a crash before it leaves the task complete, and the caller's
-        // record of the rework makes it run this again.
-        self.write(
-            &folder.dir.join(STATE),
-            format!("{}\n", State::open(Phase::Implement)).as_bytes(),
-        )?;
+        // 3. The reviews of the old revision, kept as context; 4. the state, last: a crash
+        // before it leaves the task complete, and the caller's record of the rework makes it
+        // run this again.
+        self.reopen_at(&folder, Phase::Implement)?;
         Ok(Rework {
             paths,
             head: new_head.to_string(),
@@ -831,7 +785,7 @@ impl Project {
                     Err(why) => Err(why.clone()),
                     Ok(base) if record.state == DeliveryState::Merged => {
                         let base_id = parse_commit_id(base)?;
-                        if self.contains_commit(&repo, base_id, head)? {
+                        if self.contains(&repo, base_id, head)? {
                             Ok(format!("merged into {} ({})", record.base, short(base)))
                         } else {
                             Err(format!(
@@ -905,6 +859,25 @@ impl Project {
         Ok(())
     }
 
+    /// Moves the task in `folder` back to open `phase`: the artifacts of later phases become
+    /// `PREVIOUS_*` (kept as context, out of the lifecycle's way), then `.state` says `phase`,
+    /// last. Each step can run again.
+    fn reopen_at(&self, folder: &crate::read::Folder, phase: Phase) -> Result<(), Error> {
+        let present: Vec<Artifact> = folder.artifacts.iter().map(|a| a.artifact).collect();
+        for artifact in automaton_workflow::out_of_order(State::open(phase), &present) {
+            let from = folder.dir.join(artifact.file_name());
+            if let Some(bytes) = fsx::read_capped(&self.meta, &from, fsx::MAX_STATE_FILE)? {
+                let name = format!("{}{}", crate::work::PREVIOUS, artifact.file_name());
+                self.write(&folder.dir.join(name), &bytes)?;
+            }
+            self.remove_durably(&from)?;
+        }
+        self.write(
+            &folder.dir.join(STATE),
+            format!("{}\n", State::open(phase)).as_bytes(),
+        )
+    }
+
     /// Sends a review gate (`{phase}:awaiting_approval` or `{phase}:approved`) back to its
     /// open phase, so that the review runs again: its branch moved since the review read it
     /// (seed 003: a review goes stale when the candidate revision changes; an approval does
@@ -926,42 +899,8 @@ impl Project {
                 },
             ));
         }
-        for artifact in automaton_workflow::out_of_order(
-            State::open(phase),
-            &folder
-                .artifacts
-                .iter()
-                .map(|a| a.artifact)
-                .collect::<Vec<Artifact>>(),
-        ) {
-            let from = folder.dir.join(artifact.file_name());
-            if let Some(bytes) = fsx::read_capped(&self.meta, &from, fsx::MAX_STATE_FILE)? {
-                let to =
-                    folder
-                        .dir
-                        .join(format!("{}{}", crate::work::PREVIOUS, artifact.file_name()));
-                self.write(&to, &bytes)?;
-            }
-            self.remove_durably(&from)?;
-        }
-        self.write(
-            &folder.dir.join(STATE),
-            format!("{}\n", State::open(phase)).as_bytes(),
-        )?;
+        self.reopen_at(&folder, phase)?;
         Ok(true)
-    }
-
-    /// `ancestor` is `descendant` or one of its ancestors.
-    fn contains_commit(
-        &self,
-        repo: &Repository,
-        descendant: Oid,
-        ancestor: Oid,
-    ) -> Result<bool, Error> {
-        Ok(descendant == ancestor
-            || repo
-                .graph_descendant_of(descendant, ancestor)
-                .map_err(self.git("compare two commits"))?)
     }
 }
 

@@ -123,7 +123,12 @@ impl Project {
     }
 
     /// `ancestor` is `descendant` or one of its ancestors.
-    fn contains(&self, repo: &Repository, descendant: Oid, ancestor: Oid) -> Result<bool, Error> {
+    pub(crate) fn contains(
+        &self,
+        repo: &Repository,
+        descendant: Oid,
+        ancestor: Oid,
+    ) -> Result<bool, Error> {
         Ok(descendant == ancestor
             || repo
                 .graph_descendant_of(descendant, ancestor)
@@ -171,24 +176,42 @@ impl Project {
         // Deterministic: the same two heads always make the same commit, so a merge retried
         // after a crash between its push to the shared remote and the local ref's move makes
         // the commit already pushed (a no-op there), not a second one the remote refuses.
-        let when = if o.time().seconds() >= t.time().seconds() {
-            o.time()
-        } else {
-            t.time()
-        };
-        let signature = Signature::new("automaton", "automaton@automaton.invalid", &when)
-            .map_err(self.git("sign the merge commit"))?;
         let message = format!(
             "automaton: merge {sub} into {parent}\n\nSub-task {sub} passed; its branch {} is merged into the integration branch {}.\n",
             branch_name(sub),
             branch_name(parent)
         );
-        let commit = repo
-            .commit(None, &signature, &signature, &message, &tree, &[&o, &t])
-            .map_err(self.git("write the merge commit"))?;
-        // libgit2 synced each object and its `objects/xx` folder; a new `xx` needs this.
-        sync_dir(&repo.commondir().join("objects"))?;
+        let commit = self.deterministic_commit(repo, &message, &tree, &[&o, &t], None)?;
         Ok(commit)
+    }
+
+    /// A commit signed by automaton at the latest time of its parents and `also` (the first
+    /// of equals): the same inputs make the same commit, so a step retried after a crash makes no second
+    /// one. Its objects' folder is synced (libgit2 syncs each object and its `objects/xx`
+    /// folder; a new `xx` needs this).
+    pub(crate) fn deterministic_commit(
+        &self,
+        repo: &Repository,
+        message: &str,
+        tree: &git2::Tree<'_>,
+        parents: &[&git2::Commit<'_>],
+        also: Option<&git2::Commit<'_>>,
+    ) -> Result<Oid, Error> {
+        let mut when = parents.first().map(|p| p.time()).ok_or_else(|| {
+            self.git("sign the commit")(git2::Error::from_str("a commit without parents"))
+        })?;
+        for p in parents.iter().copied().chain(also) {
+            if p.time().seconds() > when.seconds() {
+                when = p.time();
+            }
+        }
+        let signature = Signature::new("automaton", "automaton@automaton.invalid", &when)
+            .map_err(self.git("sign the commit"))?;
+        let c = repo
+            .commit(None, &signature, &signature, message, tree, parents)
+            .map_err(self.git("write the commit"))?;
+        sync_dir(&repo.commondir().join("objects"))?;
+        Ok(c)
     }
 }
 

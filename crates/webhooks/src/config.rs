@@ -323,8 +323,9 @@ pub(crate) fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
     }
 }
 
-/// A duration in the config: `500ms`, `5s`, `1m` (humantime), or a bare number of seconds.
-mod duration {
+/// A duration in a config (serde `with`): `500ms`, `30s`, `5m` (humantime), or a bare number
+/// of seconds; shared with the forge's config.
+pub mod duration {
     use std::time::Duration;
 
     use serde::{Deserialize, Deserializer, Serializer};
@@ -346,7 +347,7 @@ mod duration {
             .or_else(|| humantime::parse_duration(t).ok())
             .ok_or_else(|| {
                 serde::de::Error::custom(format!(
-                    "'{text}' is not a duration: write e.g. '200ms', '5s', '1m'"
+                    "'{text}' is not a duration: write e.g. '500ms', '30s', '5m'"
                 ))
             })
     }

@@ -34,7 +34,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use config::{EVENTS, Event, Format, MAX_ATTEMPTS, MAX_DURATION, MAX_QUEUE, Webhook, redact};
+pub use config::{
+    EVENTS, Event, Format, MAX_ATTEMPTS, MAX_DURATION, MAX_QUEUE, Webhook, duration, redact,
+};
 pub use hmac::{constant_time_eq, hex, hmac_sha256, signature, verify};
 pub use notification::{Notification, slack_escape};
 

@@ -238,6 +238,7 @@ impl Coordinator {
             // review (seed 003: an approval does not authorize another revision).
             if state.phase == automaton_workflow::Phase::CodeReview
                 && state.gate != automaton_workflow::Gate::Open
+                && self.work.review_check_due(&task)
                 && let Some((read, head)) = self.review_moved(&task, state.phase).await
             {
                 if let Err(e) = self.review_again(&task, state.phase, &read, &head).await {

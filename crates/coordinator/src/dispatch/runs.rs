@@ -1,12 +1,15 @@
 //! Runs: a worker's answer to an offer, its reports of each run's lifecycle, a failed run
-//! (its pause and its count), runs adopted from a resumed session and runs lost with it.
+//! (its pause and its count), runs adopted from a resumed session and runs lost with it, and
+//! a review bound to the commit its run read (a gate whose branch moved goes back).
 
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use automaton_engine::Live;
 use automaton_proto::v1 as pb;
-use automaton_workflow::{AgentId, State, TaskName};
+use automaton_workflow::{AgentId, Phase, State, TaskName};
 
+use crate::Error;
 use crate::state::Coordinator;
 
 use super::policy::{
@@ -531,5 +534,81 @@ impl Coordinator {
             self.save_or_warn(&l.task).await;
         }
         self.work.poke();
+    }
+}
+
+impl Coordinator {
+    /// A review gate whose branch moved since the review read it: the commit the review's
+    /// last completed run was served, and the branch's head now. `None` when the review is
+    /// of the head, or nothing says what it read (a review written by hand).
+    pub(crate) async fn review_moved(
+        &self,
+        task: &TaskName,
+        phase: Phase,
+    ) -> Option<(String, String)> {
+        let read = self
+            .work
+            .runs(task)
+            .into_iter()
+            .rev()
+            .find(|r| r.phase == phase.to_string() && r.stop_reason == "completed")
+            .map(|r| r.commit)
+            .filter(|c| !c.is_empty())?;
+        let t = task.clone();
+        let head = self
+            .engine
+            .read(move |p| p.branch_head(&t))
+            .await
+            .ok()
+            .flatten()?;
+        (head != read).then_some((read, head))
+    }
+
+    /// Sends `task`'s review gate back to its review, to run again on the branch as it is
+    /// now (issue 36: a review is bound to the commit it read).
+    pub(crate) async fn review_again(
+        self: &Arc<Self>,
+        task: &TaskName,
+        phase: Phase,
+        read: &str,
+        head: &str,
+    ) -> Result<(), Error> {
+        let t = task.clone();
+        let from = self.state_now(task).await?;
+        let moved = self
+            .engine
+            .to_completion(task, move |c| async move {
+                let project = c.project().clone();
+                let t2 = t.clone();
+                let moved = tokio::task::spawn_blocking(move || project.review_again(&t2, phase))
+                    .await
+                    .map_err(|e| Error::Internal(format!("a review's reset failed: {e}")))?
+                    .map_err(Error::from)?;
+                c.states().insert(t, State::open(phase));
+                Ok(moved)
+            })
+            .await?;
+        if moved {
+            self.engine.emit(
+                "transitioned",
+                &task.to_string(),
+                "",
+                0,
+                format!("{from} → {} (review stale)", State::open(phase)),
+            );
+            self.engine.emit(
+                "review_stale",
+                &task.to_string(),
+                "",
+                0,
+                format!(
+                    "{phase} read commit {}; the branch is at {} since: the review runs again on it (an approval does not authorize another revision)",
+                    read.get(..12).unwrap_or(read),
+                    head.get(..12).unwrap_or(head)
+                ),
+            );
+            self.work.poke();
+        }
+        Ok(())
     }
 }

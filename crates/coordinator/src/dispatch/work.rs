@@ -43,6 +43,9 @@ pub(crate) struct Hold {
     pub(crate) lifts_on_change: bool,
 }
 
+/// How often a round compares a waiting review gate's branch with what its review read.
+pub(crate) const REVIEW_CHECK_EVERY: Duration = Duration::from_secs(2);
+
 /// Served commits kept for runs not recorded yet (bounded: a worker that never reports).
 const SERVED_KEPT: usize = 4096;
 
@@ -106,6 +109,8 @@ pub(crate) struct Inner {
     pub(crate) unfinished: HashMap<String, HashSet<(TaskName, u64)>>,
     /// The commit a run was served before its run record existed.
     pub(crate) served: HashMap<(TaskName, u64), String>,
+    /// When each review gate's branch was last compared with what its review read.
+    pub(crate) review_checked: HashMap<TaskName, Instant>,
 }
 
 pub(crate) struct Work {
@@ -301,6 +306,21 @@ impl Work {
         inner
             .served
             .insert((task.clone(), token), commit.to_string());
+    }
+
+    /// Whether a round should compare `task`'s review gate with its branch now: at most every
+    /// [`REVIEW_CHECK_EVERY`] (a task may wait at a gate for hours; reading its branch on
+    /// every round of 250 ms would be a repository open each time). An approval checks at once.
+    pub(crate) fn review_check_due(&self, task: &TaskName) -> bool {
+        let now = Instant::now();
+        let mut inner = self.inner();
+        match inner.review_checked.get(task) {
+            Some(at) if now.duration_since(*at) < REVIEW_CHECK_EVERY => false,
+            _ => {
+                inner.review_checked.insert(task.clone(), now);
+                true
+            }
+        }
     }
 
     /// `worker`'s runs that have not stopped, with their state (the fleet view shows them;
