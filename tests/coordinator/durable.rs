@@ -335,7 +335,7 @@ async fn a_run_in_flight_at_kill_9_is_adopted_and_completes_under_its_lease() {
 
 /// A worker's session over the protocol itself: register (or resume), heartbeat, and read
 /// what the coordinator sends.
-struct Session {
+pub(crate) struct Session {
     tx: mpsc::Sender<pb::WorkerMessage>,
     inbound: tonic::Streaming<pb::CoordinatorMessage>,
     granted: pb::SessionGranted,
@@ -343,7 +343,7 @@ struct Session {
 }
 
 impl Session {
-    async fn open(url: &str, register: pb::Register) -> Session {
+    pub(crate) async fn open(url: &str, register: pb::Register) -> Session {
         let mut client = pb::workers_client::WorkersClient::new(connect(url).await);
         let (tx, rx) = mpsc::channel(64);
         tx.send(pb::WorkerMessage {
@@ -385,7 +385,7 @@ impl Session {
     }
 
     /// The next assignment (acks skipped).
-    async fn assignment(&mut self) -> pb::Assignment {
+    pub(crate) async fn assignment(&mut self) -> pb::Assignment {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
             let m = tokio::time::timeout_at(deadline, self.inbound.next())
@@ -401,7 +401,7 @@ impl Session {
         }
     }
 
-    async fn send(&self, m: Out) {
+    pub(crate) async fn send(&self, m: Out) {
         self.tx
             .send(pb::WorkerMessage { msg: Some(m) })
             .await
@@ -409,7 +409,7 @@ impl Session {
     }
 }
 
-fn register(name: &str) -> pb::Register {
+pub(crate) fn register(name: &str) -> pb::Register {
     pb::Register {
         name: name.into(),
         host: "test".into(),

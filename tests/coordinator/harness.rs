@@ -692,9 +692,20 @@ impl Api {
     }
 
     pub async fn approve(&mut self, task: &str, approver: &str) -> R<pb::ApproveResponse> {
+        self.approve_revision(task, approver, "").await
+    }
+
+    /// An approval naming the commit approved (`""`: none).
+    pub async fn approve_revision(
+        &mut self,
+        task: &str,
+        approver: &str,
+        revision: &str,
+    ) -> R<pb::ApproveResponse> {
         let r = self.req(pb::ApproveRequest {
             task: task.into(),
             approver: approver.into(),
+            revision: revision.into(),
         });
         self.tasks.approve(r).await.map(|r| r.into_inner())
     }

@@ -310,30 +310,7 @@ async fn a_commit_after_code_review_sends_the_review_back_and_only_a_review_of_t
     let _a = crate::work::scripted_worker(&coord, "gpu-a", "sim:24GiB", &[]);
     let _b = crate::work::scripted_worker(&coord, "gpu-b", "sim:24GiB", &[]);
     api.create("t").await.expect("create");
-    // Every gate but the code review's is approved as it comes.
-    let gates = {
-        let api = api.clone();
-        tokio::spawn(async move {
-            loop {
-                let mut api = api.clone();
-                let s = api.state("t").await;
-                if s.ends_with(":awaiting_approval") && !s.starts_with("code_review") {
-                    let _ = api.approve("t", "ops").await;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    poll(
-        "t at its code review's gate",
-        Duration::from_secs(60),
-        || {
-            let mut api = api.clone();
-            async move { (api.state("t").await == "code_review:awaiting_approval").then_some(()) }
-        },
-    )
-    .await;
-    gates.abort();
+    at_code_review_gate(&api, "t").await;
     // A person's commit on the branch, after the review.
     let head = crate::delivery::commit_on(&env, "automaton/t", "automaton/t", "late.rs", "late");
     let stale = events
@@ -372,4 +349,232 @@ async fn a_commit_after_code_review_sends_the_review_back_and_only_a_review_of_t
         (approved.from.as_str(), approved.to.as_str()),
         ("code_review:awaiting_approval", "code_review:approved")
     );
+}
+
+/// Approves every gate of `task` but the code review's as it comes, until the task waits at
+/// its code review's gate.
+async fn at_code_review_gate(api: &Api, task: &str) {
+    let gates = {
+        let api = api.clone();
+        let task = task.to_string();
+        tokio::spawn(async move {
+            loop {
+                let mut api = api.clone();
+                let s = api.state(&task).await;
+                if s.ends_with(":awaiting_approval") && !s.starts_with("code_review") {
+                    let _ = api.approve(&task, "ops").await;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    poll(
+        &format!("{task} at its code review's gate"),
+        Duration::from_secs(60),
+        || {
+            let mut api = api.clone();
+            let task = task.to_string();
+            async move { (api.state(&task).await == "code_review:awaiting_approval").then_some(()) }
+        },
+    )
+    .await;
+    gates.abort();
+}
+
+/// Issue 36: an approval of a review whose branch moved is refused — it would authorize
+/// code nobody reviewed — naming both commits, and nothing changes; a person who read the
+/// new head approves it by name (`--approve --revision`), the approval records that commit,
+/// and the task goes on without reviewing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approving_a_moved_code_review_is_refused_until_a_person_names_the_new_revision() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let _a = crate::work::scripted_worker(&coord, "gpu-a", "sim:24GiB", &[]);
+    let _b = crate::work::scripted_worker(&coord, "gpu-b", "sim:24GiB", &[]);
+    api.create("t").await.expect("create");
+    at_code_review_gate(&api, "t").await;
+    let read = api
+        .get("t")
+        .await
+        .expect("get")
+        .runs
+        .into_iter()
+        .rev()
+        .find(|r| r.phase == "code_review" && r.stop_reason == "completed")
+        .expect("the review's run")
+        .commit;
+    // Held, so that the coordinator does not send the review back meanwhile.
+    cli_at(&env, &coord, &["stop", "t"]).ok();
+    let head = crate::delivery::commit_on(&env, "automaton/t", "automaton/t", "late.rs", "late");
+    let before = env.snapshot();
+    let refused = env.cli(&["--task", "t", "--approve", "--approver", "ops"]);
+    assert_ne!(refused.code, 0, "{refused:?}");
+    let line = refused.stderr.trim();
+    assert_eq!(line.lines().count(), 1, "{line}");
+    for want in [read.as_str(), head.as_str(), "--revision"] {
+        assert!(line.contains(want), "{want}: {line}");
+    }
+    // Another revision than the head: refused too, and nothing written either way.
+    let other = env.cli(&[
+        "--task",
+        "t",
+        "--approve",
+        "--approver",
+        "ops",
+        "--revision",
+        &read,
+    ]);
+    assert_ne!(other.code, 0, "{other:?}");
+    assert!(other.stderr.contains("--revision"), "{other:?}");
+    assert_eq!(env.snapshot(), before, "a refused approval changed files");
+    assert_eq!(api.state("t").await, "code_review:awaiting_approval");
+    // The new head, named by a person who read it.
+    let ok = env.cli(&[
+        "--task",
+        "t",
+        "--approve",
+        "--approver",
+        "ops",
+        "--revision",
+        &head[..10],
+    ]);
+    ok.ok();
+    assert!(ok.stdout.contains(&head[..12]), "{}", ok.stdout);
+    let log = std::fs::read_to_string(env.root().join(".automaton/tasks/t/.state.approvals"))
+        .expect("approvals");
+    assert!(
+        log.lines()
+            .last()
+            .is_some_and(|l| l.starts_with("code_review:approved|") && l.ends_with(&head)),
+        "{log}"
+    );
+    // Resumed: bug_find reads the approved head; the review is not sent back.
+    cli_at(&env, &coord, &["stop", "t", "--resume"]).ok();
+    let bug_find = poll("bug_find's run", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            api.get("t")
+                .await
+                .ok()?
+                .runs
+                .into_iter()
+                .find(|r| r.phase == "bug_find" && r.stop_reason == "completed")
+        }
+    })
+    .await;
+    assert_eq!(bug_find.commit, head);
+    assert!(
+        events
+            .settle(Duration::ZERO)
+            .await
+            .iter()
+            .all(|e| !(e.kind == "review_stale" && e.task == "t")),
+        "the approved revision was sent back"
+    );
+}
+
+/// Issue 36: a commit after the code review's gate was passed, while a later review runs,
+/// sends the task back to its code review: the approval named the older commit, so nothing
+/// after it vouches for the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_during_bug_find_sends_the_task_back_to_code_review_on_the_new_head() {
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    let slow = [("AUTOMATON_SCRIPTED_BEHAVIOUR", "slow=1500")];
+    let _a = crate::work::scripted_worker(&coord, "gpu-a", "sim:24GiB", &slow);
+    let _b = crate::work::scripted_worker(&coord, "gpu-b", "sim:24GiB", &slow);
+    api.create("t").await.expect("create");
+    at_code_review_gate(&api, "t").await;
+    let approved = api.approve("t", "ops").await.expect("approve");
+    assert_eq!(approved.commit.len(), 40, "{approved:?}");
+    // bug_find runs; a person commits meanwhile.
+    poll("bug_find running", Duration::from_secs(30), || {
+        let mut api = api.clone();
+        async move {
+            api.get("t")
+                .await
+                .ok()?
+                .runs
+                .into_iter()
+                .find(|r| r.phase == "bug_find" && r.state == "active")
+        }
+    })
+    .await;
+    let head = crate::delivery::commit_on(&env, "automaton/t", "automaton/t", "late.rs", "late");
+    let stale = events
+        .find("the reviews going stale", Duration::from_secs(30), |e| {
+            e.kind == "review_stale" && e.task == "t"
+        })
+        .await;
+    assert!(
+        stale.detail.contains(&approved.commit[..12]) && stale.detail.contains(&head[..12]),
+        "{stale:?}"
+    );
+    // The code review runs again, on the new head, and waits at its gate.
+    poll(
+        "the review of the new head",
+        Duration::from_secs(30),
+        || {
+            let mut api = api.clone();
+            let head = head.clone();
+            async move {
+                let d = api.get("t").await.ok()?;
+                let run = d
+                    .runs
+                    .iter()
+                    .rev()
+                    .find(|r| r.phase == "code_review" && r.stop_reason == "completed")?;
+                (d.summary.as_ref()?.state == "code_review:awaiting_approval" && run.commit == head)
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    assert!(
+        !env.root().join(".automaton/tasks/t/BUG_REPORT.md").exists(),
+        "the stale bug report was not set aside"
+    );
+}
+
+/// Issue 36: an offer declined is the offer's outcome (`offer_declined`), not a run — no
+/// `requested` run is left behind on the task or on the worker, and the worker keeps its
+/// slot: it is offered the task again after the pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declined_offer_leaves_no_run_behind_and_the_worker_keeps_its_slot() {
+    use pb::worker_message::Msg as Out;
+    let env = Env::new();
+    git_init(&env);
+    let coord = Coord::start(&env, &FLEET);
+    let mut api = coord.api().await;
+    let mut events = Events::watch(&api).await;
+    // A worker over the protocol that declines what it is offered.
+    let mut s = crate::durable::Session::open(&coord.url, crate::durable::register("z")).await;
+    api.create("t").await.expect("create");
+    for n in 1..=2 {
+        let a = s.assignment().await;
+        let lease = a.lease.clone().expect("the offer's lease");
+        s.send(Out::Answer(pb::AssignmentAnswer {
+            lease_id: lease.lease_id.clone(),
+            accepted: false,
+            reason: "busy elsewhere".into(),
+        }))
+        .await;
+        let declined = events
+            .find(&format!("decline {n}"), Duration::from_secs(10), |e| {
+                e.kind == "offer_declined" && e.task == "t"
+            })
+            .await;
+        assert!(declined.detail.contains("busy elsewhere"), "{declined:?}");
+    }
+    let runs = api.get("t").await.expect("get").runs;
+    assert!(runs.is_empty(), "a declined offer left runs: {runs:#?}");
+    let fleet = workers(&api).await;
+    let w = fleet.iter().find(|w| w.name == "z").expect("z");
+    assert!(w.runs.is_empty(), "{w:?}");
 }

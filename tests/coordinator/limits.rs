@@ -54,6 +54,7 @@ fn heavy_spec(env: &Env, mib: usize) {
         at: SystemTime::now(),
         approver: "ops".into(),
         sha256: Some(sha),
+        commit: None,
     };
     std::fs::write(dir.join(".state.approvals"), approval.render()).expect("write approvals");
 }
@@ -308,6 +309,7 @@ async fn a_change_cut_off_by_its_deadline_is_carried_out_whole() {
     let mut req = api.req(pb::ApproveRequest {
         task: BIG.into(),
         approver: "ops".into(),
+        ..Default::default()
     });
     req.set_timeout(Duration::from_millis(20));
     let t = Instant::now();

@@ -233,6 +233,7 @@ async fn approve(mut t: pb::tasks_client::TasksClient<Channel>, task: String) ->
         .approve(pb::ApproveRequest {
             task: task.clone(),
             approver: "ops".into(),
+            ..Default::default()
         })
         .await;
     req(r, &format!("approve {task}")).map(|_| ())

@@ -661,6 +661,7 @@ async fn drive(
                             .approve(pb::ApproveRequest {
                                 task: task.clone(),
                                 approver: "ops".into(),
+                                ..Default::default()
                             })
                             .await
                             .map(|_| ())

@@ -493,13 +493,19 @@ impl Backend {
         }
     }
 
-    pub fn approve(&self, task: &TaskName, approver: &str) -> Result<ApproveOutcome, Failure> {
+    pub fn approve(
+        &self,
+        task: &TaskName,
+        approver: &str,
+        revision: Option<&str>,
+    ) -> Result<ApproveOutcome, Failure> {
         match self {
-            Backend::Local(p) => Ok(p.approve(task, approver, SystemTime::now())?),
+            Backend::Local(p) => Ok(p.approve(task, approver, revision, SystemTime::now())?),
             Backend::Remote(r) => {
                 let req = pb::ApproveRequest {
                     task: task.to_string(),
                     approver: approver.to_string(),
+                    revision: revision.unwrap_or_default().to_string(),
                 };
                 let out = r.run(r.tasks().approve(req))?;
                 let from = state(&out.from)?;
@@ -513,6 +519,7 @@ impl Backend {
                             .unwrap_or_else(SystemTime::now),
                         approver: out.approver,
                         sha256: (!out.sha256.is_empty()).then_some(out.sha256),
+                        commit: (!out.commit.is_empty()).then_some(out.commit),
                     },
                 })
             }

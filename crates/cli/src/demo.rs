@@ -915,6 +915,7 @@ async fn approve(api: &mut Api, task: &str) {
         .approve(pb::ApproveRequest {
             task: task.into(),
             approver: "automaton-demo".into(),
+            ..Default::default()
         })
         .await;
 }

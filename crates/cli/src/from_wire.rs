@@ -101,6 +101,7 @@ fn approval(a: &pb::ApprovalStatus) -> Result<ApprovalView, Failure> {
                             .ok_or_else(|| bad("approval", "no approved_at"))?,
                         approver: r.approver.clone(),
                         sha256: opt(&r.sha256),
+                        commit: opt(&r.commit),
                     })
                 })
                 .transpose()?,

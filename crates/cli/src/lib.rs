@@ -106,6 +106,10 @@ pub struct StatusArgs {
         requires = "approve"
     )]
     pub approver: String,
+    /// With --approve of a code review whose branch moved since the review read it: the
+    /// commit (its head, 7 to 64 hex digits) a person read and approves instead.
+    #[arg(long, value_name = "SHA", requires = "approve")]
+    pub revision: Option<String>,
     /// Create a task (kebab-case; `parent/sub` for a sub-task) in state `new`.
     #[arg(long, value_name = "NAME")]
     pub create_task: Option<String>,
@@ -260,6 +264,9 @@ pub fn run(cli: Cli) -> i32 {
             ];
             if let Some(a) = args.approver {
                 argv.extend(["--approver".into(), a.into()]);
+            }
+            if let Some(r) = args.revision {
+                argv.extend(["--revision".into(), r.into()]);
             }
             if let Some(p) = args.target.project {
                 argv.extend(["--project".into(), p.into_os_string()]);
@@ -422,7 +429,7 @@ fn status(args: &StatusArgs) -> Result<Output, Failure> {
     }
     if args.approve {
         let task = task_arg(args, "--approve")?;
-        let out = backend.approve(&task, &args.approver)?;
+        let out = backend.approve(&task, &args.approver, args.revision.as_deref())?;
         return Ok(Output::ok(emit(&out, render::approved(&out))));
     }
     if let Some(name) = &args.create_task {

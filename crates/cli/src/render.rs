@@ -137,21 +137,33 @@ pub fn task(v: &TaskView, multi_agent: bool) -> String {
                 artifact,
                 record: Some(r),
                 stale: true,
-            } => format!(
-                "STALE: {artifact} changed after {} approved it at {}. Run --approve to approve the new content",
-                r.approver,
-                format_time(r.at)
-            ),
+            } => match &r.commit {
+                Some(c) => format!(
+                    "STALE: {artifact} or the task branch changed after {} approved it at {} (commit {}). The code review runs again on the new head, or a person who read it runs --approve --revision HEAD",
+                    r.approver,
+                    format_time(r.at),
+                    short(c)
+                ),
+                None => format!(
+                    "STALE: {artifact} changed after {} approved it at {}. Run --approve to approve the new content",
+                    r.approver,
+                    format_time(r.at)
+                ),
+            },
             ApprovalView::Approved {
                 artifact,
                 record: Some(r),
                 stale: false,
             } => match &r.sha256 {
                 Some(h) => format!(
-                    "approved by {} at {} ({artifact} sha256 {})",
+                    "approved by {} at {} ({artifact} sha256 {}{})",
                     r.approver,
                     format_time(r.at),
-                    short(h)
+                    short(h),
+                    r.commit
+                        .as_deref()
+                        .map(|c| format!(", commit {}", short(c)))
+                        .unwrap_or_default()
                 ),
                 None => format!(
                     "approved by {} at {} (no content hash recorded)",
@@ -538,8 +550,14 @@ pub fn transitioned(o: &TransitionOutcome) -> String {
 
 pub fn approved(o: &ApproveOutcome) -> String {
     let sha = o.approval.sha256.as_deref().map(short).unwrap_or("-");
+    let commit = o
+        .approval
+        .commit
+        .as_deref()
+        .map(|c| format!(", commit {}", short(c)))
+        .unwrap_or_default();
     format!(
-        "Approved task '{}': '{}' → '{}' by {} at {} ({} sha256 {sha}).\n",
+        "Approved task '{}': '{}' → '{}' by {} at {} ({} sha256 {sha}{commit}).\n",
         o.task,
         o.from,
         o.to,

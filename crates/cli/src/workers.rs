@@ -105,6 +105,10 @@ pub struct ApproveArgs {
     /// Who approves (default: the token's name, or `user`).
     #[arg(long)]
     pub approver: Option<String>,
+    /// A code review whose branch moved since its review: the head commit you read and
+    /// approve (7 to 64 hex digits).
+    #[arg(long, value_name = "SHA")]
+    pub revision: Option<String>,
     #[command(flatten)]
     pub target: crate::workers::Target,
     #[arg(long)]

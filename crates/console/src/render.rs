@@ -880,10 +880,17 @@ fn approval(d: &pb::TaskDetail, s: &pb::TaskSummary) -> String {
         if stale { " stale" } else { "" },
         escape(&a.artifact),
         escape(&a.status),
-        if stale {
-            " <span class=\"stale\">stale: the artifact changed since it was approved</span>"
-        } else {
-            ""
+        match (
+            stale,
+            a.record.as_ref().is_some_and(|r| !r.commit.is_empty())
+        ) {
+            (true, true) => {
+                " <span class=\"stale\">stale: the artifact or the task branch changed since it was approved</span>"
+            }
+            (true, false) => {
+                " <span class=\"stale\">stale: the artifact changed since it was approved</span>"
+            }
+            _ => "",
         }
     );
     if let Some(r) = &a.record {
@@ -899,6 +906,13 @@ fn approval(d: &pb::TaskDetail, s: &pb::TaskSummary) -> String {
                 &r.sha256
             }),
         );
+        if !r.commit.is_empty() {
+            let _ = write!(
+                out,
+                "<p class=\"record\">of commit <code class=\"commit\">{}</code></p>",
+                escape(&r.commit)
+            );
+        }
     } else if s.approval_missing {
         out.push_str("<p class=\"record missing\">no approval record in .state.approvals</p>");
     }
@@ -1492,6 +1506,7 @@ mod tests {
                 approved_at: ts(0),
                 approver: "ann".into(),
                 sha256: "ab12".into(),
+                commit: String::new(),
             }),
         });
         d.runs = vec![pb::Run {

@@ -824,6 +824,7 @@ async fn call_action(app: &App, stamp: Stamp, kind: &str, f: &ActionForm) -> Res
             .approve(pb::ApproveRequest {
                 task: need(&f.task, "task")?,
                 approver: String::new(),
+                ..Default::default()
             })
             .await
             .map(drop),

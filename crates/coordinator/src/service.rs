@@ -145,6 +145,7 @@ fn approval_pb(a: &automaton_store::ApprovalView) -> pb::ApprovalStatus {
                 approved_at: Some(timestamp(r.at)),
                 approver: r.approver.clone(),
                 sha256: r.sha256.clone().unwrap_or_default(),
+                commit: r.commit.clone().unwrap_or_default(),
             }),
             stale: *stale,
         },
@@ -565,23 +566,33 @@ impl pb::tasks_server::Tasks for Service {
         } else {
             r.approver
         };
-        // A review approved is a review of the code it read: not of a branch that moved since.
-        if let Ok(state) = self.coord.state_now(&task).await
-            && state == State::awaiting(automaton_workflow::Phase::CodeReview)
-            && let Some((read, head)) = self
-                .coord
-                .review_moved(&task, automaton_workflow::Phase::CodeReview)
-                .await
-        {
-            return Err(Error::Refused(format!(
-                "{task}'s code review read commit {read}, and its branch is at {head} since: approving it would authorize code nobody reviewed; the review runs again on the new head (the coordinator sends it back), then approve that"
-            ))
-            .into_status());
-        }
+        // A review approved is a review of the code it read: not of a branch that moved
+        // since, unless a person names the new revision (`--revision`). The store checks the
+        // branch is at that commit under the task's lock.
+        let revision = match self.coord.state_now(&task).await {
+            Ok(state)
+                if state.phase == automaton_workflow::Phase::CodeReview
+                    && state.gate != automaton_workflow::Gate::Open =>
+            {
+                let given = (!r.revision.is_empty()).then(|| r.revision.clone());
+                match (given, self.coord.review_moved(&task, state).await) {
+                    (Some(r), _) => Some(r),
+                    (None, Some((read, head))) => {
+                        return Err(Error::Refused(format!(
+                            "{task}'s code review read commit {read}, and its branch is at {head} since: approving it would authorize code nobody reviewed. Let the review run again on the new head (the coordinator sends it back), or read the new commits and approve them with --revision {}",
+                            head.get(..12).unwrap_or(&head)
+                        ))
+                        .into_status());
+                    }
+                    (None, None) => self.coord.review_read(&task),
+                }
+            }
+            _ => (!r.revision.is_empty()).then(|| r.revision.clone()),
+        };
         let out = self
             .coord
             .engine
-            .approve(&task, &approver)
+            .approve(&task, &approver, revision)
             .await
             .map_err(crate::status)?;
         self.coord
@@ -593,6 +604,7 @@ impl pb::tasks_server::Tasks for Service {
             approver: out.approval.approver.clone(),
             approved_at: Some(timestamp(out.approval.at)),
             sha256: out.approval.sha256.clone().unwrap_or_default(),
+            commit: out.approval.commit.clone().unwrap_or_default(),
         }))
     }
 

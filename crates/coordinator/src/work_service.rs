@@ -551,6 +551,8 @@ impl Service {
             ),
         );
         if let Some(c) = &applied.commit {
+            // The fleet's own commit: the reviews after it read it, and are bound to it.
+            self.coord.work.wrote(&l.task, l.token, c);
             self.coord.engine.emit(
                 "code_committed",
                 &l.task.to_string(),

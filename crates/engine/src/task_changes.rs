@@ -178,16 +178,18 @@ impl Engine {
     }
 
     /// Approves for `approver`; the live lease holder is never its own approver.
+    /// A code review's approval is bound to the task branch's head, which must be
+    /// `revision` when one is given.
     pub async fn approve(
         self: &Arc<Self>,
         task: &TaskName,
         approver: &str,
+        revision: Option<String>,
     ) -> Result<ApproveOutcome, Error> {
         let (t, a) = (task.clone(), approver.to_string());
-        self.to_completion(
-            task,
-            move |c| async move { c.approve_guarded(&t, &a).await },
-        )
+        self.to_completion(task, move |c| async move {
+            c.approve_guarded(&t, &a, revision).await
+        })
         .await
     }
 
@@ -196,6 +198,7 @@ impl Engine {
         &self,
         task: &TaskName,
         approver: &str,
+        revision: Option<String>,
     ) -> Result<ApproveOutcome, Error> {
         self.touch_for_change(task).await?;
         let holder = self.lease_of(task).map(|l| l.agent);
@@ -206,7 +209,13 @@ impl Engine {
             // Every holder of the task in its files first: none may approve its own phase.
             holders.flush(&project, &t)?;
             project
-                .approve_as(&t, &a, holder.as_ref(), SystemTime::now())
+                .approve_as(
+                    &t,
+                    &a,
+                    holder.as_ref(),
+                    revision.as_deref(),
+                    SystemTime::now(),
+                )
                 .map_err(Error::from)
         })
         .await

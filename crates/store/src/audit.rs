@@ -119,7 +119,7 @@ impl Project {
                     }
                     let record = self.approved_phases(&folder).and_then(|approved| {
                         facts.approved = approved;
-                        self.approval_record(&folder, state)
+                        self.approval_record(&t, &folder, state)
                     });
                     match record {
                         Ok(record) => entry.consistency = check_consistency(state, &facts, record),

@@ -376,9 +376,10 @@ impl Project {
         &self,
         task: &TaskName,
         approver: &str,
+        revision: Option<&str>,
         now: SystemTime,
     ) -> Result<ApproveOutcome, Error> {
-        self.approve_inner(task, approver, now, |dir| {
+        self.approve_inner(task, approver, revision, now, |dir| {
             Ok(self.lease(dir)?.filter(|l| l.is_live(now)).map(|l| l.agent))
         })
     }
@@ -389,16 +390,20 @@ impl Project {
         task: &TaskName,
         approver: &str,
         holder: Option<&AgentId>,
+        revision: Option<&str>,
         now: SystemTime,
     ) -> Result<ApproveOutcome, Error> {
-        self.approve_inner(task, approver, now, |_| Ok(holder.cloned()))
+        self.approve_inner(task, approver, revision, now, |_| Ok(holder.cloned()))
     }
 
-    /// Records who approved which content, then moves to `:approved`.
+    /// Records who approved which content (and, for a code review, which commit of the task
+    /// branch: its head, which must be `revision` when one is given), then moves to
+    /// `:approved`.
     fn approve_inner(
         &self,
         task: &TaskName,
         approver: &str,
+        revision: Option<&str>,
         now: SystemTime,
         holder: impl FnOnce(&Path) -> Result<Option<AgentId>, Error>,
     ) -> Result<ApproveOutcome, Error> {
@@ -438,12 +443,14 @@ impl Project {
             });
         }
         let to = check_approve(from, &self.facts_for(task, &folder, from)?)?;
+        let commit = self.approved_commit(task, from.phase, revision)?;
         let artifact = from.phase.artifact().expect("gated phases have artifacts");
         let approval = Approval {
             phase: from.phase,
             at: now,
             approver: approver.to_string(),
             sha256: self.artifact_sha(&folder.dir, artifact)?,
+            commit,
         };
         // The log first: a crash between the two writes leaves an approval on record and the
         // task still awaiting, and approving again is harmless. The reverse order could leave
@@ -458,6 +465,48 @@ impl Project {
             to,
             approval,
         })
+    }
+
+    /// The commit a code review's approval is bound to: the task branch's head (none without
+    /// a repository or branch), which must start with `revision` when one is given.
+    fn approved_commit(
+        &self,
+        task: &TaskName,
+        phase: Phase,
+        revision: Option<&str>,
+    ) -> Result<Option<String>, Error> {
+        let bad = |why| Error::BadRevision {
+            task: task.clone(),
+            revision: automaton_workflow::excerpt(revision.unwrap_or_default()),
+            why,
+        };
+        if let Some(r) = revision {
+            if phase != Phase::CodeReview {
+                return Err(bad(
+                    "only a code review's approval is bound to a commit: approve without --revision",
+                ));
+            }
+            if !(7..=64).contains(&r.len()) || !r.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(bad(
+                    "not a commit id: give 7 to 64 hex digits of the branch's head",
+                ));
+            }
+        }
+        if phase != Phase::CodeReview {
+            return Ok(None);
+        }
+        let head = self.branch_head(task)?;
+        match (revision, head) {
+            (Some(_), None) => Err(bad("the task has no branch yet, so no commit to approve")),
+            (Some(r), Some(h)) if !h.starts_with(&r.to_ascii_lowercase()) => {
+                Err(Error::RevisionMoved {
+                    task: task.clone(),
+                    revision: r.to_string(),
+                    head: h,
+                })
+            }
+            (_, head) => Ok(head),
+        }
     }
 
     /// `status --upgrade`: writes `.state` (and an empty `.state.approvals`) for task folders

@@ -878,28 +878,30 @@ impl Project {
         )
     }
 
-    /// Sends a review gate (`{phase}:awaiting_approval` or `{phase}:approved`) back to its
-    /// open phase, so that the review runs again: its branch moved since the review read it
-    /// (seed 003: a review goes stale when the candidate revision changes; an approval does
-    /// not authorize another revision). The review's artifact stays, to be written again by
-    /// the next run (its approval, bound to the old text, no longer matches); artifacts of
-    /// later phases become `PREVIOUS_*`. Whether the state moved (false: it had already).
-    pub fn review_again(&self, task: &TaskName, phase: Phase) -> Result<bool, Error> {
+    /// Sends a task back to its code review, to run again on the branch as it is now: the
+    /// branch moved since the reviews read it (seed 003: a review goes stale when the
+    /// candidate revision changes; an approval does not authorize another revision). From
+    /// the code review's gate or any later review phase. The review's artifact stays, to be
+    /// written again by the next run (its approval, bound to the old commit, no longer
+    /// matches); artifacts of later phases become `PREVIOUS_*`. Whether the state moved
+    /// (false: it was back already).
+    pub fn review_again(&self, task: &TaskName) -> Result<bool, Error> {
         let _lock = self.lock(task)?;
         let (folder, state) = self.tracked(task)?;
-        if state == State::open(phase) {
+        let back = State::open(Phase::CodeReview);
+        if state == back {
             return Ok(false);
         }
-        if state != State::awaiting(phase) && state != State::approved(phase) {
+        if !state.phase.reviews_code() {
             return Err(Error::Transition(
                 automaton_workflow::TransitionError::Illegal {
                     current: state,
-                    target: State::open(phase),
+                    target: back,
                     legal: state.legal_targets(),
                 },
             ));
         }
-        self.reopen_at(&folder, phase)?;
+        self.reopen_at(&folder, Phase::CodeReview)?;
         Ok(true)
     }
 }
@@ -1322,6 +1324,66 @@ mod tests {
         // Served to the implement phase's agent.
         let inputs = project.work_inputs(&t, Phase::Implement).expect("inputs");
         assert!(inputs.iter().any(|i| i.path == CONFLICTS));
+    }
+
+    /// Issue 36: a code review's approval names the branch's commit; another revision is
+    /// refused with nothing written; the approval goes stale when the branch moves, and a
+    /// person's approval of the new head (`--revision`) binds it again.
+    #[test]
+    fn a_code_review_approval_is_bound_to_the_branch_head_and_goes_stale_when_it_moves() {
+        let (_dir, project, _repo, _) = checkout();
+        let t = task(&project, "job");
+        let first = work(&project, "job", &[("a.rs", &b"a\n"[..])]);
+        let task_dir = project.task_dir(&t);
+        for a in ["IMPLEMENTATION.md", "CODE_REVIEW.md"] {
+            fs::write(task_dir.join(a), format!("{a}\n")).expect("artifact");
+        }
+        fs::write(task_dir.join(".state"), "code_review:awaiting_approval\n").expect("state");
+        let files = || {
+            (
+                fs::read_to_string(task_dir.join(".state")).expect("state"),
+                fs::read_to_string(task_dir.join(".state.approvals")).unwrap_or_default(),
+            )
+        };
+        let before = files();
+        let now = std::time::SystemTime::now();
+        for (revision, moved) in [
+            ("0000000", true),
+            ("xyz", false),
+            ("abc", false),
+            (&*"f".repeat(65), false),
+        ] {
+            let e = project
+                .approve(&t, "ops", Some(revision), now)
+                .expect_err("another revision");
+            assert_eq!(matches!(e, Error::RevisionMoved { .. }), moved, "{e}");
+            assert!(!e.to_string().contains('\n'), "{e}");
+            assert_eq!(files(), before, "{revision}: nothing written");
+        }
+        let out = project.approve(&t, "ops", None, now).expect("approve");
+        assert_eq!(out.approval.commit.as_deref(), Some(first.as_str()));
+        assert!(files().1.trim_end().ends_with(&format!("|{first}")));
+        let stale = |project: &Project| match project.view(&t, now).expect("view").approval {
+            Some(crate::ApprovalView::Approved { stale, .. }) => stale,
+            other => panic!("{other:?}"),
+        };
+        assert!(!stale(&project));
+        // A commit after the approval: the approval no longer authorizes the branch.
+        let second = work(&project, "job", &[("b.rs", &b"b\n"[..])]);
+        assert!(stale(&project));
+        // A person who read the new head approves it by name.
+        let again = project
+            .approve(&t, "ops", Some(&second[..9]), now)
+            .expect("the new head approved");
+        assert_eq!(again.approval.commit.as_deref(), Some(second.as_str()));
+        assert!(!stale(&project));
+        // Other phases take no revision.
+        fs::write(task_dir.join("SPEC.md"), "spec\n").expect("spec");
+        fs::write(task_dir.join(".state"), "research:awaiting_approval\n").expect("state");
+        let e = project
+            .approve(&t, "ops", Some(&second), now)
+            .expect_err("research is not bound to a commit");
+        assert!(matches!(e, Error::BadRevision { .. }), "{e}");
     }
 
     #[test]

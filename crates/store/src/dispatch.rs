@@ -88,6 +88,9 @@ pub struct RunRecord {
     /// The task branch's commit the run was served (what a review read).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub commit: String,
+    /// The commit the run's own patch made on the task branch, the last if several.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub wrote: String,
 }
 
 /// How much of a run's output tail a record keeps.

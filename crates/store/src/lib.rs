@@ -330,6 +330,22 @@ pub enum Error {
     MergeConflict { task: TaskName, paths: Vec<String> },
     #[error("Task '{task}' is not a sub-task: only a sub-task merges into a parent's branch.")]
     NotASubtask { task: TaskName },
+    /// An approval of a revision that is not the task branch's head.
+    #[error(
+        "{task}'s branch is at {head}, not {revision}: read what is there and approve it with --revision {}, or let the review run again on it",
+        head.get(..12).unwrap_or(head)
+    )]
+    RevisionMoved {
+        task: TaskName,
+        revision: String,
+        head: String,
+    },
+    #[error("--revision '{revision}' for {task}: {why}")]
+    BadRevision {
+        task: TaskName,
+        revision: String,
+        why: &'static str,
+    },
     #[error(
         "Branch '{base}' moved while {task} was delivered ({moved}). Nothing was overwritten; the delivery builds the merge again on the new head."
     )]
@@ -431,6 +447,7 @@ impl Error {
             Name(_)
             | TtlOutOfBounds { .. }
             | BadCommit { .. }
+            | BadRevision { .. }
             | BadPath { .. }
             | BadCommitText { .. }
             | UnservablePath { .. }
@@ -467,6 +484,7 @@ impl Error {
             | MergeConflict { .. }
             | NotASubtask { .. }
             | BaseMoved { .. }
+            | RevisionMoved { .. }
             | CheckoutBusy { .. }
             | BranchRace { .. } => ErrorKind::Refused,
         }

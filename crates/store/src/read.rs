@@ -247,9 +247,25 @@ impl Project {
         Ok(Some(hex(&hasher.finalize())))
     }
 
-    /// The latest approval of `phase`, and whether the artifact changed since it.
+    /// The latest approval of `phase` in `task`'s `.state.approvals`, if any.
+    pub fn latest_approval(
+        &self,
+        task: &TaskName,
+        phase: Phase,
+    ) -> Result<Option<Approval>, Error> {
+        let folder = self.folder(task)?;
+        Ok(self
+            .approvals(&folder.dir)?
+            .into_iter()
+            .rev()
+            .find(|a| a.phase == phase))
+    }
+
+    /// The latest approval of `phase`, and whether what it approved changed since: the
+    /// artifact's content, or (for a code review) the task branch's commit.
     pub(crate) fn approval_status(
         &self,
+        task: &TaskName,
         dir: &Path,
         phase: Phase,
         log: &[Approval],
@@ -268,6 +284,14 @@ impl Project {
                 _ => ApprovalRecord::Stale,
             },
         };
+        // A review's approval authorizes the revision it names, not the branch as it is now.
+        let status = match &record.commit {
+            Some(c) if status == ApprovalRecord::Fresh => match self.branch_head(task)? {
+                Some(head) if head != *c => ApprovalRecord::Stale,
+                _ => status,
+            },
+            _ => status,
+        };
         Ok((Some(record), status))
     }
 
@@ -281,7 +305,9 @@ impl Project {
         let mut facts = folder.facts();
         if state.is_approved() {
             let log = self.approvals(&folder.dir)?;
-            let status = self.approval_status(&folder.dir, state.phase, &log)?.1;
+            let status = self
+                .approval_status(task, &folder.dir, state.phase, &log)?
+                .1;
             facts.approval_stale = status == ApprovalRecord::Stale;
             facts.approval_missing = status == ApprovalRecord::Missing;
         }
@@ -380,6 +406,7 @@ impl Project {
 
     pub(crate) fn approval_record(
         &self,
+        task: &TaskName,
         folder: &Folder,
         state: State,
     ) -> Result<Option<ApprovalRecord>, Error> {
@@ -388,7 +415,8 @@ impl Project {
         }
         let log = self.approvals(&folder.dir)?;
         Ok(Some(
-            self.approval_status(&folder.dir, state.phase, &log)?.1,
+            self.approval_status(task, &folder.dir, state.phase, &log)?
+                .1,
         ))
     }
 
@@ -532,7 +560,7 @@ mod tests {
         ];
         refused(
             "approval",
-            p.approval_status(&dir, Phase::Design, &log),
+            p.approval_status(&"t".parse().expect("name"), &dir, Phase::Design, &log),
             &link,
         );
         std::fs::remove_file(&link).expect("unlink");

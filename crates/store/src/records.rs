@@ -146,6 +146,10 @@ pub struct Approval {
     /// sha256 of the approved artifact; absent in lines written before approvals were bound
     /// to content.
     pub sha256: Option<String>,
+    /// The task branch's commit a code review's approval authorizes (issue 36: a review is
+    /// bound to the revision it read); absent for other phases, for tasks without a branch,
+    /// and in lines written before reviews were bound to commits.
+    pub commit: Option<String>,
 }
 
 impl Approval {
@@ -156,9 +160,13 @@ impl Approval {
             format_time(self.at),
             self.approver
         );
-        if let Some(h) = &self.sha256 {
+        if self.sha256.is_some() || self.commit.is_some() {
             s.push('|');
-            s.push_str(h);
+            s.push_str(self.sha256.as_deref().unwrap_or_default());
+        }
+        if let Some(c) = &self.commit {
+            s.push('|');
+            s.push_str(c);
         }
         s.push('\n');
         s
@@ -166,9 +174,9 @@ impl Approval {
 
     pub fn parse_line(line: &str) -> Result<Approval, String> {
         let fields: Vec<&str> = line.split('|').collect();
-        if !(3..=4).contains(&fields.len()) {
+        if !(3..=5).contains(&fields.len()) {
             return Err(format!(
-                "expected 3 or 4 '|'-separated fields, found {}",
+                "expected 3 to 5 '|'-separated fields, found {}",
                 fields.len()
             ));
         }
@@ -190,16 +198,24 @@ impl Approval {
         }
         let sha256 = match fields.get(3).map(|s| s.trim()) {
             None => None,
+            // Empty only before a commit: a record bound to a commit but not to content.
+            Some("") if fields.len() == 5 => None,
             Some(h) if h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()) => {
                 Some(h.to_ascii_lowercase())
             }
             Some(h) => return Err(format!("'{h}' is not a sha256")),
+        };
+        let commit = match fields.get(4).map(|s| s.trim()) {
+            None => None,
+            Some(c) if is_commit_id(c) => Some(c.to_ascii_lowercase()),
+            Some(c) => return Err(format!("'{c}' is not a commit id (40 or 64 hex digits)")),
         };
         Ok(Approval {
             phase,
             at,
             approver: approver.to_string(),
             sha256,
+            commit,
         })
     }
 
@@ -211,6 +227,11 @@ impl Approval {
             .map(|(i, l)| Approval::parse_line(l.trim_end()).map_err(|e| (i + 1, e)))
             .collect()
     }
+}
+
+/// A full git commit id: 40 hex digits (SHA-1) or 64 (SHA-256 repositories).
+pub fn is_commit_id(c: &str) -> bool {
+    matches!(c.len(), 40 | 64) && c.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// `.state.implementer`: every agent that has held the implement phase, one per line.
@@ -260,6 +281,55 @@ mod tests {
         parse_time(s).expect("valid time")
     }
 
+    #[test]
+    fn an_approval_line_names_its_commit_and_reads_back() {
+        let c = "ab".repeat(20);
+        let a = Approval {
+            phase: Phase::CodeReview,
+            at: t("2026-12-08T10:00:00Z"),
+            approver: "ops".into(),
+            sha256: Some("0".repeat(64)),
+            commit: Some(c.clone()),
+        };
+        let line = a.render();
+        assert_eq!(
+            line,
+            format!(
+                "code_review:approved|2026-12-08T10:00:00Z|ops|{}|{c}\n",
+                "0".repeat(64)
+            )
+        );
+        assert_eq!(Approval::parse_line(line.trim_end()).expect("parse"), a);
+        // Bound to a commit but not to content: the hash field stays, empty.
+        let bare = Approval {
+            sha256: None,
+            ..a.clone()
+        };
+        assert_eq!(
+            Approval::parse_line(bare.render().trim_end()).expect("parse"),
+            bare
+        );
+        // A line of seed 004's three fields and one of the four before commits still read.
+        for old in [
+            "code_review:approved|2026-12-08T10:00:00Z|ops".to_string(),
+            format!(
+                "code_review:approved|2026-12-08T10:00:00Z|ops|{}",
+                "0".repeat(64)
+            ),
+        ] {
+            assert_eq!(Approval::parse_line(&old).expect("old line").commit, None);
+        }
+        for bad in [
+            format!(
+                "code_review:approved|2026-12-08T10:00:00Z|ops|{}|xyz",
+                "0".repeat(64)
+            ),
+            format!("code_review:approved|2026-12-08T10:00:00Z|ops||{c}|more"),
+            "code_review:approved|2026-12-08T10:00:00Z|ops|".to_string(),
+        ] {
+            assert!(Approval::parse_line(&bad).is_err(), "{bad}");
+        }
+    }
     #[test]
     fn lease_file_round_trips_with_seed_001_fields() {
         let lease = Lease {

@@ -253,7 +253,8 @@ mod tests {
             now,
         )
         .expect("to the gate");
-        p.approve(&t, "alice", now).expect("approved: to design");
+        p.approve(&t, "alice", None, now)
+            .expect("approved: to design");
         let record = DispatchRecord {
             iterations: 2,
             ..DispatchRecord::default()

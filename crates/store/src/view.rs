@@ -186,7 +186,8 @@ impl Project {
                     }
                     automaton_workflow::Gate::Approved => {
                         let log = self.approvals(&folder.dir)?;
-                        let (record, status) = self.approval_status(&folder.dir, s.phase, &log)?;
+                        let (record, status) =
+                            self.approval_status(task, &folder.dir, s.phase, &log)?;
                         ApprovalView::Approved {
                             artifact,
                             record,
@@ -230,7 +231,7 @@ impl Project {
         let approval = match folder.state {
             Some(s) if s.is_approved() => {
                 let log = self.approvals(&folder.dir)?;
-                Some(self.approval_status(&folder.dir, s.phase, &log)?.1)
+                Some(self.approval_status(t, &folder.dir, s.phase, &log)?.1)
             }
             _ => None,
         };

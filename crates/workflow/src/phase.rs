@@ -95,6 +95,19 @@ impl Phase {
     }
 
     /// Phases in which an agent may edit the project's code (004 §14 `--can-edit`).
+    /// The phases that read the implementation and vouch for it: from the code review to
+    /// the referee. They are bound to the commit they read (issue 36).
+    pub fn reviews_code(self) -> bool {
+        matches!(
+            self,
+            Phase::CodeReview
+                | Phase::BugFind
+                | Phase::AdversarialBugFind
+                | Phase::DocReview
+                | Phase::Referee
+        )
+    }
+
     pub fn allows_code_edits(self) -> bool {
         matches!(self, Phase::Implement | Phase::DocReview)
     }

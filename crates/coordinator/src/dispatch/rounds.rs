@@ -234,14 +234,18 @@ impl Coordinator {
                 );
                 continue;
             }
-            // A review gate whose branch moved since the review read it goes back to the
-            // review (seed 003: an approval does not authorize another revision).
-            if state.phase == automaton_workflow::Phase::CodeReview
-                && state.gate != automaton_workflow::Gate::Open
-                && self.work.review_check_due(&task)
-                && let Some((read, head)) = self.review_moved(&task, state.phase).await
+            // Reviews whose branch moved since they read it send the task back to its code
+            // review (seed 003: an approval does not authorize another revision). Checked
+            // at once where the task may move on this round (an approved gate, a review a
+            // worker may take), else every few seconds (a gate may wait for hours).
+            if state.phase.reviews_code()
+                && state != State::open(automaton_workflow::Phase::CodeReview)
+                && (state.is_approved()
+                    || (state.gate == automaton_workflow::Gate::Open && !idle.is_empty())
+                    || self.work.review_check_due(&task))
+                && let Some((read, head)) = self.review_moved(&task, state).await
             {
-                if let Err(e) = self.review_again(&task, state.phase, &read, &head).await {
+                if let Err(e) = self.review_again(&task, &read, &head).await {
                     self.hold_until_changed(&task, format!("cannot send the review back: {e}"));
                 }
                 continue;
@@ -689,16 +693,17 @@ impl Coordinator {
             if let Some(o) = taken {
                 tracing::warn!(task = %o.task, worker = %o.name, "offer not answered in time: taken back");
                 if let Some(l) = self.engine.live_of(&o.task).filter(|l| l.lease_id == id) {
-                    self.record_run(
-                        &o.task,
-                        &o.name,
-                        l.state,
+                    self.engine.emit(
+                        "offer_unanswered",
+                        &o.task.to_string(),
+                        o.name.as_str(),
                         l.token,
-                        "stopped",
-                        "no answer",
-                        "",
-                        -1,
+                        format!(
+                            "{}: no answer within {OFFER_TIMEOUT:?}: taken back",
+                            l.state
+                        ),
                     );
+                    self.work.withdraw_offer(&o.task, o.name.as_str(), l.token);
                 }
                 let _ = self.engine.release(&id, None, None).await;
             }

@@ -51,6 +51,13 @@ impl Coordinator {
                 format!("{}: {}", l.state, automaton_workflow::excerpt(&a.reason)),
             );
         }
+        if let Some(l) = self
+            .engine
+            .live_of(&o.task)
+            .filter(|l| l.lease_id == a.lease_id)
+        {
+            self.work.withdraw_offer(&o.task, worker.as_str(), l.token);
+        }
         self.work
             .inner()
             .paused
@@ -82,6 +89,7 @@ impl Coordinator {
             unfinished.insert((task.clone(), token));
         }
         let served = inner.served.remove(&(task.clone(), token));
+        let wrote = inner.wrote.remove(&(task.clone(), token));
         let runs = inner.runs.entry(task.clone()).or_default();
         match runs.iter_mut().rev().find(|r| r.token == token) {
             Some(r) => {
@@ -112,6 +120,7 @@ impl Coordinator {
                     output_tail: String::new(),
                     warnings: Vec::new(),
                     commit: served.unwrap_or_default(),
+                    wrote: wrote.unwrap_or_default(),
                 });
                 while runs.len() > RUNS_KEPT {
                     runs.pop_front();
@@ -432,6 +441,8 @@ impl Coordinator {
             .entry(l.agent.to_string())
             .or_default()
             .insert((l.task.clone(), l.token));
+        let served = inner.served.remove(&(l.task.clone(), l.token));
+        let wrote = inner.wrote.remove(&(l.task.clone(), l.token));
         let runs = inner.runs.entry(l.task.clone()).or_default();
         runs.push_back(pb::Run {
             worker: l.agent.to_string(),
@@ -450,7 +461,8 @@ impl Coordinator {
             why: "adopted: the run began before the coordinator's restart".into(),
             peak_context_source: String::new(),
             trace_id: String::new(),
-            commit: String::new(),
+            commit: served.unwrap_or_default(),
+            wrote: wrote.unwrap_or_default(),
         });
         while runs.len() > RUNS_KEPT {
             runs.pop_front();
@@ -538,49 +550,66 @@ impl Coordinator {
 }
 
 impl Coordinator {
-    /// A review gate whose branch moved since the review read it: the commit the review's
-    /// last completed run was served, and the branch's head now. `None` when the review is
-    /// of the head, or nothing says what it read (a review written by hand).
+    /// Where `task`'s reviews part from its branch, in `state` (the code review's gate or a
+    /// later review phase): the commit they vouch for and the one found instead. `None` when
+    /// they are bound to the head, or nothing says what they read (a review written by hand).
     pub(crate) async fn review_moved(
         &self,
         task: &TaskName,
-        phase: Phase,
+        state: State,
     ) -> Option<(String, String)> {
-        let read = self
-            .work
+        let runs = self.work.runs(task);
+        let t = task.clone();
+        let with_approval = state.phase != Phase::CodeReview || state.is_approved();
+        let (approved, head) = self
+            .engine
+            .read(move |p| {
+                let approved = if with_approval {
+                    p.latest_approval(&t, Phase::CodeReview)?
+                        .and_then(|a| a.commit)
+                } else {
+                    None
+                };
+                Ok((approved, p.branch_head(&t)?))
+            })
+            .await
+            .ok()?;
+        review_chain_break(state, &runs, approved.as_deref(), &head?)
+    }
+
+    /// The commit `task`'s last completed code review read, if known.
+    pub(crate) fn review_read(&self, task: &TaskName) -> Option<String> {
+        self.work
             .runs(task)
             .into_iter()
             .rev()
-            .find(|r| r.phase == phase.to_string() && r.stop_reason == "completed")
+            .find(|r| {
+                r.stop_reason == "completed"
+                    && r.phase
+                        .parse::<State>()
+                        .is_ok_and(|s| s.phase == Phase::CodeReview)
+            })
             .map(|r| r.commit)
-            .filter(|c| !c.is_empty())?;
-        let t = task.clone();
-        let head = self
-            .engine
-            .read(move |p| p.branch_head(&t))
-            .await
-            .ok()
-            .flatten()?;
-        (head != read).then_some((read, head))
+            .filter(|c| !c.is_empty())
     }
 
-    /// Sends `task`'s review gate back to its review, to run again on the branch as it is
-    /// now (issue 36: a review is bound to the commit it read).
+    /// Sends `task` back to its code review, to run again on the branch as it is now
+    /// (issue 36: a review is bound to the commit it read).
     pub(crate) async fn review_again(
         self: &Arc<Self>,
         task: &TaskName,
-        phase: Phase,
         read: &str,
         head: &str,
     ) -> Result<(), Error> {
         let t = task.clone();
         let from = self.state_now(task).await?;
+        let phase = Phase::CodeReview;
         let moved = self
             .engine
             .to_completion(task, move |c| async move {
                 let project = c.project().clone();
                 let t2 = t.clone();
-                let moved = tokio::task::spawn_blocking(move || project.review_again(&t2, phase))
+                let moved = tokio::task::spawn_blocking(move || project.review_again(&t2))
                     .await
                     .map_err(|e| Error::Internal(format!("a review's reset failed: {e}")))?
                     .map_err(Error::from)?;
@@ -602,7 +631,7 @@ impl Coordinator {
                 "",
                 0,
                 format!(
-                    "{phase} read commit {}; the branch is at {} since: the review runs again on it (an approval does not authorize another revision)",
+                    "{from}: the reviews read commit {}, and the branch is at {} since: {phase} runs again on it (an approval does not authorize another revision)",
                     read.get(..12).unwrap_or(read),
                     head.get(..12).unwrap_or(head)
                 ),
@@ -610,5 +639,150 @@ impl Coordinator {
             self.work.poke();
         }
         Ok(())
+    }
+}
+
+/// Where a task's review chain parts from its branch, in `state`: the commit the reviews vouch
+/// for and the commit found instead (a later review read it, or the branch is at it now).
+///
+/// The chain starts at the last completed code review's run: at its gate, what that run read;
+/// once approved, the commit the approval names (a person may approve a newer revision than
+/// the run read). Each later review must read the chain's commit; a run's own patch
+/// (doc_review's) moves the chain to the commit it wrote. `None` when bound, or when nothing
+/// says what the code review read.
+pub(crate) fn review_chain_break(
+    state: State,
+    runs: &[pb::Run],
+    approved: Option<&str>,
+    head: &str,
+) -> Option<(String, String)> {
+    let phase_of = |r: &pb::Run| r.phase.parse::<State>().ok().map(|s| s.phase);
+    let completed = |r: &pb::Run| r.stop_reason == "completed";
+    let review = runs
+        .iter()
+        .rposition(|r| phase_of(r) == Some(Phase::CodeReview) && completed(r));
+    let read = review
+        .map(|i| runs[i].commit.as_str())
+        .filter(|c| !c.is_empty());
+    let mut bound = match (state.phase, state.gate) {
+        (Phase::CodeReview, automaton_workflow::Gate::Open) => return None,
+        (Phase::CodeReview, automaton_workflow::Gate::AwaitingApproval) => read?,
+        _ => approved.or(read)?,
+    }
+    .to_string();
+    let after = review.map_or(0, |i| i + 1);
+    if state.phase != Phase::CodeReview {
+        for r in &runs[after..] {
+            if completed(r)
+                && phase_of(r).is_some_and(Phase::reviews_code)
+                && !r.commit.is_empty()
+                && r.commit != bound
+            {
+                return Some((bound, r.commit.clone()));
+            }
+            if !r.wrote.is_empty() {
+                bound = r.wrote.clone();
+            }
+        }
+    }
+    (head != bound).then(|| (bound, head.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(phase: &str, read: &str, wrote: &str, reason: &str) -> pb::Run {
+        pb::Run {
+            phase: phase.into(),
+            commit: read.into(),
+            wrote: wrote.into(),
+            stop_reason: reason.into(),
+            state: "stopped".into(),
+            ..pb::Run::default()
+        }
+    }
+
+    fn st(s: &str) -> State {
+        s.parse().expect("state")
+    }
+
+    fn broke(
+        s: &str,
+        runs: &[pb::Run],
+        approved: Option<&str>,
+        head: &str,
+    ) -> Option<(String, String)> {
+        review_chain_break(st(s), runs, approved, head)
+    }
+
+    fn pair(a: &str, b: &str) -> Option<(String, String)> {
+        Some((a.into(), b.into()))
+    }
+
+    #[test]
+    fn a_review_chain_is_bound_to_what_the_code_review_read_and_doc_reviews_own_patch() {
+        let implement = run("implement", "base", "x", "completed");
+        let review = run("code_review", "x", "", "completed");
+        // At the gate: what the review read, against the head.
+        let runs = [implement.clone(), review.clone()];
+        assert_eq!(
+            broke("code_review:awaiting_approval", &runs, None, "x"),
+            None
+        );
+        assert_eq!(
+            broke("code_review:awaiting_approval", &runs, None, "y"),
+            pair("x", "y")
+        );
+        // An open review has nothing to be bound to yet.
+        assert_eq!(broke("code_review", &runs, None, "y"), None);
+        // Approved: the approval's commit rules (a person approved the newer head).
+        assert_eq!(broke("code_review:approved", &runs, Some("y"), "y"), None);
+        assert_eq!(
+            broke("code_review:approved", &runs, None, "y"),
+            pair("x", "y")
+        );
+        // Later reviews read the approved commit; doc_review's patch moves the chain on.
+        let chain = [
+            implement.clone(),
+            review.clone(),
+            run("bug_find", "x", "", "completed"),
+            run("adversarial_bug_find", "x", "", "completed"),
+            run("doc_review", "x", "d", "completed"),
+            run("referee", "d", "", "completed"),
+        ];
+        assert_eq!(broke("referee", &chain, Some("x"), "d"), None);
+        assert_eq!(broke("referee", &chain, Some("x"), "p"), pair("d", "p"));
+        // A person's commit between bug_find and the adversarial run: that run read it.
+        let mut moved = chain[..4].to_vec();
+        moved[3].commit = "p".into();
+        assert_eq!(
+            broke("adversarial_bug_find", &moved, Some("x"), "p"),
+            pair("x", "p")
+        );
+        // A failed run's read does not count; its patch does.
+        let failed = [
+            implement.clone(),
+            review.clone(),
+            run("bug_find", "x", "", "completed"),
+            run("doc_review", "x", "d", "agent_error"),
+            run("doc_review", "d", "", "completed"),
+        ];
+        assert_eq!(broke("referee", &failed, Some("x"), "d"), None);
+        // Nothing says what the review read (written by hand): nothing to compare.
+        let by_hand = [run("code_review", "", "", "completed")];
+        assert_eq!(broke("bug_find", &by_hand, None, "z"), None);
+        assert_eq!(
+            broke("code_review:awaiting_approval", &by_hand, None, "z"),
+            None
+        );
+        // The last completed code review starts the chain: an earlier cycle is forgotten.
+        let again = [
+            review.clone(),
+            run("bug_find", "x", "", "completed"),
+            run("implement", "x", "z", "completed"),
+            run("code_review", "z", "", "completed"),
+        ];
+        assert_eq!(broke("bug_find", &again, Some("z"), "z"), None);
     }
 }

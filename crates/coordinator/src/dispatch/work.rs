@@ -109,6 +109,8 @@ pub(crate) struct Inner {
     pub(crate) unfinished: HashMap<String, HashSet<(TaskName, u64)>>,
     /// The commit a run was served before its run record existed.
     pub(crate) served: HashMap<(TaskName, u64), String>,
+    /// The commit a run's patch made before its run record existed.
+    pub(crate) wrote: HashMap<(TaskName, u64), String>,
     /// When each review gate's branch was last compared with what its review read.
     pub(crate) review_checked: HashMap<TaskName, Instant>,
 }
@@ -308,6 +310,26 @@ impl Work {
             .insert((task.clone(), token), commit.to_string());
     }
 
+    /// Records that the run under `token` on `task` committed `commit` on the task branch
+    /// (its own patch); kept until the run is recorded, if it is not yet.
+    pub(crate) fn wrote(&self, task: &TaskName, token: u64, commit: &str) {
+        let mut inner = self.inner();
+        if let Some(r) = inner
+            .runs
+            .get_mut(task)
+            .and_then(|r| r.iter_mut().rev().find(|r| r.token == token))
+        {
+            r.wrote = commit.to_string();
+            return;
+        }
+        if inner.wrote.len() >= SERVED_KEPT {
+            inner.wrote.clear();
+        }
+        inner
+            .wrote
+            .insert((task.clone(), token), commit.to_string());
+    }
+
     /// Whether a round should compare `task`'s review gate with its branch now: at most every
     /// [`REVIEW_CHECK_EVERY`] (a task may wait at a gate for hours; reading its branch on
     /// every round of 250 ms would be a repository open each time). An approval checks at once.
@@ -321,6 +343,20 @@ impl Work {
                 true
             }
         }
+    }
+
+    /// Withdraws the run record an offer made (`requested`) when the offer was declined or
+    /// never answered: no agent ran, so there is no run to end (seed 003: the offer's outcome,
+    /// not the run's). A run its worker already reported is kept.
+    pub(crate) fn withdraw_offer(&self, task: &TaskName, worker: &str, token: u64) {
+        let mut inner = self.inner();
+        if let Some(open) = inner.unfinished.get_mut(worker) {
+            open.remove(&(task.clone(), token));
+        }
+        if let Some(runs) = inner.runs.get_mut(task) {
+            runs.retain(|r| !(r.token == token && r.worker == worker && r.state == "requested"));
+        }
+        inner.served.remove(&(task.clone(), token));
     }
 
     /// `worker`'s runs that have not stopped, with their state (the fleet view shows them;
@@ -582,6 +618,7 @@ pub(crate) fn run_record(r: &pb::Run) -> RunRecord {
         warnings: r.warnings.clone(),
         trace_id: r.trace_id.clone(),
         commit: r.commit.clone(),
+        wrote: r.wrote.clone(),
     }
 }
 
@@ -609,7 +646,8 @@ pub(crate) fn run_pb(r: &RunRecord) -> pb::Run {
             .map(|w| clip(w, WARNING_BYTES))
             .collect(),
         trace_id: clip(&r.trace_id, 32),
-        commit: clip(&r.commit, 40),
+        commit: clip(&r.commit, 64),
+        wrote: clip(&r.wrote, 64),
     }
 }
 
