@@ -1234,7 +1234,7 @@ async fn summary(
             .unwrap_or_default();
         let done: Vec<&pb::Run> = runs
             .iter()
-            .filter(|r| r.stop_reason == "completed")
+            .filter(|r| automaton_proto::vocab::RunVocab::completed(*r))
             .collect();
         let by = |phase: &str| {
             done.iter()

@@ -832,9 +832,11 @@ fn task_actions(d: &pb::TaskDetail, s: &pb::TaskSummary, csrf: &str) -> String {
         ));
     }
     let running = d.lease.is_some()
-        || d.runs
-            .iter()
-            .any(|r| r.state != "stopped" && r.ended_at.is_none());
+        || d.runs.iter().any(|r| {
+            automaton_proto::vocab::RunVocab::state_kind(r)
+                != Some(automaton_workflow::RunState::Stopped)
+                && r.ended_at.is_none()
+        });
     if running {
         out.push_str(&action_form(
             Some("stop"),

@@ -104,7 +104,7 @@ pub(crate) struct Joined {
     pub granted: pb::SessionGranted,
     /// A resume's findings for [`Coordinator::resumed_runs`], once `granted` is sent: the
     /// runs reported under kept leases, and the leases whose runs were lost (ends queued).
-    pub adopted: Vec<(Live, String)>,
+    pub adopted: Vec<(Live, automaton_workflow::RunState)>,
     pub run_lost: Vec<(Live, automaton_backend::Commit)>,
 }
 

@@ -41,15 +41,6 @@ const MAX_PATCH_BYTES: u64 = 256 << 20;
 /// The task file a review phase finds the change in.
 const CHANGES_DIFF: &str = "changes.diff";
 
-/// The phases that review the change implement made (after it, on the same branch).
-fn reviews_the_change(phase: automaton_workflow::Phase) -> bool {
-    use automaton_workflow::Phase::*;
-    matches!(
-        phase,
-        CodeReview | BugFind | AdversarialBugFind | DocReview | Referee
-    )
-}
-
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -258,7 +249,7 @@ impl Service {
                 };
                 // A review is given the change it reviews, and where the change started.
                 let mut base = String::new();
-                if reviews_the_change(phase)
+                if phase.reviews_code()
                     && let Some(c) = p.task_changes(&task)?
                 {
                     base = c.base;

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use automaton_engine::{Error, Live};
 use automaton_proto::v1 as pb;
-use automaton_workflow::AgentId;
+use automaton_proto::vocab::RunVocab;
+use automaton_workflow::{AgentId, RunState};
 use tonic::Status;
 
 use crate::sessions::{
@@ -51,7 +52,7 @@ impl Coordinator {
         // Under the table's lock (then the sessions'): the leases kept are exactly those the
         // session owns at this moment.
         let mut replaced: Option<Arc<str>> = None;
-        let mut adopted: Vec<(Live, String)> = Vec::new();
+        let mut adopted: Vec<(Live, RunState)> = Vec::new();
         let mut run_lost = Vec::new();
         let joined = {
             let mut table = self.engine.table();
@@ -83,7 +84,7 @@ impl Coordinator {
                         .find(|r| r.lease_id == l.lease_id && r.token == l.token);
                     if let Some(r) = run {
                         kept.push(held(&l));
-                        adopted.push((l, r.state.clone()));
+                        adopted.push((l, r.state_kind().unwrap_or(RunState::Active)));
                     } else if checks_runs && self.run_expected(&l) {
                         match self.engine.take_and_end(&mut table, &l.task) {
                             Some(Ok(ending)) => {

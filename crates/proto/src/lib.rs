@@ -2,12 +2,15 @@
 //! `automaton.v1` package, and the encoded descriptor set for server reflection. Times and
 //! durations are the well-known `google.protobuf` types, re-exported as [`prost_types`].
 //!
-//! This crate must not contain hand-written logic.
-
-#![allow(clippy::all, missing_docs)]
+//! This crate must not contain hand-written logic, beyond `vocab`: the one-to-one mapping
+//! between the proto's enums and `automaton-workflow`'s vocabulary, so that every peer reads
+//! the wire the same way.
 
 pub use prost_types;
 
+pub mod vocab;
+
+#[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("automaton.v1");
 

@@ -303,76 +303,8 @@ pub fn shell_quote(value: &str) -> String {
     format!("'{}'", value.replace('\'', r"'\''"))
 }
 
-/// Where a run stands (seed 003 §5's Agent Run).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RunState {
-    Requested,
-    Starting,
-    Active,
-    Stopping,
-    Stopped,
-}
-
-impl RunState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunState::Requested => "requested",
-            RunState::Starting => "starting",
-            RunState::Active => "active",
-            RunState::Stopping => "stopping",
-            RunState::Stopped => "stopped",
-        }
-    }
-}
-
-/// Why a run stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum StopReason {
-    /// Exit 0 and the phase's artifact written, non-blank.
-    Completed,
-    /// A non-zero exit, or exit 0 without the artifact.
-    AgentError,
-    /// Killed by a signal nobody here sent.
-    Crashed,
-    /// MAX_PHASE_TIME passed.
-    TimedOut,
-    /// The coordinator ended the lease: nothing of the run may be kept.
-    LeaseLost,
-    OperatorStopped,
-    /// The worker itself is stopping.
-    Shutdown,
-}
-
-impl StopReason {
-    /// Every stop reason, in the order metrics label them.
-    pub const ALL: [StopReason; 7] = [
-        StopReason::Completed,
-        StopReason::AgentError,
-        StopReason::Crashed,
-        StopReason::TimedOut,
-        StopReason::LeaseLost,
-        StopReason::OperatorStopped,
-        StopReason::Shutdown,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StopReason::Completed => "completed",
-            StopReason::AgentError => "agent_error",
-            StopReason::Crashed => "crashed",
-            StopReason::TimedOut => "timed_out",
-            StopReason::LeaseLost => "lease_lost",
-            StopReason::OperatorStopped => "operator_stopped",
-            StopReason::Shutdown => "shutdown",
-        }
-    }
-}
-
-impl std::fmt::Display for StopReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// A run's lifecycle and stop reasons: the fleet's one vocabulary (`automaton-workflow`).
+pub use automaton_workflow::{RunState, StopReason};
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1457,7 +1389,7 @@ mod tests {
 
     #[test]
     fn reasons_and_states_have_their_wire_names() {
-        let reasons = StopReason::ALL.map(StopReason::as_str);
+        let reasons = StopReason::REPORTED.map(StopReason::name);
         assert_eq!(
             reasons,
             [
@@ -1477,7 +1409,7 @@ mod tests {
             RunState::Stopping,
             RunState::Stopped,
         ]
-        .map(RunState::as_str);
+        .map(RunState::name);
         assert_eq!(
             states,
             ["requested", "starting", "active", "stopping", "stopped"]

@@ -48,7 +48,7 @@ impl Metrics {
         Metrics {
             connected: Gauge::new(),
             runs_active: Gauge::new(),
-            runs: (0..PHASES * StopReason::ALL.len())
+            runs: (0..PHASES * StopReason::REPORTED.len())
                 .map(|_| Counter::new())
                 .collect(),
             run_duration: (0..PHASES).map(|_| Histogram::new(PHASE_BUCKETS)).collect(),
@@ -68,8 +68,8 @@ impl Metrics {
     /// A run of `phase` stopped for `reason` after `took`.
     pub fn run_stopped(&self, phase: Phase, reason: StopReason, took: Duration) {
         let p = phase_index(phase);
-        if let Some(o) = StopReason::ALL.iter().position(|r| *r == reason)
-            && let Some(c) = self.runs.get(p * StopReason::ALL.len() + o)
+        if let Some(o) = StopReason::REPORTED.iter().position(|r| *r == reason)
+            && let Some(c) = self.runs.get(p * StopReason::REPORTED.len() + o)
         {
             c.inc();
         }
@@ -96,15 +96,15 @@ impl Metrics {
             "Agent runs that stopped, by phase and stop reason (outcome).",
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
-            for (j, o) in StopReason::ALL.iter().enumerate() {
+            for (j, o) in StopReason::REPORTED.iter().enumerate() {
                 let n = self
                     .runs
-                    .get(i * StopReason::ALL.len() + j)
+                    .get(i * StopReason::REPORTED.len() + j)
                     .map_or(0, Counter::get);
                 if n > 0 {
                     t.sample(
                         "automaton_worker_runs_total",
-                        &[("phase", p.name()), ("outcome", o.as_str())],
+                        &[("phase", p.name()), ("outcome", o.name())],
                         n as f64,
                     );
                 }

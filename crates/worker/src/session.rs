@@ -27,10 +27,11 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
-use crate::agent::StopReason;
+use crate::agent::{RunState, StopReason};
 use crate::leader::Leader;
 use crate::probe::Probe;
 use crate::work::Runner;
+use automaton_proto::vocab::RunVocab;
 
 /// How a session ends for good.
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +95,7 @@ struct RunHandle {
     token: u64,
     /// The state it works in, and the run state it last reported (for a resume's report).
     phase: String,
-    reported: String,
+    reported: RunState,
     stop: watch::Sender<Option<StopReason>>,
     /// Set by the run once all it sends is sent but the phase's completion: from then on the
     /// coordinator may offer this worker new work before the run has said it stopped.
@@ -201,19 +202,22 @@ fn register(probe: &Probe, opts: &Options, state: &State, work_enabled: bool) ->
 /// The runs a resume reports: each still going, as last reported, and each whose `stopped`
 /// waits to be sent.
 fn runs_report(state: &State) -> Vec<pb::RunUpdate> {
-    let going = state.runs.iter().map(|(lease_id, r)| pb::RunUpdate {
-        lease_id: lease_id.clone(),
-        token: r.token,
-        task: r.task.clone(),
-        phase: r.phase.clone(),
-        state: r.reported.clone(),
-        exit_code: -1,
-        ..Default::default()
+    let going = state.runs.iter().map(|(lease_id, r)| {
+        let mut u = pb::RunUpdate {
+            lease_id: lease_id.clone(),
+            token: r.token,
+            task: r.task.clone(),
+            phase: r.phase.clone(),
+            exit_code: -1,
+            ..Default::default()
+        };
+        u.set_state_kind(r.reported);
+        u
     });
     let stopped = state
         .pending
         .iter()
-        .filter(|u| u.state == "stopped")
+        .filter(|u| u.state_kind() == Some(RunState::Stopped))
         .cloned();
     going.chain(stopped).collect()
 }
@@ -548,10 +552,16 @@ async fn stream(
             },
             u = work.updates_rx.recv() => {
                 let Some(u) = u else { continue };
-                if u.state == "stopped" {
-                    state.runs.remove(&u.lease_id);
-                } else if let Some(r) = state.runs.get_mut(&u.lease_id) {
-                    r.reported.clone_from(&u.state);
+                match u.state_kind() {
+                    Some(RunState::Stopped) => {
+                        state.runs.remove(&u.lease_id);
+                    }
+                    Some(s) => {
+                        if let Some(r) = state.runs.get_mut(&u.lease_id) {
+                            r.reported = s;
+                        }
+                    }
+                    None => {}
                 }
                 if tx.send(send(Out::Run(u.clone()))).await.is_err() {
                     state.pending.push_back(u);
@@ -566,7 +576,7 @@ async fn stream(
                 let _ = tokio::time::timeout(RUNS_STOP_WAIT, async {
                     while !state.runs.is_empty() {
                         let Some(u) = work.updates_rx.recv().await else { break };
-                        if u.state == "stopped" {
+                        if u.state_kind() == Some(RunState::Stopped) {
                             state.runs.remove(&u.lease_id);
                         }
                         let _ = tx.send(send(Out::Run(u))).await;
@@ -622,7 +632,7 @@ fn take(a: pb::Assignment, opts: &Options, state: &mut State, work: &Work) -> pb
             task: a.task.clone(),
             token: lease.token,
             phase: a.phase.clone(),
-            reported: "requested".into(),
+            reported: RunState::Requested,
             stop: stop_tx,
             finishing: finishing.clone(),
         },

@@ -40,6 +40,7 @@ use crate::agent::{AgentSpec, Outcome, RunSpec, RunState, Running, StopReason};
 use crate::leader::Leader;
 use crate::meter::Peak;
 use crate::workspace::{Cache, InputFile, Pin, TreeFile, Workspace};
+use automaton_proto::vocab::RunVocab;
 
 /// Bytes per upload message.
 const CHUNK: usize = 1 << 20;
@@ -305,13 +306,11 @@ impl Report {
         peak: Option<Peak>,
         notes: Notes,
     ) {
-        let _ = self.tx.send(pb::RunUpdate {
+        let mut update = pb::RunUpdate {
             lease_id: self.lease_id.clone(),
             token: self.token,
             task: self.task.clone(),
             phase: self.phase.clone(),
-            state: state.as_str().into(),
-            stop_reason: reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
             detail: detail.into(),
             exit_code: code.unwrap_or(-1),
             peak_context_tokens: peak.map_or(0, |p| p.tokens),
@@ -324,7 +323,11 @@ impl Report {
                 .map(|w| clip(w, WARNING_BYTES))
                 .collect(),
             code_unchanged: notes.code_unchanged,
-        });
+            ..Default::default()
+        };
+        update.set_state_kind(state);
+        update.set_stop_kind(reason);
+        let _ = self.tx.send(update);
     }
 }
 
@@ -421,7 +424,7 @@ pub async fn run(
             metrics.run_stopped(state.phase, reason, started.elapsed());
         }
         let span = tracing::Span::current();
-        span.record("automaton.stop_reason", reason.as_str());
+        span.record("automaton.stop_reason", reason.name());
         span.record("automaton.detail", detail.as_str());
         if let Some(c) = code {
             span.record("automaton.exit_code", c);

@@ -22,6 +22,7 @@ pub mod pool_token;
 pub mod progress;
 mod prompts;
 mod rules;
+mod run;
 mod subtasks;
 mod verdict;
 
@@ -45,6 +46,7 @@ pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
     check_consistency, check_escalation, check_transition, gates_passed, infer_state, required_by,
 };
+pub use run::{RunState, StopReason, UnknownName};
 pub use subtasks::{
     Aggregate, FOLLOW_UP_COPY, FollowUp, FollowUpKind, ParentOutcome, VramConfig, aggregate,
     follow_up_tasks, parent_outcome, parent_spec_md, vram_config_md,

@@ -9,6 +9,7 @@
 //! to implement on the base's head (`rework`) or waits for a person. `rework` is also how a
 //! sub-task whose merge into its parent's branch conflicts goes back to implement.
 
+use automaton_proto::vocab::RunVocab;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -372,7 +373,7 @@ impl Coordinator {
                         .runs(task)
                         .into_iter()
                         .rev()
-                        .find(|run| run.phase == "referee" && run.stop_reason == "completed")
+                        .find(|run| run.phase == "referee" && run.completed())
                         .map(|run| run.commit)
                         .filter(|c| !c.is_empty());
                     // A person's `automaton deliver` authorizes the revision as it is now.

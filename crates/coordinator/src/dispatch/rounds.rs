@@ -626,7 +626,16 @@ impl Coordinator {
                 at: Instant::now(),
             },
         );
-        self.record_run(task, &slot.name, state, live.token, "requested", "", "", -1);
+        self.record_run(
+            task,
+            &slot.name,
+            state,
+            live.token,
+            automaton_workflow::RunState::Requested,
+            None,
+            "",
+            -1,
+        );
         if let Some(r) = self
             .work
             .inner()

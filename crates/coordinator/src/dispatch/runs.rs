@@ -7,7 +7,8 @@ use std::time::{Instant, SystemTime};
 
 use automaton_engine::Live;
 use automaton_proto::v1 as pb;
-use automaton_workflow::{AgentId, Phase, State, TaskName};
+use automaton_proto::vocab::RunVocab;
+use automaton_workflow::{AgentId, Phase, RunState, State, StopReason, TaskName};
 
 use crate::Error;
 use crate::state::Coordinator;
@@ -74,8 +75,8 @@ impl Coordinator {
         worker: &AgentId,
         state: State,
         token: u64,
-        run_state: &str,
-        reason: &str,
+        run_state: RunState,
+        reason: Option<StopReason>,
         detail: &str,
         exit_code: i32,
     ) {
@@ -83,7 +84,7 @@ impl Coordinator {
         let mut inner = self.work.inner();
         // A run is its worker's until it has stopped (the fleet view and the offers count it).
         let unfinished = inner.unfinished.entry(worker.to_string()).or_default();
-        if run_state == "stopped" {
+        if run_state.is_stopped() {
             unfinished.remove(&(task.clone(), token));
         } else {
             unfinished.insert((task.clone(), token));
@@ -93,21 +94,21 @@ impl Coordinator {
         let runs = inner.runs.entry(task.clone()).or_default();
         match runs.iter_mut().rev().find(|r| r.token == token) {
             Some(r) => {
-                r.state = run_state.into();
-                r.stop_reason = reason.into();
+                r.set_state_kind(run_state);
+                r.set_stop_kind(reason);
                 r.detail = detail.into();
                 r.exit_code = exit_code;
-                if run_state == "stopped" {
+                if run_state.is_stopped() {
                     r.ended_at = now;
                 }
             }
             None => {
-                runs.push_back(pb::Run {
+                let mut run = pb::Run {
                     worker: worker.to_string(),
                     phase: state.to_string(),
                     token,
-                    state: run_state.into(),
-                    stop_reason: reason.into(),
+                    state: String::new(),
+                    stop_reason: String::new(),
                     detail: detail.into(),
                     exit_code,
                     started_at: now,
@@ -121,7 +122,11 @@ impl Coordinator {
                     warnings: Vec::new(),
                     commit: served.unwrap_or_default(),
                     wrote: wrote.unwrap_or_default(),
-                });
+                    ..pb::Run::default()
+                };
+                run.set_state_kind(run_state);
+                run.set_stop_kind(reason);
+                runs.push_back(run);
                 while runs.len() > RUNS_KEPT {
                     runs.pop_front();
                 }
@@ -141,6 +146,17 @@ impl Coordinator {
         let Ok(state) = u.phase.parse::<State>() else {
             return;
         };
+        // A step the vocabulary does not name is no step (a newer worker's word).
+        let Some(run_state) = u.state_kind() else {
+            return;
+        };
+        // A stop must say why: a reason this coordinator does not know is the agent's error,
+        // its word kept in the detail.
+        let reason = match (run_state, u.stop_kind()) {
+            (RunState::Stopped, None) => Some(StopReason::AgentError),
+            (RunState::Stopped, r) => r,
+            _ => None,
+        };
         self.load_dispatch(&task).await;
         // Only runs under a lease this worker was granted.
         match self.work.run_of(&task, u.token) {
@@ -149,9 +165,9 @@ impl Coordinator {
             // `run_lost` or `worker_lost` the coordinator guessed gives way to the worker's own
             // stop).
             Some(r)
-                if r.state == "stopped"
-                    && (!matches!(r.stop_reason.as_str(), "run_lost" | "worker_lost")
-                        || u.state != "stopped") =>
+                if r.state_kind() == Some(RunState::Stopped)
+                    && (!r.stop_kind().is_some_and(StopReason::is_coordinators_guess)
+                        || !run_state.is_stopped()) =>
             {
                 return;
             }
@@ -166,32 +182,38 @@ impl Coordinator {
                 let Some(l) = lease else {
                     return;
                 };
-                if self.adopt_run(&l, "active") {
+                if self.adopt_run(&l, RunState::Active) {
                     tracing::info!(task = %task, worker = %worker, token = l.token, "a run not known to this coordinator reported: adopted");
                 }
             }
         }
-        let detail = clip(&u.detail, 400);
-        let reason = automaton_workflow::excerpt(&u.stop_reason);
+        let mut detail = clip(&u.detail, 400);
+        if run_state.is_stopped() && u.stop_kind().is_none() {
+            detail = format!(
+                "reported '{}': {detail}",
+                automaton_workflow::excerpt(&u.stop_reason)
+            );
+        }
         self.record_run(
             &task,
             worker,
             state,
             u.token,
-            &u.state,
-            &reason,
+            run_state,
+            reason,
             &detail,
             u.exit_code,
         );
-        match u.state.as_str() {
-            "active" => self.engine.emit(
+        let reason = reason.unwrap_or(StopReason::AgentError);
+        match run_state {
+            RunState::Active => self.engine.emit(
                 "run_started",
                 &task.to_string(),
                 worker.as_str(),
                 u.token,
                 state.to_string(),
             ),
-            "stopped" => {
+            RunState::Stopped => {
                 // What the worker kept of a failed run's output, and its warnings.
                 if !u.output_tail.is_empty() || !u.warnings.is_empty() {
                     let mut inner = self.work.inner();
@@ -238,7 +260,7 @@ impl Coordinator {
                         })
                         .unwrap_or(0)
                     };
-                    if reason == "completed" && task.parent().is_some() {
+                    if reason == StopReason::Completed && task.parent().is_some() {
                         self.learned(&task, estimate, u.peak_context_tokens);
                     }
                 }
@@ -256,7 +278,7 @@ impl Coordinator {
                         }
                     ),
                 );
-                if reason == "completed" {
+                if reason == StopReason::Completed {
                     // Its iteration was counted when its artifact moved the task on
                     // (`Coordinator::phase_done`); the runs and the sizing are kept.
                     self.work.inner().retry.remove(&task);
@@ -270,7 +292,7 @@ impl Coordinator {
                         .map(|l| clip(l.trim(), 200))
                         .unwrap_or_default();
                     tracing::warn!(task = %task, worker = %worker, token = u.token, phase = %state, reason = %reason, detail = %detail, last_output = %last, "run failed");
-                    self.run_failed(&task, state, worker, &u.lease_id, u.token, &reason, &detail)
+                    self.run_failed(&task, state, worker, &u.lease_id, u.token, reason, &detail)
                         .await;
                 }
             }
@@ -286,12 +308,12 @@ impl Coordinator {
         worker: &AgentId,
         lease_id: &str,
         token: u64,
-        reason: &str,
+        reason: StopReason,
         detail: &str,
     ) {
         // Seed 002: a phase past MAX_PHASE_TIME stops and reports human intervention; it is
         // not retried (max_attempts is for crashes and agent errors).
-        if reason == "timed_out" {
+        if reason == StopReason::TimedOut {
             self.hold_as(
                 task,
                 format!(
@@ -301,7 +323,10 @@ impl Coordinator {
                 ),
                 true,
             );
-        } else if reason != "lease_lost" && reason != "operator_stopped" && reason != "shutdown" {
+        } else if !matches!(
+            reason,
+            StopReason::LeaseLost | StopReason::OperatorStopped | StopReason::Shutdown
+        ) {
             // Losing the lease is not the run's fault.
             let n = {
                 let mut inner = self.work.inner();
@@ -364,7 +389,7 @@ impl Coordinator {
     pub(crate) async fn end_runs_of(&self, worker: &str, reason: &str, ended: &[Live]) {
         for l in ended {
             if self.work.run_of(&l.task, l.token).is_none() {
-                self.adopt_run(l, "active");
+                self.adopt_run(l, RunState::Active);
             }
         }
         let open: Vec<(TaskName, u64)> = self
@@ -378,15 +403,15 @@ impl Coordinator {
         // gives way to the worker's own report should the worker come back (it was paused).
         let (stop, detail) = match reason {
             "released" => (
-                "shutdown",
+                StopReason::Shutdown,
                 "the worker deregistered before the run reported its end",
             ),
             "session_replaced" => (
-                "worker_lost",
+                StopReason::WorkerLost,
                 "the worker was replaced (a new process under its name): the run died with the old one",
             ),
             _ => (
-                "worker_lost",
+                StopReason::WorkerLost,
                 "the worker's session ended (it died or went silent, session_expired) before the run reported its end",
             ),
         };
@@ -394,7 +419,7 @@ impl Coordinator {
             let Some(run) = self.work.run_of(&task, token) else {
                 continue;
             };
-            if run.state == "stopped" {
+            if run.state_kind() == Some(RunState::Stopped) {
                 continue;
             }
             let Ok(agent) = run.worker.parse::<AgentId>() else {
@@ -403,7 +428,16 @@ impl Coordinator {
             let Ok(phase) = run.phase.parse::<State>() else {
                 continue;
             };
-            self.record_run(&task, &agent, phase, token, "stopped", stop, detail, -1);
+            self.record_run(
+                &task,
+                &agent,
+                phase,
+                token,
+                RunState::Stopped,
+                Some(stop),
+                detail,
+                -1,
+            );
             self.engine.emit(
                 "run_stopped",
                 &task.to_string(),
@@ -417,17 +451,18 @@ impl Coordinator {
 
     /// Records the run under lease `l` as `state` if this coordinator has no record of it
     /// (it began before this start): adopted. Whether it was.
-    pub(crate) fn adopt_run(&self, l: &Live, state: &str) -> bool {
-        let state = match state {
-            "requested" | "starting" | "active" | "stopping" => state,
-            _ => "active",
+    pub(crate) fn adopt_run(&self, l: &Live, state: RunState) -> bool {
+        let state = if state.is_stopped() {
+            RunState::Active
+        } else {
+            state
         };
         let mut inner = self.work.inner();
         let estimated = inner.fixed.get(&l.task).copied().unwrap_or(0);
         let runs = inner.runs.entry(l.task.clone()).or_default();
         if let Some(r) = runs.iter_mut().rev().find(|r| r.token == l.token) {
-            if r.state != "stopped" {
-                r.state = state.into();
+            if r.state_kind() != Some(RunState::Stopped) {
+                r.set_state_kind(state);
                 inner
                     .unfinished
                     .entry(l.agent.to_string())
@@ -444,11 +479,11 @@ impl Coordinator {
         let served = inner.served.remove(&(l.task.clone(), l.token));
         let wrote = inner.wrote.remove(&(l.task.clone(), l.token));
         let runs = inner.runs.entry(l.task.clone()).or_default();
-        runs.push_back(pb::Run {
+        let mut run = pb::Run {
             worker: l.agent.to_string(),
             phase: l.state.to_string(),
             token: l.token,
-            state: state.into(),
+            state: String::new(),
             stop_reason: String::new(),
             detail: String::new(),
             exit_code: -1,
@@ -463,7 +498,10 @@ impl Coordinator {
             trace_id: String::new(),
             commit: served.unwrap_or_default(),
             wrote: wrote.unwrap_or_default(),
-        });
+            ..pb::Run::default()
+        };
+        run.set_state_kind(state);
+        runs.push_back(run);
         while runs.len() > RUNS_KEPT {
             runs.pop_front();
         }
@@ -493,12 +531,12 @@ impl Coordinator {
     pub(crate) async fn resumed_runs(
         &self,
         worker: &AgentId,
-        adopted: Vec<(Live, String)>,
+        adopted: Vec<(Live, RunState)>,
         lost: Vec<(Live, automaton_backend::Commit)>,
     ) {
         for (l, state) in adopted {
             self.load_dispatch(&l.task).await;
-            if self.adopt_run(&l, &state) {
+            if self.adopt_run(&l, state) {
                 tracing::info!(task = %l.task, worker = %worker, token = l.token, "run adopted after a restart");
                 self.engine.emit(
                     "run_adopted",
@@ -524,7 +562,7 @@ impl Coordinator {
             if self
                 .work
                 .run_of(&l.task, l.token)
-                .is_some_and(|r| r.state == "stopped")
+                .is_some_and(|r| r.state_kind() == Some(RunState::Stopped))
             {
                 tracing::info!(task = %l.task, token = l.token, "the lease of a stopped run outlived it: ended (run_lost)");
                 continue;
@@ -532,9 +570,16 @@ impl Coordinator {
             const WHY: &str =
                 "its worker resumed its session without this run: the run ended unreported";
             tracing::warn!(task = %l.task, worker = %worker, token = l.token, "{WHY}; the lease ended (run_lost)");
-            self.adopt_run(&l, "active");
+            self.adopt_run(&l, RunState::Active);
             self.record_run(
-                &l.task, worker, l.state, l.token, "stopped", "run_lost", WHY, -1,
+                &l.task,
+                worker,
+                l.state,
+                l.token,
+                RunState::Stopped,
+                Some(StopReason::RunLost),
+                WHY,
+                -1,
             );
             self.engine.emit(
                 "run_stopped",
@@ -584,7 +629,7 @@ impl Coordinator {
             .into_iter()
             .rev()
             .find(|r| {
-                r.stop_reason == "completed"
+                r.completed()
                     && r.phase
                         .parse::<State>()
                         .is_ok_and(|s| s.phase == Phase::CodeReview)
@@ -657,7 +702,7 @@ pub(crate) fn review_chain_break(
     head: &str,
 ) -> Option<(String, String)> {
     let phase_of = |r: &pb::Run| r.phase.parse::<State>().ok().map(|s| s.phase);
-    let completed = |r: &pb::Run| r.stop_reason == "completed";
+    let completed = |r: &pb::Run| r.completed();
     let review = runs
         .iter()
         .rposition(|r| phase_of(r) == Some(Phase::CodeReview) && completed(r));

@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_proto::v1 as pb;
+use automaton_proto::vocab::RunVocab;
 use automaton_store::{DispatchRecord, RunRecord};
-use automaton_workflow::{AgentId, State, TaskName};
+use automaton_workflow::{AgentId, RunState, State, StopReason, TaskName};
 use tokio::sync::Notify;
 
 use super::policy::{
@@ -270,7 +271,7 @@ impl Work {
     pub(crate) fn last_failure(&self, task: &TaskName) -> Option<String> {
         let inner = self.inner();
         let r = inner.runs.get(task)?.iter().rev().find(|r| {
-            r.state == "stopped" && !r.stop_reason.is_empty() && r.stop_reason != "completed"
+            r.state_kind() == Some(RunState::Stopped) && !r.stop_reason.is_empty() && !r.completed()
         })?;
         let mut line = r.stop_reason.clone();
         if !r.detail.is_empty() {
@@ -354,7 +355,11 @@ impl Work {
             open.remove(&(task.clone(), token));
         }
         if let Some(runs) = inner.runs.get_mut(task) {
-            runs.retain(|r| !(r.token == token && r.worker == worker && r.state == "requested"));
+            runs.retain(|r| {
+                !(r.token == token
+                    && r.worker == worker
+                    && r.state_kind() == Some(RunState::Requested))
+            });
         }
         inner.served.remove(&(task.clone(), token));
     }
@@ -373,7 +378,7 @@ impl Work {
                     .runs
                     .get(task)
                     .and_then(|r| r.iter().rev().find(|r| r.token == *token))
-                    .filter(|r| r.state != "stopped")
+                    .filter(|r| r.state_kind() != Some(RunState::Stopped))
                     .map(|r| (task.clone(), r.clone()))
             })
             .collect();
@@ -531,9 +536,9 @@ impl Work {
             .filter(|old| !known.iter().any(|k| k.token == old.token))
             .map(|old| {
                 let mut run = run_pb(old);
-                if run.state != "stopped" && live != Some(run.token) {
-                    run.state = "stopped".into();
-                    run.stop_reason = "run_lost".into();
+                if run.state_kind() != Some(RunState::Stopped) && live != Some(run.token) {
+                    run.set_state_kind(RunState::Stopped);
+                    run.set_stop_kind(Some(StopReason::RunLost));
                     run.detail = "the coordinator restarted and its lease did not survive".into();
                 }
                 run
@@ -543,7 +548,10 @@ impl Work {
         while runs.len() > RUNS_KEPT {
             runs.pop_front();
         }
-        for r in runs.iter().filter(|r| r.state != "stopped") {
+        for r in runs
+            .iter()
+            .filter(|r| r.state_kind() != Some(RunState::Stopped))
+        {
             inner
                 .unfinished
                 .entry(r.worker.clone())
@@ -648,6 +656,16 @@ pub(crate) fn run_pb(r: &RunRecord) -> pb::Run {
         trace_id: clip(&r.trace_id, 32),
         commit: clip(&r.commit, 64),
         wrote: clip(&r.wrote, 64),
+        // The enums beside the strings, where the record's names are the vocabulary's (a
+        // record from an older coordinator may hold other words: they stay strings).
+        run_state: r
+            .state
+            .parse::<RunState>()
+            .map_or(0, |s| pb::RunState::from(s) as i32),
+        reason: r
+            .stop_reason
+            .parse::<StopReason>()
+            .map_or(0, |s| pb::StopReason::from(s) as i32),
     }
 }
 

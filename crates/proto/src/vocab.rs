@@ -1,0 +1,144 @@
+//! The proto's enums and `automaton-workflow`'s vocabulary, one to one, and how a run's state
+//! and stop reason are read from the wire: the enum where a peer set it, else the string
+//! field beside it (what an older peer sends). Writers set both.
+
+use automaton_workflow::{RunState, StopReason};
+
+use crate::v1 as pb;
+
+macro_rules! one_to_one {
+    ($ours:ident, $wire:path, $($v:ident),+ $(,)?) => {
+        impl From<$ours> for $wire {
+            fn from(v: $ours) -> Self {
+                match v {
+                    $($ours::$v => <$wire>::$v),+
+                }
+            }
+        }
+
+        impl TryFrom<$wire> for $ours {
+            type Error = ();
+
+            /// `Err` for the unspecified value.
+            fn try_from(v: $wire) -> Result<Self, ()> {
+                match v {
+                    $(<$wire>::$v => Ok($ours::$v),)+
+                    _ => Err(()),
+                }
+            }
+        }
+    };
+}
+
+one_to_one!(
+    RunState,
+    pb::RunState,
+    Requested,
+    Starting,
+    Active,
+    Stopping,
+    Stopped
+);
+one_to_one!(
+    StopReason,
+    pb::StopReason,
+    Completed,
+    AgentError,
+    Crashed,
+    TimedOut,
+    LeaseLost,
+    OperatorStopped,
+    Shutdown,
+    WorkerLost,
+    RunLost,
+);
+
+/// A run's state and stop reason, typed, on the messages that carry them.
+pub trait RunVocab {
+    /// The run's state: the enum if set, else the string; `None` when neither names one.
+    fn state_kind(&self) -> Option<RunState>;
+    /// Why it stopped: the enum if set, else the string; `None` while it has not.
+    fn stop_kind(&self) -> Option<StopReason>;
+    /// Sets the state, enum and string.
+    fn set_state_kind(&mut self, s: RunState);
+    /// Sets the stop reason (or clears it), enum and string.
+    fn set_stop_kind(&mut self, r: Option<StopReason>);
+
+    /// Whether it stopped having completed its phase.
+    fn completed(&self) -> bool {
+        self.stop_kind() == Some(StopReason::Completed)
+    }
+}
+
+macro_rules! run_vocab {
+    ($msg:ty, $state:ident, $reason:ident) => {
+        impl RunVocab for $msg {
+            fn state_kind(&self) -> Option<RunState> {
+                RunState::try_from(self.run_state())
+                    .ok()
+                    .or_else(|| self.$state.parse().ok())
+            }
+
+            fn stop_kind(&self) -> Option<StopReason> {
+                StopReason::try_from(self.reason())
+                    .ok()
+                    .or_else(|| self.$reason.parse().ok())
+            }
+
+            fn set_state_kind(&mut self, s: RunState) {
+                self.$state = s.name().to_string();
+                self.set_run_state(s.into());
+            }
+
+            fn set_stop_kind(&mut self, r: Option<StopReason>) {
+                match r {
+                    Some(r) => {
+                        self.$reason = r.name().to_string();
+                        self.set_reason(r.into());
+                    }
+                    None => {
+                        self.$reason.clear();
+                        self.set_reason(pb::StopReason::Unspecified);
+                    }
+                }
+            }
+        }
+    };
+}
+
+run_vocab!(pb::Run, state, stop_reason);
+run_vocab!(pb::RunUpdate, state, stop_reason);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_value_crosses_the_wire_and_an_older_peers_string_is_read() {
+        for s in RunState::ALL {
+            assert_eq!(RunState::try_from(pb::RunState::from(*s)), Ok(*s));
+        }
+        for r in StopReason::ALL {
+            assert_eq!(StopReason::try_from(pb::StopReason::from(*r)), Ok(*r));
+        }
+        let mut run = pb::Run::default();
+        assert_eq!((run.state_kind(), run.stop_kind()), (None, None));
+        run.set_state_kind(RunState::Stopped);
+        run.set_stop_kind(Some(StopReason::WorkerLost));
+        assert_eq!(
+            (run.state.as_str(), run.stop_reason.as_str()),
+            ("stopped", "worker_lost")
+        );
+        assert_eq!(run.stop_kind(), Some(StopReason::WorkerLost));
+        // An older worker sends the strings only.
+        let old = pb::RunUpdate {
+            state: "stopped".into(),
+            stop_reason: "completed".into(),
+            ..Default::default()
+        };
+        assert_eq!(old.state_kind(), Some(RunState::Stopped));
+        assert!(old.completed());
+        run.set_stop_kind(None);
+        assert_eq!((run.stop_kind(), run.stop_reason.as_str()), (None, ""));
+    }
+}
