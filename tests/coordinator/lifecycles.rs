@@ -396,16 +396,21 @@ async fn approving_a_moved_code_review_is_refused_until_a_person_names_the_new_r
     let _b = crate::work::scripted_worker(&coord, "gpu-b", "sim:24GiB", &[]);
     api.create("t").await.expect("create");
     at_code_review_gate(&api, "t").await;
-    let read = api
-        .get("t")
-        .await
-        .expect("get")
-        .runs
-        .into_iter()
-        .rev()
-        .find(|r| r.phase == "code_review" && r.stop_reason == "completed")
-        .expect("the review's run")
-        .commit;
+    // The gate can come before the worker's report of the run's end: wait for it.
+    let read = poll("the review's run", Duration::from_secs(10), || {
+        let mut api = api.clone();
+        async move {
+            api.get("t")
+                .await
+                .ok()?
+                .runs
+                .into_iter()
+                .rev()
+                .find(|r| r.phase == "code_review" && r.stop_reason == "completed")
+        }
+    })
+    .await
+    .commit;
     // Held, so that the coordinator does not send the review back meanwhile.
     cli_at(&env, &coord, &["stop", "t"]).ok();
     let head = crate::delivery::commit_on(&env, "automaton/t", "automaton/t", "late.rs", "late");

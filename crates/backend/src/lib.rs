@@ -7,7 +7,8 @@
 //! a backend may replicate (`automaton_store::Replica`).
 //!
 //! Two implementations: [`files`] (the default: one append-only file with group commit) and
-//! an etcd one. Both pass [`conformance::check_lease_log`]. A backend owns durability and
+//! an etcd one (cargo feature `etcd`, which the coordinator turns on: without it nothing here
+//! needs gRPC). Both pass [`conformance::check_lease_log`]. A backend owns durability and
 //! ordering only: it must not interpret leases (expiry, who may hold what: the engine's, by
 //! `automaton_workflow::lease`), and it must never acknowledge a record it could lose.
 
@@ -22,9 +23,11 @@ use automaton_workflow::{AgentId, State, TaskName};
 use tokio::sync::oneshot;
 
 pub mod conformance;
+#[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod files;
 
+#[cfg(feature = "etcd")]
 pub use etcd::EtcdBackend;
 pub use files::{DELIVERY_STALL, Failpoints, FileBackend, FileLog};
 

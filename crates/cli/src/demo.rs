@@ -16,6 +16,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use automaton_proto::v1 as pb;
+use automaton_proto::vocab;
+use automaton_workflow::{EventKind, Gate, Phase};
 use clap::Args;
 use tonic::transport::Channel;
 
@@ -751,7 +753,9 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
                 let Some(e) = e else {
                     return Err(Failed::new(1, format!("the coordinator's event stream ended (see {})", logs.join("coordinator.log").display())));
                 };
-                if e.kind == "transitioned" && e.detail.ends_with(":awaiting_approval") {
+                if vocab::event_kind(&e) == Some(EventKind::Transitioned)
+                    && vocab::entered(&e).is_some_and(|s| s.gate == Gate::AwaitingApproval)
+                {
                     approve(&mut api, &e.task).await;
                 }
                 watch.event(&e, out);
@@ -777,12 +781,15 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
     // The state as the coordinator has it now (the loop ends on the parent's end).
     let state = parent_state(&mut api).await;
     // A complete parent's work is delivered: wait (bounded) for its merge into `main`.
-    if state == "complete" && git {
+    let complete = state.parse::<automaton_workflow::State>().ok()
+        == Some(automaton_workflow::State::open(Phase::Complete));
+    if complete && git {
         let until = Instant::now() + Duration::from_secs(30);
         loop {
             let d = parent_delivery(&mut api).await;
             if let Some(d) = &d
-                && (matches!(d.state.as_str(), "merged" | "opened" | "abandoned")
+                && (vocab::delivery_state(d)
+                    .is_some_and(automaton_workflow::DeliveryState::is_final)
                     || !d.waiting.is_empty())
             {
                 break;
@@ -804,7 +811,7 @@ async fn demo(args: &DemoArgs, out: &Out) -> Result<i32, Failed> {
         }
     }
     let summary = summary(&mut api, &project, &workers, &state, &why, out).await;
-    let code = if state == "complete" { 0 } else { 1 };
+    let code = if complete { 0 } else { 1 };
     if args.json {
         let mut v = summary;
         if let Some(o) = v.as_object_mut() {
@@ -868,9 +875,10 @@ async fn joined(api: &mut Api, fleet: &mut Fleet, logs: &Path) -> Result<Vec<Wor
         let views: Vec<WorkerView> = FLEET
             .iter()
             .filter_map(|(name, _)| {
-                let w = listed
-                    .iter()
-                    .find(|w| w.name == *name && w.state != "lost")?;
+                let w = listed.iter().find(|w| {
+                    w.name == *name
+                        && vocab::worker_state(w) != Some(automaton_workflow::WorkerState::Lost)
+                })?;
                 let gpu = w
                     .gpus
                     .first()
@@ -971,7 +979,11 @@ async fn sweep(api: &mut Api, watch: &mut Watch, out: &Out) -> Option<(String, S
             out.line(&out.paint("33", &format!("{}: {}", t.task, t.waiting)));
         }
         // The parent's own event normally ends the wait; this is the net if it never comes.
-        if t.task == PARENT && (t.state == "complete" || t.state == "human_intervention") {
+        if t.task == PARENT
+            && t.state
+                .parse::<automaton_workflow::State>()
+                .is_ok_and(|s| matches!(s.phase, Phase::Complete | Phase::HumanIntervention))
+        {
             watch.parent_sweeps += 1;
             if watch.parent_sweeps >= 3 {
                 return Some((
@@ -1022,8 +1034,16 @@ impl Watch {
     }
 
     fn event(&mut self, e: &pb::Event, out: &Out) {
-        match e.kind.as_str() {
-            "subtask_created" => {
+        let kind = vocab::event_kind(e);
+        let entered = vocab::entered(e).filter(|_| kind == Some(EventKind::Transitioned));
+        let ended = entered
+            .map(|s| s.phase)
+            .filter(|p| matches!(p, Phase::Complete | Phase::HumanIntervention));
+        let Some(kind) = kind else {
+            return;
+        };
+        match kind {
+            EventKind::SubtaskCreated => {
                 let wave = e
                     .detail
                     .strip_prefix("wave ")
@@ -1061,11 +1081,11 @@ impl Watch {
                     leaf(&e.task),
                 ));
             }
-            "subtask_too_large" => {
+            EventKind::SubtaskTooLarge => {
                 self.stuck.insert(e.task.clone());
                 out.line(&out.paint("33", &format!("{}: too large: {}", e.task, e.detail)));
             }
-            "assigned" => {
+            EventKind::Assigned => {
                 // `{state} (attempt n): {why}`
                 let (state, why) = e.detail.split_once(": ").unwrap_or((&e.detail, ""));
                 let state = state.trim_end_matches(" (attempt 1)");
@@ -1075,9 +1095,10 @@ impl Watch {
                     out.paint("36", &e.agent)
                 ));
             }
-            "run_stopped" => {
+            EventKind::RunStopped => {
                 let (state, reason) = e.detail.split_once(": ").unwrap_or((&e.detail, ""));
-                if let Some(rest) = reason.strip_prefix("completed") {
+                let (word, rest) = reason.split_at(reason.find(' ').unwrap_or(reason.len()));
+                if word.parse() == Ok(automaton_workflow::StopReason::Completed) {
                     out.line(&format!(
                         "{}: {state} {} on {}{rest}",
                         self.prefix(&e.task),
@@ -1095,19 +1116,22 @@ impl Watch {
                     ));
                 }
             }
-            "sizing_learned" => {
+            EventKind::SizingLearned => {
                 out.line(&format!("sizing: {} {}", leaf(&e.task), e.detail));
             }
-            "subtask_merged" => {
+            EventKind::SubtaskMerged => {
                 out.line(&format!("{}: merged {}", self.prefix(&e.task), e.detail));
             }
-            "merged" | "pull_request_opened" => {
+            EventKind::Merged | EventKind::PullRequestOpened => {
                 out.line(&out.paint("1;32", &format!("{}: delivered: {}", e.task, e.detail)));
             }
-            "rework" | "delivery_failed" | "delivery_awaiting_approval" => {
+            EventKind::Rework | EventKind::DeliveryFailed | EventKind::DeliveryAwaitingApproval => {
                 out.line(&out.paint("33", &format!("{}: {}: {}", e.task, e.kind, e.detail)));
             }
-            "worker_lost" | "worker_left" | "task_held" | "subtask_orphaned" => {
+            EventKind::WorkerLost
+            | EventKind::WorkerLeft
+            | EventKind::TaskHeld
+            | EventKind::SubtaskOrphaned => {
                 out.line(&out.paint(
                     "33",
                     &format!(
@@ -1118,16 +1142,13 @@ impl Watch {
                     ),
                 ));
             }
-            "transitioned" => {
-                let to = e.detail.rsplit(" → ").next().unwrap_or("");
-                if self.waves.contains_key(&e.task)
-                    && (to == "complete" || to == "human_intervention")
-                {
-                    self.ended.insert(e.task.clone(), to.to_string());
+            EventKind::Transitioned => {
+                if let Some(to) = ended.filter(|_| self.waves.contains_key(&e.task)) {
+                    self.ended.insert(e.task.clone(), to.name().to_string());
                     out.line(&format!(
                         "{}: {}",
                         self.prefix(&e.task),
-                        out.paint(if to == "complete" { "32" } else { "31" }, to)
+                        out.paint(if to == Phase::Complete { "32" } else { "31" }, to.name())
                     ));
                     self.wave_check(out);
                 }
@@ -1135,18 +1156,18 @@ impl Watch {
             _ => {}
         }
         if e.task == PARENT {
-            let to = e.detail.rsplit(" → ").next().unwrap_or("");
-            if e.kind == "transitioned" && (to == "complete" || to == "human_intervention") {
-                self.ended.insert(PARENT.into(), to.to_string());
+            if let Some(to) = ended {
+                self.ended.insert(PARENT.into(), to.name().to_string());
             }
-            if e.kind == "parent_ended" {
+            if kind == EventKind::ParentEnded {
                 let state = self
                     .ended
                     .get(PARENT)
                     .cloned()
                     .unwrap_or_else(|| "ended".into());
+                let complete = state.parse::<Phase>() == Ok(Phase::Complete);
                 out.line(&out.paint(
-                    if state == "complete" { "1;32" } else { "1;31" },
+                    if complete { "1;32" } else { "1;31" },
                     &format!("{PARENT}: {state} — {}", e.detail),
                 ));
                 self.parent_why = Some(e.detail.clone());
@@ -1440,7 +1461,14 @@ fn table(v: &serde_json::Value, out: &Out) -> String {
     text.push_str(&format!(
         "\n{}: {}{}  ({:.1} s)\n",
         PARENT,
-        out.paint(if state == "complete" { "1;32" } else { "1;31" }, &state),
+        out.paint(
+            if state.parse::<Phase>() == Ok(Phase::Complete) {
+                "1;32"
+            } else {
+                "1;31"
+            },
+            &state
+        ),
         match s(p, "why").as_str() {
             "" | "-" => String::new(),
             w => format!(" — {w}"),
@@ -1456,7 +1484,7 @@ fn table(v: &serde_json::Value, out: &Out) -> String {
     }
     let d = &p["delivery"];
     if d.is_object() {
-        let line = if s(d, "state") == "merged" {
+        let line = if s(d, "state").parse() == Ok(automaton_workflow::DeliveryState::Merged) {
             format!(
                 "Delivered: {} merged into {} at {} ({})",
                 s(d, "branch"),

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use automaton_proto::v1 as pb;
-use automaton_workflow::State;
+use automaton_workflow::{State, WorkerState};
 use clap::Args;
 use ratatui::Frame;
 use ratatui::Terminal;
@@ -319,13 +319,13 @@ fn gpu_text(w: &WorkerRow) -> String {
     )
 }
 
-fn state_style(state: &str) -> Style {
+fn state_style(state: Option<WorkerState>) -> Style {
     match state {
-        "idle" => Style::new().fg(Color::Green),
-        "busy" => Style::new().fg(Color::Cyan),
-        "draining" | "reconnecting" => Style::new().fg(Color::Yellow),
-        "lost" => Style::new().fg(Color::Red),
-        _ => Style::new(),
+        Some(WorkerState::Idle) => Style::new().fg(Color::Green),
+        Some(WorkerState::Busy) => Style::new().fg(Color::Cyan),
+        Some(WorkerState::Draining | WorkerState::Reconnecting) => Style::new().fg(Color::Yellow),
+        Some(WorkerState::Lost) => Style::new().fg(Color::Red),
+        None => Style::new(),
     }
 }
 
@@ -409,7 +409,7 @@ pub(crate) fn render(frame: &mut Frame, s: &Screen) {
                 Row::new(r.iter().enumerate().map(|(i, c)| {
                     let cell = Cell::from(c.clone());
                     if i == 1 {
-                        cell.style(state_style(&w.state))
+                        cell.style(state_style(w.state.parse().ok()))
                     } else {
                         cell
                     }

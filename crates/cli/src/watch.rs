@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use automaton_proto::v1 as pb;
 use automaton_store::Project;
-use automaton_workflow::TaskName;
+use automaton_workflow::{EventKind, TaskName};
 use clap::Args;
 use tonic::transport::Channel;
 
@@ -153,6 +153,10 @@ pub(crate) struct EventLine {
     pub agent: String,
     pub token: u64,
     pub detail: String,
+    /// `kind` in the vocabulary (`None`: a word this CLI does not know, from a newer
+    /// coordinator: shown as it came, uncoloured).
+    #[serde(skip)]
+    pub typed: Option<EventKind>,
 }
 
 /// An event's time, RFC 3339 with milliseconds as `--json` documents it; empty when unset.
@@ -175,6 +179,7 @@ fn event_time(t: Option<automaton_proto::prost_types::Timestamp>) -> String {
 
 pub(crate) fn event_line(e: pb::Event) -> EventLine {
     EventLine {
+        typed: automaton_proto::vocab::event_kind(&e),
         seq: e.seq,
         at: event_time(e.at),
         kind: e.kind,
@@ -190,7 +195,7 @@ pub(crate) fn event_line(e: pb::Event) -> EventLine {
 fn shown(filter: Option<&TaskName>, e: &EventLine) -> bool {
     match filter {
         None => true,
-        Some(_) if e.kind == "lagged" => true,
+        Some(_) if e.typed == Some(EventKind::Lagged) => true,
         Some(t) => {
             let t = t.to_string();
             e.task == t
@@ -225,16 +230,16 @@ fn colour(stdout_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> boo
 
 /// The ANSI colour of a kind: green for progress, cyan for leases and dispatch, yellow for
 /// what ended or stalls, red for refusals, lost workers and what needs a person.
-fn kind_colour(kind: &str) -> Option<&'static str> {
-    Some(match kind {
-        "task_created" | "subtask_created" | "transitioned" | "approved" | "run_started"
-        | "artifact_uploaded" | "code_committed" | "follow_up_created" | "parent_ended"
-        | "worker_joined" | "worker_resumed" | "worker_undrained" | "task_resumed" => "32",
-        "lease_granted" | "lease_renewed" | "lease_released" | "dispatched" | "assigned"
-        | "sizing_learned" => "36",
-        "lease_expired" | "lease_lost" | "run_stopped" | "worker_left" | "worker_drained"
-        | "task_held" | "subtask_orphaned" | "lagged" => "33",
-        "lease_refused" | "worker_lost" | "subtask_too_large" | "human_intervention" => "31",
+fn kind_colour(kind: Option<EventKind>) -> Option<&'static str> {
+    use EventKind::*;
+    Some(match kind? {
+        TaskCreated | SubtaskCreated | Transitioned | Approved | RunStarted | ArtifactUploaded
+        | CodeCommitted | FollowUpCreated | ParentEnded | WorkerJoined | WorkerResumed
+        | WorkerUndrained | TaskResumed | Merged | PullRequestOpened | SubtaskMerged => "32",
+        LeaseGranted | LeaseRenewed | LeaseReleased | Dispatched | Assigned | SizingLearned => "36",
+        LeaseExpired | RunStopped | WorkerLeft | WorkerDrained | TaskHeld | SubtaskOrphaned
+        | Lagged | OfferDeclined | OfferUnanswered | ReviewStale | Rework => "33",
+        LeaseRefused | WorkerLost | SubtaskTooLarge | HumanIntervention | DeliveryFailed => "31",
         _ => return None,
     })
 }
@@ -251,7 +256,7 @@ fn text(e: &EventLine, colour: bool) -> String {
     // The time of day: an event stream is read live; `--json` carries the whole timestamp.
     let time = e.at.split_once('T').map_or(e.at.as_str(), |(_, t)| t);
     let kind = format!("{:<17}", printable(&e.kind));
-    let kind = match kind_colour(&e.kind) {
+    let kind = match kind_colour(e.typed) {
         Some(c) if colour => format!("\x1b[{c}m{kind}\x1b[0m"),
         _ => kind,
     };
@@ -402,6 +407,7 @@ mod tests {
             agent: "agent-a".into(),
             token: 5,
             detail: "new → research".into(),
+            ..Default::default()
         })
     }
 

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use automaton_proto::v1 as pb;
 use automaton_store::Project;
+use automaton_workflow::DeliveryState;
 use clap::{Args, Subcommand};
 
 use crate::backend::{self, Backend, Failure};
@@ -185,20 +186,19 @@ pub fn delivery_line(d: &pb::Delivery) -> String {
     } else {
         format!("into {} on {}", d.base, d.remote)
     };
-    let mut l = match d.state.as_str() {
-        "merged" => format!("merged {into} at {} ({})", d.commit, d.how),
-        "opened" => format!("pull request #{} open: {}", d.number, d.url),
-        "abandoned" => format!(
+    let state = automaton_proto::vocab::delivery_state(d);
+    let mut l = match state {
+        Some(DeliveryState::Merged) => format!("merged {into} at {} ({})", d.commit, d.how),
+        Some(DeliveryState::Opened) => format!("pull request #{} open: {}", d.number, d.url),
+        Some(DeliveryState::Abandoned) => format!(
             "abandoned by {}: {} (its branch {} goes with automaton gc --branches)",
             d.abandoned_by, d.failure, d.branch
         ),
-        s => format!("{s} {into} ({} {})", d.mode, d.strategy),
+        _ => format!("{} {into} ({} {})", d.state, d.mode, d.strategy),
     };
     if !d.waiting.is_empty() {
         l.push_str(&format!(" — {}", d.waiting));
-    } else if !d.failure.is_empty()
-        && !matches!(d.state.as_str(), "merged" | "opened" | "abandoned")
-    {
+    } else if !d.failure.is_empty() && !state.is_some_and(DeliveryState::is_final) {
         l.push_str(&format!(
             " — last failure ({} so far): {}",
             d.failures, d.failure

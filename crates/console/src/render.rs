@@ -35,6 +35,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use automaton_proto::prost_types::Timestamp;
 use automaton_proto::v1 as pb;
+use automaton_proto::vocab::delivery_state;
+use automaton_workflow::{DeliveryState, WorkerState};
 
 pub use crate::markdown::escape;
 
@@ -98,7 +100,9 @@ impl BoardFilter {
 /// delivery that waits (for an operator's approval, or a person's fix).
 pub fn needs_person(t: &pb::TaskSummary) -> bool {
     t.state.ends_with(":awaiting_approval")
-        || phase_of(&t.state) == "human_intervention"
+        || t.state
+            .parse::<automaton_workflow::State>()
+            .is_ok_and(|s| s.phase == automaton_workflow::Phase::HumanIntervention)
         || !t.attention.is_empty()
         || t.delivery
             .as_ref()
@@ -625,11 +629,12 @@ fn worker(w: &pb::WorkerInfo, csrf: Option<&str>, now: SystemTime) -> String {
         escape(if b.source.is_empty() { "-" } else { &b.source }),
     );
     out.push_str(&worker_runs(w, now));
+    let state = automaton_proto::vocab::worker_state(w);
     if let Some(csrf) = csrf
-        && w.state != "lost"
+        && state != Some(WorkerState::Lost)
     {
         let name = w.name.as_str();
-        out.push_str(&if w.state == "draining" {
+        out.push_str(&if state == Some(WorkerState::Draining) {
             action_form(
                 None,
                 "undrain",
@@ -926,7 +931,7 @@ fn approval(d: &pb::TaskDetail, s: &pb::TaskSummary) -> String {
 
 /// A delivery that has ended (`merged`, `opened`, `abandoned`): nothing more happens to it.
 pub fn delivery_final(d: &pb::Delivery) -> bool {
-    matches!(d.state.as_str(), "merged" | "opened" | "abandoned")
+    delivery_state(d).is_some_and(DeliveryState::is_final)
 }
 
 /// It waits for an operator's `automaton deliver` (`[delivery] approve = true`), as the
@@ -967,8 +972,9 @@ pub fn delivery_summary(d: &pb::Delivery) -> String {
     } else {
         &d.base
     };
-    let text = match d.state.as_str() {
-        "merged" => {
+    let s = d.state.as_str();
+    let text = match delivery_state(d) {
+        Some(DeliveryState::Merged) => {
             let mut l = format!("merged into {base}");
             if !d.commit.is_empty() {
                 l.push_str(&format!(" at {}", crate::diff::short_commit(&d.commit)));
@@ -978,15 +984,15 @@ pub fn delivery_summary(d: &pb::Delivery) -> String {
             }
             l
         }
-        "opened" => return pull_request(d),
-        "abandoned" => "abandoned".to_string(),
+        Some(DeliveryState::Opened) => return pull_request(d),
+        Some(DeliveryState::Abandoned) => "abandoned".to_string(),
         _ if awaiting_approval(d) && d.mode == "pull_request" => {
             format!("awaiting approval to open a pull request into {base}")
         }
         _ if awaiting_approval(d) => format!("awaiting approval to land on {base}"),
         _ if !d.waiting.is_empty() => format!("waits: {}", d.waiting),
-        s if d.failures > 0 => format!("delivery {s} into {base}, {} failed tries", d.failures),
-        s => format!("delivery {s} into {base}"),
+        _ if d.failures > 0 => format!("delivery {s} into {base}, {} failed tries", d.failures),
+        _ => format!("delivery {s} into {base}"),
     };
     escape(&text)
 }
@@ -1027,7 +1033,7 @@ fn delivery(task: &str, d: &pb::Delivery, csrf: Option<&str>, now: SystemTime) -
     fact("commit", &d.commit);
     fact("how", &d.how);
     fact("waiting", &d.waiting);
-    if d.state == "abandoned" {
+    if delivery_state(d) == Some(DeliveryState::Abandoned) {
         fact("reason", &d.failure);
     } else if !d.failure.is_empty() {
         fact(

@@ -106,6 +106,7 @@ impl KeepAlive {
                         task: String::new(),
                         token: 0,
                         reason: "unknown".into(),
+                        end: pb::LeaseEnd::Unspecified as i32,
                     }),
                     lease_id: automaton_workflow::excerpt(&id),
                     lease: None,
@@ -179,7 +180,8 @@ impl Stream for KeepAlive {
                             lost: Some(pb::LeaseLost {
                                 task: n.task.to_string(),
                                 token: n.token,
-                                reason: n.reason.into(),
+                                reason: n.reason.name().into(),
+                                end: pb::LeaseEnd::from(n.reason) as i32,
                             }),
                         })));
                     }

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use automaton_engine::{END_REASONS, Error, Refusal, phase_index};
 use automaton_telemetry::metrics::{Counter, Kind, Render, Text};
-use automaton_workflow::Phase;
+use automaton_workflow::{Phase, WorkerState};
 
 use crate::counters::PHASES;
 use crate::state::Coordinator;
@@ -58,8 +58,6 @@ const WAITING_CLASSES: [&str; 11] = [
     "other",
 ];
 
-const WORKER_STATES: [&str; 5] = ["idle", "busy", "draining", "reconnecting", "lost"];
-
 impl Coordinator {
     /// The scrape: counters as they stand, and what is derived from the coordinator's state
     /// now.
@@ -70,10 +68,13 @@ impl Coordinator {
 
         let workers = self.workers(true, None);
         let mut by_model: std::collections::BTreeMap<String, u64> = Default::default();
-        let mut by_state: HashMap<&str, u64> = HashMap::new();
+        let mut by_state: HashMap<WorkerState, u64> = HashMap::new();
         for w in &workers {
-            *by_state.entry(w.state.as_str()).or_insert(0) += 1;
-            if w.state != "lost" && w.state != "reconnecting" {
+            let state = automaton_proto::vocab::worker_state(w);
+            if let Some(s) = state {
+                *by_state.entry(s).or_insert(0) += 1;
+            }
+            if state.is_some_and(WorkerState::is_present) {
                 let model = w
                     .gpus
                     .first()
@@ -100,9 +101,9 @@ impl Coordinator {
             Kind::Gauge,
             "Known workers by state: idle, busy, draining, reconnecting, lost.",
         );
-        for s in WORKER_STATES {
+        for s in WorkerState::ALL {
             let n = by_state.get(s).copied().unwrap_or(0);
-            t.sample("automaton_workers", &[("state", s)], n as f64);
+            t.sample("automaton_workers", &[("state", s.name())], n as f64);
         }
 
         t.gauge(
@@ -134,7 +135,7 @@ impl Coordinator {
             let n = c.expiries(i);
             t.sample(
                 "automaton_lease_expiries_total",
-                &[("reason", reason)],
+                &[("reason", reason.name())],
                 n as f64,
             );
         }
@@ -221,7 +222,7 @@ impl Coordinator {
                 if h.count() > 0 {
                     t.histogram(
                         "automaton_phase_duration_seconds",
-                        &[("phase", p.name()), ("outcome", outcome)],
+                        &[("phase", p.name()), ("outcome", outcome.name())],
                         h,
                     );
                 }

@@ -6,7 +6,7 @@ use std::time::SystemTime;
 
 use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
-use automaton_workflow::{AgentId, State, TaskName};
+use automaton_workflow::{AgentId, EventKind, State, TaskName};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -792,14 +792,18 @@ impl pb::events_server::Events for Service {
                     Ok(e) => pb::Event {
                         seq: e.seq,
                         at: Some(timestamp(e.at)),
-                        kind: e.kind.into(),
+                        kind: e.kind.name().into(),
+                        event_kind: pb::EventKind::from(e.kind) as i32,
+                        from_state: e.moved.map(|(f, _)| f.to_string()).unwrap_or_default(),
+                        to_state: e.moved.map(|(_, t)| t.to_string()).unwrap_or_default(),
                         task: e.task,
                         agent: e.agent,
                         token: if tokens_shown { e.token } else { 0 },
                         detail: e.detail,
                     },
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => pb::Event {
-                        kind: "lagged".into(),
+                        kind: EventKind::Lagged.name().into(),
+                        event_kind: pb::EventKind::Lagged as i32,
                         detail: format!("{n} events were dropped: this watcher reads too slowly"),
                         at: Some(timestamp(SystemTime::now())),
                         ..Default::default()

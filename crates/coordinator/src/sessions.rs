@@ -317,14 +317,15 @@ impl Sessions {
 
     /// Tells the session that owns `l` that it ended (the engine's `after_end`, through
     /// `Hooks::lease_ended`).
-    pub(crate) fn tell(&self, l: &Live, reason: &'static str) {
+    pub(crate) fn tell(&self, l: &Live, reason: automaton_workflow::LeaseEnd) {
         if let Some(s) = &l.session {
             self.push(
                 s,
                 pb::coordinator_message::Msg::Lost(pb::LeaseLost {
                     task: l.task.to_string(),
                     token: l.token,
-                    reason: reason.into(),
+                    reason: reason.name().into(),
+                    end: pb::LeaseEnd::from(reason) as i32,
                 }),
             );
         }

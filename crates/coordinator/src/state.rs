@@ -161,7 +161,7 @@ impl Hooks for Wiring {
         self.sessions.for_claim(agent, requested)
     }
 
-    fn lease_ended(&self, l: &Live, reason: &'static str) {
+    fn lease_ended(&self, l: &Live, reason: automaton_workflow::LeaseEnd) {
         self.sessions.tell(l, reason);
         // The task may be dispatched again — by a worker: with none in session, a round
         // (which walks every task) would find nobody to give it to. This poke cost every

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use automaton_engine::Event;
 use automaton_webhooks::{Event as Hook, Notification, Webhooks};
+use automaton_workflow::{EventKind, Gate, Phase};
 use tokio::sync::{broadcast, watch};
 
 use crate::state::Coordinator;
@@ -22,23 +23,27 @@ const SAME_NEED: Duration = Duration::from_secs(10);
 
 /// What a coordinator event tells a person, if anything.
 fn need(e: &Event) -> Option<Hook> {
+    let entered = e.moved.map(|(_, to)| to);
     Some(match e.kind {
-        "transitioned" if e.detail.ends_with(":awaiting_approval") => Hook::AwaitingApproval,
-        "transitioned" if e.detail.ends_with("human_intervention") => Hook::HumanIntervention,
-        "human_intervention" => Hook::HumanIntervention,
-        "task_held" => Hook::Held,
-        "worker_lost" => Hook::WorkerLost,
-        "subtask_too_large" => Hook::SubtaskTooLarge,
-        "merged" => Hook::Merged,
-        "pull_request_opened" => Hook::PullRequestOpened,
-        "delivery_failed" => Hook::DeliveryFailed,
+        EventKind::Transitioned => match entered {
+            Some(to) if to.gate == Gate::AwaitingApproval => Hook::AwaitingApproval,
+            Some(to) if to.phase == Phase::HumanIntervention => Hook::HumanIntervention,
+            _ => return None,
+        },
+        EventKind::HumanIntervention => Hook::HumanIntervention,
+        EventKind::TaskHeld => Hook::Held,
+        EventKind::WorkerLost => Hook::WorkerLost,
+        EventKind::SubtaskTooLarge => Hook::SubtaskTooLarge,
+        EventKind::Merged => Hook::Merged,
+        EventKind::PullRequestOpened => Hook::PullRequestOpened,
+        EventKind::DeliveryFailed => Hook::DeliveryFailed,
         _ => return None,
     })
 }
 
 /// The one line a person reads first.
 fn summary(hook: Hook, e: &Event) -> String {
-    let state = e.detail.rsplit(" → ").next().unwrap_or_default();
+    let state = e.moved.map(|(_, to)| to.to_string()).unwrap_or_default();
     match hook {
         Hook::AwaitingApproval => format!(
             "task '{}' waits for approval ({state}): automaton approve {}",
@@ -67,7 +72,7 @@ fn summary(hook: Hook, e: &Event) -> String {
 
 fn notification(hook: Hook, e: &Event, link: Option<&str>) -> Notification {
     let mut n = Notification::new(hook, summary(hook, e))
-        .detail("kind", e.kind)
+        .detail("kind", e.kind.name())
         .detail("detail", e.detail.as_str());
     n.time = e.at;
     if !e.task.is_empty() {
@@ -130,15 +135,19 @@ pub(crate) fn spawn(
 mod tests {
     use super::*;
 
-    fn ev(kind: &'static str, task: &str, agent: &str, detail: &str) -> Event {
+    fn ev(kind: &str, task: &str, agent: &str, detail: &str) -> Event {
+        let moved = detail
+            .split_once(" → ")
+            .and_then(|(from, to)| Some((from.parse().ok()?, to.parse().ok()?)));
         Event {
             seq: 1,
             at: std::time::SystemTime::now(),
-            kind,
+            kind: kind.parse().expect("an event kind"),
             task: task.into(),
             agent: agent.into(),
             token: 0,
             detail: detail.into(),
+            moved,
         }
     }
 

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
-use automaton_workflow::{AgentId, Artifact, State, TaskName};
+use automaton_workflow::{AgentId, Artifact, EventKind, State, TaskName};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -428,7 +428,7 @@ impl Service {
             ),
         );
         self.coord.engine.emit(
-            "artifact_uploaded",
+            EventKind::ArtifactUploaded,
             &l.task.to_string(),
             l.agent.as_str(),
             l.token,
@@ -545,7 +545,7 @@ impl Service {
             // The fleet's own commit: the reviews after it read it, and are bound to it.
             self.coord.work.wrote(&l.task, l.token, c);
             self.coord.engine.emit(
-                "code_committed",
+                EventKind::CodeCommitted,
                 &l.task.to_string(),
                 l.agent.as_str(),
                 l.token,

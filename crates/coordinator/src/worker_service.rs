@@ -1,6 +1,7 @@
 //! The `Workers` service: the session stream, `ListWorkers`, `DrainWorker` (proto in,
 //! `sessions.rs` operations, proto out).
 
+use automaton_workflow::EventKind;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -333,7 +334,7 @@ impl pb::workers_server::Workers for Service {
         if !dry_run {
             for b in branches.iter().filter(|b| b.removed) {
                 self.coord.engine.emit(
-                    "branch_removed",
+                    EventKind::BranchRemoved,
                     &b.task,
                     &who.name,
                     0,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use automaton_engine::{Error, Live};
 use automaton_proto::v1 as pb;
 use automaton_proto::vocab::RunVocab;
-use automaton_workflow::{AgentId, RunState};
+use automaton_workflow::{AgentId, EventKind, LeaseEnd, RunState, WorkerState};
 use tonic::Status;
 
 use crate::sessions::{
@@ -184,11 +184,11 @@ impl Coordinator {
             }
         };
         if let Some(old) = replaced {
-            self.end_session(&old, "session_replaced").await?;
+            self.end_session(&old, LeaseEnd::SessionReplaced).await?;
         }
         let (kind, detail) = if joined.granted.resumed {
             (
-                "worker_resumed",
+                EventKind::WorkerResumed,
                 format!(
                     "session {} resumed with {} lease(s); {} lost",
                     joined.id,
@@ -197,7 +197,7 @@ impl Coordinator {
                 ),
             )
         } else {
-            ("worker_joined", self.describe(&joined.id))
+            (EventKind::WorkerJoined, self.describe(&joined.id))
         };
         self.engine.emit(kind, "", name.as_str(), 0, detail);
         Ok(joined)
@@ -248,7 +248,7 @@ impl Coordinator {
             })
         };
         if ours {
-            self.end_session(id, "released").await?;
+            self.end_session(id, LeaseEnd::Released).await?;
         }
         Ok(())
     }
@@ -269,7 +269,7 @@ impl Coordinator {
             match &spawn {
                 Ok(rt) => {
                     rt.spawn(async move {
-                        if let Err(e) = me.end_session(&id, "session_expired").await {
+                        if let Err(e) = me.end_session(&id, LeaseEnd::SessionExpired).await {
                             tracing::warn!(session = %id, error = %e, "cannot end an expired session");
                         }
                     });
@@ -283,7 +283,7 @@ impl Coordinator {
     /// Ends session `id` and every lease it owns, with `reason` (`session_expired`,
     /// `session_replaced`, `released`). The leases are marked ending and their ends queued
     /// under the table's lock in one step; they are removed and announced once durable.
-    pub(crate) async fn end_session(&self, id: &str, reason: &'static str) -> Result<(), Error> {
+    pub(crate) async fn end_session(&self, id: &str, reason: LeaseEnd) -> Result<(), Error> {
         let now = Instant::now();
         let (ending, commit, gone) = {
             let mut table = self.engine.table();
@@ -293,7 +293,7 @@ impl Coordinator {
             };
             // A session that was expired is only ended if it is still overdue: a heartbeat
             // may have come in between the sweep and here.
-            if reason == "session_expired" && s.deadline > now {
+            if reason == LeaseEnd::SessionExpired && s.deadline > now {
                 inner.by_id.insert(s.id.clone(), s);
                 return Ok(());
             }
@@ -302,18 +302,18 @@ impl Coordinator {
             }
             if let Some(a) = s.attached.take() {
                 let why = match reason {
-                    "session_expired" => Status::not_found(format!(
+                    LeaseEnd::SessionExpired => Status::not_found(format!(
                         "session {} expired: silent for more than {}; its leases have ended: register again",
                         s.id,
                         humantime::format_duration(self.sessions.timeout)
                     )),
-                    "session_replaced" => Status::aborted(format!(
+                    LeaseEnd::SessionReplaced => Status::aborted(format!(
                         "session {} was replaced by another worker named '{}' (--replace)",
                         s.id, s.name
                     )),
                     _ => Status::ok("deregistered"),
                 };
-                if reason != "released" {
+                if reason != LeaseEnd::Released {
                     let _ = a.tx.send(Push::End(why));
                 }
             }
@@ -339,7 +339,7 @@ impl Coordinator {
         let name = gone.name.clone();
         let silent = now.saturating_duration_since(gone.heard);
         let n = ending.len();
-        if reason != "released" {
+        if reason != LeaseEnd::Released {
             let mut inner = self.sessions.inner();
             if inner.gone.len() >= LOST_KEPT {
                 inner.gone.pop_front();
@@ -357,24 +357,24 @@ impl Coordinator {
             }
         }
         let (kind, detail) = match reason {
-            "session_expired" => (
-                "worker_lost",
+            LeaseEnd::SessionExpired => (
+                EventKind::WorkerLost,
                 format!(
                     "session {id} silent for {:.1}s (timeout {}): {n} lease(s) ended (session_expired)",
                     silent.as_secs_f64(),
                     humantime::format_duration(self.sessions.timeout)
                 ),
             ),
-            "session_replaced" => (
-                "worker_lost",
+            LeaseEnd::SessionReplaced => (
+                EventKind::WorkerLost,
                 format!("session {id} replaced: {n} lease(s) ended (session_replaced)"),
             ),
             _ => (
-                "worker_left",
+                EventKind::WorkerLeft,
                 format!("session {id} deregistered: {n} lease(s) released"),
             ),
         };
-        tracing::info!(worker = %name, session = %id, leases = n, reason, "worker session ended");
+        tracing::info!(worker = %name, session = %id, leases = n, reason = reason.name(), "worker session ended");
         self.engine.emit(kind, "", name.as_str(), 0, detail);
         // Its runs end with it: whatever ran there is gone or unheard of.
         self.end_runs_of(name.as_str(), reason, &ending).await;
@@ -407,9 +407,9 @@ impl Coordinator {
         }
         self.engine.emit(
             if undo {
-                "worker_undrained"
+                EventKind::WorkerUndrained
             } else {
-                "worker_drained"
+                EventKind::WorkerDrained
             },
             "",
             name.as_str(),
@@ -447,17 +447,17 @@ impl Coordinator {
                     .collect();
                 let drained = inner.drained.contains(&s.name);
                 let state = if drained {
-                    "draining"
+                    WorkerState::Draining
                 } else if s.awaiting {
-                    "reconnecting"
+                    WorkerState::Reconnecting
                 } else if leases
                     .len()
                     .max(self.work.unfinished_of(s.name.as_str()).len())
                     >= s.reg.capacity.max(1) as usize
                 {
-                    "busy"
+                    WorkerState::Busy
                 } else {
-                    "idle"
+                    WorkerState::Idle
                 };
                 let shown = secrets || me == Some(s.name.as_str());
                 let mut runs: Vec<pb::Run> = table
@@ -498,7 +498,7 @@ impl Coordinator {
             .map(|g| {
                 let mut w = info(
                     &g.reg,
-                    "lost",
+                    WorkerState::Lost,
                     vec![],
                     now.saturating_duration_since(g.heard),
                     g.started,
@@ -536,7 +536,7 @@ impl WithSession for pb::WorkerInfo {
 
 fn info(
     reg: &pb::Register,
-    state: &str,
+    state: WorkerState,
     leases: Vec<pb::WorkerLease>,
     age: Duration,
     started: SystemTime,
@@ -549,7 +549,8 @@ fn info(
         capacity: reg.capacity,
         version: reg.version.clone(),
         simulated: reg.simulated,
-        state: state.into(),
+        state: state.name().into(),
+        worker_state: pb::WorkerState::from(state) as i32,
         leases,
         heartbeat_age: Some(crate::wire::duration(age)),
         since: Some(crate::wire::timestamp(started)),

@@ -5,20 +5,15 @@
 use std::time::{Duration, SystemTime};
 
 use automaton_telemetry::metrics::{Counter, Histogram, PHASE_BUCKETS};
-use automaton_workflow::Phase;
+use automaton_workflow::{LeaseEnd, Phase};
 
 use crate::Error;
 
 const PHASES: usize = Phase::ALL.len();
 
 /// How a lease ends, in the order of [`Counters::ended`]'s series.
-pub const END_REASONS: [&str; 5] = [
-    "released",
-    "transitioned",
-    "expired",
-    "session_expired",
-    "session_replaced",
-];
+pub const END_REASONS: &[LeaseEnd] = LeaseEnd::ALL;
+const ENDS: usize = END_REASONS.len();
 
 /// Why a claim or renewal was refused (a small fixed set: the label's values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +101,7 @@ pub struct Counters {
     claims: Counter,
     renewals: Counter,
     releases: Counter,
-    expiries: [Counter; END_REASONS.len()],
+    expiries: [Counter; ENDS],
     refusals: [Counter; Refusal::ALL.len()],
     phase_duration: Vec<Histogram>,
 }
@@ -153,10 +148,10 @@ impl Counters {
     }
 
     /// A lease granted at `claimed` on `phase` ended for `reason`.
-    pub fn ended(&self, phase: Phase, claimed: SystemTime, reason: &str) {
+    pub fn ended(&self, phase: Phase, claimed: SystemTime, reason: LeaseEnd) {
         let r = END_REASONS.iter().position(|x| *x == reason);
         match reason {
-            "released" | "transitioned" => self.releases.inc(),
+            LeaseEnd::Released | LeaseEnd::Transitioned => self.releases.inc(),
             _ => {
                 if let Some(c) = r.and_then(|r| self.expiries.get(r)) {
                     c.inc();
@@ -213,16 +208,16 @@ mod tests {
     fn a_lease_end_counts_as_a_release_or_an_expiry_by_its_reason() {
         let m = Counters::default();
         let claimed = SystemTime::now() - Duration::from_secs(2);
-        m.ended(Phase::Design, claimed, "released");
-        m.ended(Phase::Design, claimed, "transitioned");
-        m.ended(Phase::Implement, claimed, "expired");
-        m.ended(Phase::Implement, claimed, "session_expired");
+        m.ended(Phase::Design, claimed, LeaseEnd::Released);
+        m.ended(Phase::Design, claimed, LeaseEnd::Transitioned);
+        m.ended(Phase::Implement, claimed, LeaseEnd::Expired);
+        m.ended(Phase::Implement, claimed, LeaseEnd::SessionExpired);
         assert_eq!(m.releases(), 2);
         assert_eq!(
             (0..END_REASONS.len())
                 .map(|i| m.expiries(i))
                 .collect::<Vec<_>>(),
-            [0, 0, 1, 1, 0]
+            [0, 0, 1, 1, 0, 0]
         );
         let h = m
             .phase_duration(phase_index(Phase::Implement), 2)

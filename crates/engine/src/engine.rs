@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use automaton_store::Project;
-use automaton_workflow::{Policy, State, TaskName};
+use automaton_workflow::{EventKind, Policy, State, TaskName};
 
 use crate::Error;
 use crate::counters::Counters;
@@ -273,8 +273,21 @@ impl Engine {
     }
 
     /// Puts an event on the feed (nothing is built when nobody watches).
-    pub fn emit(&self, kind: &'static str, task: &str, agent: &str, token: u64, detail: String) {
+    pub fn emit(&self, kind: EventKind, task: &str, agent: &str, token: u64, detail: String) {
         self.feed.emit(kind, task, agent, token, detail);
+    }
+
+    /// A `transitioned` event, its states structured (`detail`: why, if anything to add).
+    #[inline]
+    pub fn emit_moved(
+        &self,
+        task: &str,
+        agent: &str,
+        token: u64,
+        moved: (State, State),
+        detail: &str,
+    ) {
+        self.feed.emit_moved(task, agent, token, moved, detail);
     }
 
     #[inline]

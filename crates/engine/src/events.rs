@@ -1,6 +1,7 @@
 //! The operators' live feed: events, their subscribers, and how the coordinator emits them
 //! (only when somebody watches: building an event costs allocations on the hot path).
 
+use automaton_workflow::{EventKind, State};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::SystemTime;
@@ -14,11 +15,13 @@ use crate::table::Live;
 pub struct Event {
     pub seq: u64,
     pub at: SystemTime,
-    pub kind: &'static str,
+    pub kind: EventKind,
     pub task: String,
     pub agent: String,
     pub token: u64,
     pub detail: String,
+    /// For [`EventKind::Transitioned`]: the state left and the state entered.
+    pub moved: Option<(State, State)>,
 }
 
 /// A subscriber to the event feed; counted while it lives.
@@ -61,16 +64,55 @@ impl Feed {
 
     pub(crate) fn emit(
         &self,
-        kind: &'static str,
+        kind: EventKind,
         task: &str,
         agent: &str,
         token: u64,
         detail: String,
     ) {
+        self.send(kind, task, agent, token, detail, None);
+    }
+
+    /// A `transitioned` event: `task` moved `from` → `to` (`detail` says more, if anything).
+    pub(crate) fn emit_moved(
+        &self,
+        task: &str,
+        agent: &str,
+        token: u64,
+        (from, to): (State, State),
+        detail: &str,
+    ) {
         if !self.watched() {
             return;
         }
-        tracing::debug!(kind, task, agent, token, detail = %detail, "event");
+        let text = if detail.is_empty() {
+            format!("{from} → {to}")
+        } else {
+            format!("{from} → {to} ({detail})")
+        };
+        self.send(
+            EventKind::Transitioned,
+            task,
+            agent,
+            token,
+            text,
+            Some((from, to)),
+        );
+    }
+
+    fn send(
+        &self,
+        kind: EventKind,
+        task: &str,
+        agent: &str,
+        token: u64,
+        detail: String,
+        moved: Option<(State, State)>,
+    ) {
+        if !self.watched() {
+            return;
+        }
+        tracing::debug!(kind = kind.name(), task, agent, token, detail = %detail, "event");
         let _ = self.events.send(Event {
             seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
             at: SystemTime::now(),
@@ -79,6 +121,7 @@ impl Feed {
             agent: agent.to_string(),
             token,
             detail,
+            moved,
         });
     }
 
@@ -86,7 +129,7 @@ impl Feed {
     pub(crate) fn emit_renewed(&self, l: &Live) {
         if self.watched() {
             self.emit(
-                "lease_renewed",
+                EventKind::LeaseRenewed,
                 &l.task.to_string(),
                 l.agent.as_str(),
                 l.token,

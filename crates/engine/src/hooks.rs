@@ -19,7 +19,7 @@ pub trait Hooks: Send + Sync {
 
     /// Lease `l` ended for `reason`, durably: its session hears of it, and its task may be
     /// dispatched again.
-    fn lease_ended(&self, l: &Live, reason: &'static str);
+    fn lease_ended(&self, l: &Live, reason: automaton_workflow::LeaseEnd);
 
     /// A task changed (a transition, an approval, an escalation): there may be work.
     fn task_changed(&self);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use automaton_workflow::{AgentId, TaskName};
+use automaton_workflow::{AgentId, EventKind, LeaseEnd, TaskName};
 
 use crate::Error;
 use crate::commit::Committing;
@@ -65,7 +65,7 @@ impl Engine {
             && self.watched()
         {
             self.emit(
-                "lease_refused",
+                EventKind::LeaseRefused,
                 &task.to_string(),
                 agent.as_str(),
                 0,
@@ -229,7 +229,7 @@ impl Engine {
                 Ok(()) => {
                     c.holders.committed(&live.task, &live.agent, live.state);
                     if let Some(d) = displaced {
-                        c.after_end(d, "expired");
+                        c.after_end(d, LeaseEnd::Expired);
                     }
                     // Durable: the TTL starts now, as the grant is acknowledged.
                     let confirmed = c
@@ -287,7 +287,7 @@ impl Engine {
         self.view_of(live, true);
         if self.watched() {
             self.emit(
-                "lease_granted",
+                EventKind::LeaseGranted,
                 &live.task.to_string(),
                 live.agent.as_str(),
                 live.token,
@@ -476,7 +476,7 @@ impl Engine {
             }
         };
         match found {
-            Ok(Some(ended)) => self.end(ended?, "released").await,
+            Ok(Some(ended)) => self.end(ended?, LeaseEnd::Released).await,
             Ok(None) => Err(Error::Internal(
                 "the lease table changed under its lock".into(),
             )),
@@ -513,12 +513,12 @@ impl Engine {
     pub async fn end(
         &self,
         (l, commit): (Live, automaton_backend::Commit),
-        reason: &'static str,
+        reason: LeaseEnd,
     ) -> Result<Live, Error> {
         let ((l, _), logged) =
             Committing::new(self, commit, (l, reason), |c, (l, reason), logged| {
                 if logged.is_ok() {
-                    c.after_end(l, reason);
+                    c.after_end(l, *reason);
                 } else {
                     c.restore(l);
                 }
@@ -537,7 +537,7 @@ impl Engine {
         }
     }
 
-    pub fn after_end(&self, l: &Live, reason: &'static str) {
+    pub fn after_end(&self, l: &Live, reason: LeaseEnd) {
         self.counters.ended(l.state.phase, l.claimed, reason);
         self.view_of(l, false);
         // Its session hears of it; its task may be dispatched again.
@@ -554,17 +554,17 @@ impl Engine {
             });
         }
         if self.watched() {
-            let kind = if reason == "expired" || reason == "session_expired" {
-                "lease_expired"
+            let kind = if reason.is_expiry() {
+                EventKind::LeaseExpired
             } else {
-                "lease_released"
+                EventKind::LeaseReleased
             };
             self.emit(
                 kind,
                 &l.task.to_string(),
                 l.agent.as_str(),
                 l.token,
-                reason.to_string(),
+                reason.name().to_string(),
             );
         }
     }
@@ -617,7 +617,7 @@ impl Engine {
             }
             for l in &lapsed {
                 me.table().remove_lease(&l.task, &l.lease_id);
-                me.after_end(l, "expired");
+                me.after_end(l, LeaseEnd::Expired);
             }
         };
         match tokio::runtime::Handle::try_current() {
@@ -868,7 +868,7 @@ mod tests {
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
         cut_off(&coord, coord.claim(&task, &agent, None));
         let e = next_event(&mut events).await;
-        assert_eq!((e.kind, e.task.as_str()), ("lease_granted", "t"));
+        assert_eq!((e.kind, e.task.as_str()), (EventKind::LeaseGranted, "t"));
         assert_eq!(coord.live_leases(), 1, "the grant stands");
         // The same agent claiming again gets that lease back.
         let again = coord.claim(&task, &agent, None).await.expect("re-claim");
@@ -937,7 +937,7 @@ mod tests {
         let e = renewal.await.expect_err("lapsed");
         assert!(matches!(e, Error::LeaseNotFound(_)), "{e:?}");
         let e = next_event(&mut events).await;
-        assert_eq!((e.kind, e.task.as_str()), ("lease_expired", "t"));
+        assert_eq!((e.kind, e.task.as_str()), (EventKind::LeaseExpired, "t"));
         let log =
             automaton_backend::files::read(&dir.path().join(".automaton/leases.wal")).expect("log");
         assert!(
@@ -1009,7 +1009,7 @@ mod tests {
             coord.release(&granted.live.lease_id, Some(granted.live.token), None),
         );
         let e = next_event(&mut events).await;
-        assert_eq!((e.kind, e.task.as_str()), ("lease_released", "t"));
+        assert_eq!((e.kind, e.task.as_str()), (EventKind::LeaseReleased, "t"));
         assert_eq!(coord.live_leases(), 0);
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use automaton_store::ApproveOutcome;
-use automaton_workflow::{State, TaskName};
+use automaton_workflow::{EventKind, LeaseEnd, State, TaskName};
 
 use crate::Error;
 use crate::engine::Engine;
@@ -121,7 +121,7 @@ impl Engine {
                 let asked = self.hooks().is_some_and(|h| h.phase_done(task));
                 let removed = self.take_and_end(&mut self.table(), task);
                 let ended = match removed {
-                    Some(r) => Some(self.end(r?, "transitioned").await?),
+                    Some(r) => Some(self.end(r?, LeaseEnd::Transitioned).await?),
                     None => Some(l),
                 };
                 // A manual-mode run request just used up is gone from disk before the answer
@@ -135,12 +135,12 @@ impl Engine {
             }
             None => None,
         };
-        self.emit(
-            "transitioned",
+        self.emit_moved(
             &task.to_string(),
             p.agent.as_ref().map_or("", |a| a.as_str()),
             0,
-            format!("{from} → {target}"),
+            (from, target),
+            "",
         );
         self.task_changed();
         Ok((from, ended))
@@ -164,13 +164,7 @@ impl Engine {
                 .map_err(|e| Error::Internal(format!("escalate task failed: {e}")))??;
             let target = State::open(automaton_workflow::Phase::HumanIntervention);
             c.states().insert(t.clone(), target);
-            c.emit(
-                "transitioned",
-                &t.to_string(),
-                "",
-                0,
-                format!("{from} → {target}"),
-            );
+            c.emit_moved(&t.to_string(), "", 0, (from, target), "");
             c.task_changed();
             Ok(from)
         })
@@ -222,7 +216,7 @@ impl Engine {
         .map_err(|e| Error::Internal(format!("approve task failed: {e}")))??;
         self.states().insert(task.clone(), out.to);
         self.emit(
-            "approved",
+            EventKind::Approved,
             &task.to_string(),
             approver,
             0,
@@ -250,7 +244,13 @@ impl Engine {
             .map_err(|e| Error::Internal(format!("create task failed: {e}")))??;
         self.states()
             .insert(task.clone(), State::open(automaton_workflow::Phase::New));
-        self.emit("task_created", &task.to_string(), "", 0, "new".into());
+        self.emit(
+            EventKind::TaskCreated,
+            &task.to_string(),
+            "",
+            0,
+            "new".into(),
+        );
         if let Some(h) = self.hooks() {
             h.task_created(task);
         }

@@ -16,7 +16,7 @@ pub struct Lost {
     pub lease_id: String,
     pub task: TaskName,
     pub token: u64,
-    pub reason: &'static str,
+    pub reason: automaton_workflow::LeaseEnd,
 }
 
 /// What a stream is told.
@@ -124,7 +124,7 @@ mod tests {
             lease_id: id.into(),
             task: "t".parse().expect("valid"),
             token: 1,
-            reason: "released",
+            reason: automaton_workflow::LeaseEnd::Released,
         }
     }
 

@@ -2,7 +2,7 @@
 //! and stop reason are read from the wire: the enum where a peer set it, else the string
 //! field beside it (what an older peer sends). Writers set both.
 
-use automaton_workflow::{RunState, StopReason};
+use automaton_workflow::{DeliveryState, EventKind, LeaseEnd, RunState, StopReason, WorkerState};
 
 use crate::v1 as pb;
 
@@ -52,6 +52,124 @@ one_to_one!(
     WorkerLost,
     RunLost,
 );
+
+one_to_one!(
+    LeaseEnd,
+    pb::LeaseEnd,
+    Released,
+    Transitioned,
+    Expired,
+    SessionExpired,
+    SessionReplaced,
+    RunLost,
+);
+one_to_one!(
+    EventKind,
+    pb::EventKind,
+    TaskCreated,
+    Transitioned,
+    Approved,
+    TaskHeld,
+    TaskResumed,
+    HumanIntervention,
+    ParentEnded,
+    ReviewStale,
+    Rework,
+    FollowUpCreated,
+    VramConfigRecreated,
+    ArtifactUploaded,
+    CodeCommitted,
+    NoCodeChange,
+    LeaseGranted,
+    LeaseRenewed,
+    LeaseReleased,
+    LeaseExpired,
+    LeaseRefused,
+    WorkerJoined,
+    WorkerResumed,
+    WorkerLeft,
+    WorkerLost,
+    WorkerDrained,
+    WorkerUndrained,
+    Dispatched,
+    Assigned,
+    OfferDeclined,
+    OfferUnanswered,
+    RunRequested,
+    RunStarted,
+    RunStopped,
+    RunAdopted,
+    SizingLearned,
+    SubtaskCreated,
+    SubtaskMerged,
+    SubtaskOrphaned,
+    SubtaskTooLarge,
+    DeliveryRequested,
+    DeliveryAwaitingApproval,
+    DeliveryApproved,
+    DeliveryFailed,
+    DeliveryAbandoned,
+    Merged,
+    PullRequestOpened,
+    BranchRemoved,
+    Lagged,
+);
+
+one_to_one!(
+    DeliveryState,
+    pb::DeliveryState,
+    Requested,
+    Preparing,
+    Ready,
+    Merging,
+    Merged,
+    Opened,
+    Abandoned,
+);
+
+one_to_one!(
+    WorkerState,
+    pb::WorkerState,
+    Idle,
+    Busy,
+    Draining,
+    Reconnecting,
+    Lost
+);
+
+/// A worker's state, typed: the enum if set, else the string.
+pub fn worker_state(w: &pb::WorkerInfo) -> Option<WorkerState> {
+    WorkerState::try_from(w.worker_state())
+        .ok()
+        .or_else(|| w.state.parse().ok())
+}
+
+/// A delivery's state, typed: the enum if set, else the string.
+pub fn delivery_state(d: &pb::Delivery) -> Option<DeliveryState> {
+    DeliveryState::try_from(d.delivery_state())
+        .ok()
+        .or_else(|| d.state.parse().ok())
+}
+
+/// An event's kind, typed: the enum if the coordinator set it, else the string.
+pub fn event_kind(e: &pb::Event) -> Option<EventKind> {
+    EventKind::try_from(e.event_kind())
+        .ok()
+        .or_else(|| e.kind.parse().ok())
+}
+
+/// The state a `transitioned` event's task entered: `to_state`, else the detail's `→` side
+/// (an older coordinator's).
+pub fn entered(e: &pb::Event) -> Option<automaton_workflow::State> {
+    if !e.to_state.is_empty() {
+        return e.to_state.parse().ok();
+    }
+    e.detail
+        .rsplit(" → ")
+        .next()
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+}
 
 /// A run's state and stop reason, typed, on the messages that carry them.
 pub trait RunVocab {
@@ -120,6 +238,23 @@ mod tests {
         }
         for r in StopReason::ALL {
             assert_eq!(StopReason::try_from(pb::StopReason::from(*r)), Ok(*r));
+        }
+        for w in WorkerState::ALL {
+            assert_eq!(WorkerState::try_from(pb::WorkerState::from(*w)), Ok(*w));
+        }
+        for d in DeliveryState::ALL {
+            assert_eq!(DeliveryState::try_from(pb::DeliveryState::from(*d)), Ok(*d));
+        }
+        for e in LeaseEnd::ALL {
+            assert_eq!(LeaseEnd::try_from(pb::LeaseEnd::from(*e)), Ok(*e));
+        }
+        for k in EventKind::ALL {
+            assert_eq!(EventKind::try_from(pb::EventKind::from(*k)), Ok(*k));
+            // The proto's names are the vocabulary's, upper-cased behind the enum's prefix.
+            assert_eq!(
+                pb::EventKind::from(*k).as_str_name(),
+                format!("EVENT_KIND_{}", k.name().to_ascii_uppercase())
+            );
         }
         let mut run = pb::Run::default();
         assert_eq!((run.state_kind(), run.stop_kind()), (None, None));

@@ -40,49 +40,7 @@ const SHOWN_BYTES: usize = 16 * 1024;
 /// Where a remote base is fetched to (not a branch: nothing a person checks out).
 const FETCHED: &str = "refs/automaton/delivery/";
 
-/// Where a delivery stands (seed 003's worktree lifecycle; `docs/delivery.md` says where it
-/// departs from it).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DeliveryState {
-    /// Recorded when the task completed; waits here for an operator with `approve = true`.
-    #[default]
-    Requested,
-    /// The merge is being built (or the branch pushed, for a pull request).
-    Preparing,
-    /// The commit that lands is built and recorded; a failed landing comes back here.
-    Ready,
-    /// The base is being moved (or the pull request opened).
-    Merging,
-    /// On the base branch (`commit`).
-    Merged,
-    /// A pull request is open (`url`): the forge's merge is a person's.
-    Opened,
-    /// Given up by a person (`automaton abandon`).
-    Abandoned,
-}
-
-impl DeliveryState {
-    pub fn name(self) -> &'static str {
-        match self {
-            DeliveryState::Requested => "requested",
-            DeliveryState::Preparing => "preparing",
-            DeliveryState::Ready => "ready",
-            DeliveryState::Merging => "merging",
-            DeliveryState::Merged => "merged",
-            DeliveryState::Opened => "opened",
-            DeliveryState::Abandoned => "abandoned",
-        }
-    }
-
-    /// Nothing more happens on its own.
-    pub fn is_final(self) -> bool {
-        matches!(
-            self,
-            DeliveryState::Merged | DeliveryState::Opened | DeliveryState::Abandoned
-        )
-    }
-}
+pub use automaton_workflow::DeliveryState;
 
 /// How a branch lands on its base.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -878,6 +836,49 @@ impl Project {
         )
     }
 
+    /// Whether `to` is `from` plus only the fleet's own `phase` commits on `task`'s branch:
+    /// each commit on the first-parent path back to `from` is one a run's patch made
+    /// (`UploadPatch`: its message `{task}: {phase} by {agent} (fencing token N)`, authored by
+    /// that agent). The review chain recognises doc_review's patch this way when the run's
+    /// record of it was lost to a crash. At most 64 commits are walked; false beyond, or when
+    /// `from` is not an ancestor of `to`, or either is not a commit.
+    pub fn only_fleet_commits(
+        &self,
+        task: &TaskName,
+        phase: Phase,
+        from: &str,
+        to: &str,
+    ) -> Result<bool, Error> {
+        let Some(repo) = self.repository()? else {
+            return Ok(false);
+        };
+        let (Ok(from), Ok(mut at)) = (Oid::from_str(from), Oid::from_str(to)) else {
+            return Ok(false);
+        };
+        let prefix = format!("{task}: {phase} by ");
+        for _ in 0..64 {
+            if at == from {
+                return Ok(true);
+            }
+            let Ok(c) = repo.find_commit(at) else {
+                return Ok(false);
+            };
+            let message = c.message().unwrap_or_default();
+            let Some(rest) = message.strip_prefix(&prefix) else {
+                return Ok(false);
+            };
+            let agent = rest.split(' ').next().unwrap_or_default();
+            if !rest.contains("(fencing token ") || c.author().name().ok() != Some(agent) {
+                return Ok(false);
+            }
+            let Ok(parent) = c.parent_id(0) else {
+                return Ok(false);
+            };
+            at = parent;
+        }
+        Ok(false)
+    }
+
     /// Sends a task back to its code review, to run again on the branch as it is now: the
     /// branch moved since the reviews read it (seed 003: a review goes stale when the
     /// candidate revision changes; an approval does not authorize another revision). From
@@ -983,7 +984,7 @@ fn conflicts_md(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::fs;
     use std::process::Command;
 
@@ -1384,6 +1385,63 @@ mod tests {
             .approve(&t, "ops", Some(&second), now)
             .expect_err("research is not bound to a commit");
         assert!(matches!(e, Error::BadRevision { .. }), "{e}");
+    }
+
+    /// The review chain's fallback when a run's record of its patch was lost: the fleet's
+    /// doc_review commits are recognised from git, a person's commit is not.
+    #[test]
+    fn only_the_fleets_own_doc_review_commits_count_as_the_fleets() {
+        let (dir, project, _repo, _) = checkout();
+        let t = task(&project, "job");
+        let reviewed = work(&project, "job", &[("a.rs", &b"a\n"[..])]);
+        let doc = project
+            .apply_changes(
+                &t,
+                &reviewed,
+                &[crate::git::tests::change("README.md", b"docs\n")],
+                "gpu-a",
+                "job: doc_review by gpu-a (fencing token 7)",
+            )
+            .expect("apply")
+            .commit
+            .expect("a commit");
+        let fleet = |from: &str, to: &str| {
+            project
+                .only_fleet_commits(&t, Phase::DocReview, from, to)
+                .expect("walk")
+        };
+        assert!(fleet(&reviewed, &doc));
+        assert!(fleet(&doc, &doc));
+        // Not the other way round, not another phase's, not a person's.
+        assert!(!fleet(&doc, &reviewed));
+        assert!(
+            !project
+                .only_fleet_commits(&t, Phase::Implement, &reviewed, &doc)
+                .expect("walk")
+        );
+        let person = crate::delivery::tests::commit_on_branch(dir.path(), "automaton/job", &doc);
+        assert!(!fleet(&reviewed, &person));
+        assert!(!fleet(&reviewed, "not a commit"));
+    }
+
+    /// A person's commit on top of `parent` on `branch`, through git itself (a forged
+    /// message would say so; this one says what a person writes).
+    pub(crate) fn commit_on_branch(dir: &Path, branch: &str, parent: &str) -> String {
+        let git = |args: &[&str]| {
+            let out = Command::new("git")
+                .arg("-C")
+                .arg(dir)
+                .args(["-c", "user.name=p", "-c", "user.email=p@x"])
+                .args(args)
+                .output()
+                .expect("git");
+            assert!(out.status.success(), "{args:?}: {out:?}");
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        let tree = git(&["rev-parse", &format!("{parent}^{{tree}}")]);
+        let c = git(&["commit-tree", &tree, "-p", parent, "-m", "a person's fix"]);
+        git(&["update-ref", &format!("refs/heads/{branch}"), &c]);
+        c
     }
 
     #[test]

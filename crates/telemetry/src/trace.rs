@@ -26,7 +26,9 @@ use opentelemetry::trace::{Status, TraceContextExt, TracerProvider as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+#[cfg(feature = "otlp")]
 use tonic::codegen::http;
+#[cfg(feature = "otlp")]
 use tonic::metadata::{KeyRef, MetadataKey, MetadataMap, MetadataValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -147,12 +149,22 @@ pub fn init(service: &str, format: LogFormat) -> Result<Guard, Error> {
             .with_writer(std::io::stderr)
             .boxed(),
     };
+    #[cfg(feature = "otlp")]
     let (provider, runtime) = if export_configured() {
         let (p, rt) = provider(service)?;
         (Some(p), Some(rt))
     } else {
         (None, None)
     };
+    #[cfg(not(feature = "otlp"))]
+    let (provider, runtime): (Option<SdkTracerProvider>, Option<tokio::runtime::Runtime>) =
+        if export_configured() {
+            return Err(Error::Exporter(format!(
+                "{service} was built without OTLP export (automaton-telemetry's `otlp` feature): unset the OTEL_EXPORTER_OTLP_* endpoint"
+            )));
+        } else {
+            (None, None)
+        };
     let otel = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer("automaton"))
@@ -173,6 +185,7 @@ pub fn init(service: &str, format: LogFormat) -> Result<Guard, Error> {
 
 /// The tracer provider: the resource from the standard variables (or `service`), the
 /// sampler from `OTEL_TRACES_SAMPLER`, a batch exporter over OTLP/gRPC.
+#[cfg(feature = "otlp")]
 fn provider(service: &str) -> Result<(SdkTracerProvider, tokio::runtime::Runtime), Error> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -207,8 +220,10 @@ fn provider(service: &str) -> Result<(SdkTracerProvider, tokio::runtime::Runtime
 }
 
 /// A carrier over gRPC metadata.
+#[cfg(feature = "otlp")]
 struct Metadata<'a>(&'a mut MetadataMap);
 
+#[cfg(feature = "otlp")]
 impl Injector for Metadata<'_> {
     fn set(&mut self, key: &str, value: String) {
         if let (Ok(k), Ok(v)) = (
@@ -220,8 +235,10 @@ impl Injector for Metadata<'_> {
     }
 }
 
+#[cfg(feature = "otlp")]
 struct MetadataRead<'a>(&'a MetadataMap);
 
+#[cfg(feature = "otlp")]
 impl Extractor for MetadataRead<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         self.0.get(key).and_then(|v| v.to_str().ok())
@@ -237,8 +254,10 @@ impl Extractor for MetadataRead<'_> {
     }
 }
 
+#[cfg(feature = "otlp")]
 struct Headers<'a>(&'a http::HeaderMap);
 
+#[cfg(feature = "otlp")]
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
         self.0.get(key).and_then(|v| v.to_str().ok())
@@ -250,11 +269,13 @@ impl Extractor for Headers<'_> {
 
 /// Puts the current span's trace context into `metadata` (`traceparent`, `tracestate`).
 /// Nothing when no span is exported.
+#[cfg(feature = "otlp")]
 pub fn inject(metadata: &mut MetadataMap) {
     inject_span(&tracing::Span::current(), metadata);
 }
 
 /// Puts `span`'s trace context into `metadata`.
+#[cfg(feature = "otlp")]
 pub fn inject_span(span: &tracing::Span, metadata: &mut MetadataMap) {
     if span.is_disabled() {
         return;
@@ -263,6 +284,7 @@ pub fn inject_span(span: &tracing::Span, metadata: &mut MetadataMap) {
 }
 
 /// Whether a request's headers carry a `traceparent` (the caller is traced).
+#[cfg(feature = "otlp")]
 pub fn has_traceparent(headers: &http::HeaderMap) -> bool {
     headers.contains_key("traceparent")
 }
@@ -270,6 +292,7 @@ pub fn has_traceparent(headers: &http::HeaderMap) -> bool {
 /// Makes `span` a child of the context in `headers` (an HTTP/2 request's, before tonic
 /// parses it). Call before `span` is first entered; a bad or absent `traceparent` changes
 /// nothing.
+#[cfg(feature = "otlp")]
 pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) {
     set_parent(
         span,
@@ -278,6 +301,7 @@ pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) 
 }
 
 /// Makes `span` a child of the context in gRPC `metadata`.
+#[cfg(feature = "otlp")]
 pub fn set_parent_from_metadata(span: &tracing::Span, metadata: &MetadataMap) {
     set_parent(
         span,

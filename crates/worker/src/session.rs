@@ -508,10 +508,10 @@ async fn stream(
                 }
                 Some(Ok(pb::CoordinatorMessage { msg: Some(In::Stop(s)) })) => {
                     heard = Instant::now();
-                    let reason = if s.reason == "operator_stopped" {
-                        StopReason::OperatorStopped
-                    } else {
-                        StopReason::LeaseLost
+                    // A person's stop is said so; anything else ends the lease under the run.
+                    let reason = match s.reason.parse() {
+                        Ok(StopReason::OperatorStopped) => StopReason::OperatorStopped,
+                        _ => StopReason::LeaseLost,
                     };
                     tracing::warn!(task = %s.task, reason = %s.reason, "told to stop a run");
                     state.stop_runs(reason, |r| r.task == s.task);

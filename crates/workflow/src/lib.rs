@@ -22,9 +22,9 @@ pub mod pool_token;
 pub mod progress;
 mod prompts;
 mod rules;
-mod run;
 mod subtasks;
 mod verdict;
+mod vocab;
 
 pub use artifact::{Artifact, forbidden_in, out_of_order};
 pub use decomposition::{
@@ -46,12 +46,14 @@ pub use rules::{
     ApprovalRecord, ApproveError, Facts, Finding, Severity, TransitionError, check_approve,
     check_consistency, check_escalation, check_transition, gates_passed, infer_state, required_by,
 };
-pub use run::{RunState, StopReason, UnknownName};
 pub use subtasks::{
     Aggregate, FOLLOW_UP_COPY, FollowUp, FollowUpKind, ParentOutcome, VramConfig, aggregate,
     follow_up_tasks, parent_outcome, parent_spec_md, vram_config_md,
 };
 pub use verdict::{Verdict, parse_verdict};
+pub use vocab::{
+    DeliveryState, EventKind, LeaseEnd, RunState, StopReason, UnknownName, WorkerState,
+};
 
 #[cfg(test)]
 mod tests {

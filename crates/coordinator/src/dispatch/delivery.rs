@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use automaton_store::{DeliveryRecord, DeliveryState, Prepared, Strategy};
-use automaton_workflow::{Phase, State, TaskName};
+use automaton_workflow::{EventKind, Phase, State, TaskName};
 
 use crate::Error;
 use crate::config::{DeliveryMode, OnConflict};
@@ -70,6 +70,7 @@ async fn blocking<T: Send + 'static>(
 pub(crate) fn delivery_pb(r: &DeliveryRecord, reworks: u32) -> automaton_proto::v1::Delivery {
     automaton_proto::v1::Delivery {
         state: r.state.name().into(),
+        delivery_state: automaton_proto::v1::DeliveryState::from(r.state) as i32,
         mode: r.mode.clone(),
         strategy: r.strategy.clone(),
         base: r.base.clone(),
@@ -245,7 +246,7 @@ impl Coordinator {
             // A person is needed: said once it is recorded (a webhook can tell them).
             if let Some(line) = waits {
                 self.engine
-                    .emit("delivery_failed", &task.to_string(), "", 0, line);
+                    .emit(EventKind::DeliveryFailed, &task.to_string(), "", 0, line);
             }
         }
         Ok(())
@@ -278,7 +279,7 @@ impl Coordinator {
         };
         tracing::warn!(task = %task, error = %why, "delivery step failed");
         self.engine.emit(
-            "delivery_failed",
+            EventKind::DeliveryFailed,
             &task.to_string(),
             "",
             0,
@@ -327,7 +328,7 @@ impl Coordinator {
                 };
                 self.save_delivery(task, r.clone()).await?;
                 self.engine.emit(
-                    "delivery_requested",
+                    EventKind::DeliveryRequested,
                     &task.to_string(),
                     "",
                     0,
@@ -353,7 +354,7 @@ impl Coordinator {
                             r.waiting = line.clone();
                             self.save_delivery(task, r.clone()).await?;
                             self.engine.emit(
-                                "delivery_awaiting_approval",
+                                EventKind::DeliveryAwaitingApproval,
                                 &task.to_string(),
                                 "",
                                 0,
@@ -373,7 +374,13 @@ impl Coordinator {
                         .runs(task)
                         .into_iter()
                         .rev()
-                        .find(|run| run.phase == "referee" && run.completed())
+                        .find(|run| {
+                            run.completed()
+                                && run
+                                    .phase
+                                    .parse::<State>()
+                                    .is_ok_and(|s| s.phase == Phase::Referee)
+                        })
                         .map(|run| run.commit)
                         .filter(|c| !c.is_empty());
                     // A person's `automaton deliver` authorizes the revision as it is now.
@@ -388,8 +395,13 @@ impl Coordinator {
                         if r.waiting != line {
                             r.waiting = line.clone();
                             self.save_delivery(task, r.clone()).await?;
-                            self.engine
-                                .emit("delivery_failed", &task.to_string(), "", 0, line);
+                            self.engine.emit(
+                                EventKind::DeliveryFailed,
+                                &task.to_string(),
+                                "",
+                                0,
+                                line,
+                            );
                         }
                         break;
                     }
@@ -571,7 +583,7 @@ impl Coordinator {
                                 ""
                             }
                         );
-                        Ok((Some("pull_request_opened"), detail, None))
+                        Ok((Some(EventKind::PullRequestOpened), detail, None))
                     }
                     Err(e) if e.is_final() => {
                         let why = e.to_string();
@@ -580,7 +592,7 @@ impl Coordinator {
                         r.failures = r.failures.saturating_add(1);
                         r.waiting = format!("{why}: fix it, then `automaton deliver {t}`");
                         me.save_delivery(&t, r.clone()).await?;
-                        Ok((Some("delivery_failed"), r.waiting, None))
+                        Ok((Some(EventKind::DeliveryFailed), r.waiting, None))
                     }
                     Err(e) => {
                         r.state = DeliveryState::Ready;
@@ -658,7 +670,7 @@ impl Coordinator {
 
     fn merged(&self, task: &TaskName, r: &DeliveryRecord) {
         self.engine.emit(
-            "merged",
+            EventKind::Merged,
             &task.to_string(),
             "",
             0,
@@ -773,20 +785,16 @@ impl Coordinator {
         self.work.inner().settled.remove(task);
         self.save_dispatch(task).await?;
         if done.moved {
-            self.engine.emit(
-                "transitioned",
+            self.engine.emit_moved(
                 &task.to_string(),
                 "",
                 0,
-                format!(
-                    "{} → {} (rework)",
-                    State::open(Phase::Complete),
-                    State::open(Phase::Implement)
-                ),
+                (State::open(Phase::Complete), State::open(Phase::Implement)),
+                "rework",
             );
         }
         self.engine.emit(
-            "rework",
+            EventKind::Rework,
             &task.to_string(),
             "",
             0,
@@ -855,7 +863,7 @@ impl Coordinator {
             .await?;
         self.work.inner().delivery_pause.remove(task);
         self.engine.emit(
-            "delivery_approved",
+            EventKind::DeliveryApproved,
             &task.to_string(),
             "",
             0,
@@ -929,7 +937,7 @@ impl Coordinator {
             })
             .await?;
         self.engine.emit(
-            "delivery_abandoned",
+            EventKind::DeliveryAbandoned,
             &task.to_string(),
             "",
             0,

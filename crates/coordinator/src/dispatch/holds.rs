@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use automaton_proto::v1 as pb;
-use automaton_workflow::{AgentId, Artifact, State, TaskName};
+use automaton_workflow::{AgentId, Artifact, EventKind, State, TaskName};
 
 use crate::Error;
 use crate::state::Coordinator;
@@ -68,7 +68,7 @@ impl Coordinator {
         };
         if self.engine.policy().autopilot {
             self.engine.emit(
-                "human_intervention",
+                EventKind::HumanIntervention,
                 &task.to_string(),
                 "",
                 0,
@@ -77,7 +77,7 @@ impl Coordinator {
             return;
         }
         self.engine.emit(
-            "human_intervention",
+            EventKind::HumanIntervention,
             &task.to_string(),
             "",
             0,
@@ -105,7 +105,7 @@ impl Coordinator {
                 Ok(()) => {
                     self.work.task_created(&f.name);
                     self.engine.emit(
-                        "follow_up_created",
+                        EventKind::FollowUpCreated,
                         &f.name.to_string(),
                         "",
                         0,
@@ -165,7 +165,7 @@ impl Coordinator {
                 why
             };
             self.engine
-                .emit("task_held", &task.to_string(), "", 0, detail);
+                .emit(EventKind::TaskHeld, &task.to_string(), "", 0, detail);
         }
         new
     }
@@ -182,7 +182,7 @@ impl Coordinator {
         };
         if let Some(h) = lifted {
             self.engine.emit(
-                "task_resumed",
+                EventKind::TaskResumed,
                 &task.to_string(),
                 "",
                 0,
@@ -250,7 +250,7 @@ impl Coordinator {
             return Err(e);
         }
         self.engine.emit(
-            "run_requested",
+            EventKind::RunRequested,
             &task.to_string(),
             "",
             0,
@@ -287,8 +287,13 @@ impl Coordinator {
                 inner.first_offered.remove(task);
             }
             self.save_dispatch(task).await?;
-            self.engine
-                .emit("task_resumed", &task.to_string(), "", 0, format!("by {by}"));
+            self.engine.emit(
+                EventKind::TaskResumed,
+                &task.to_string(),
+                "",
+                0,
+                format!("by {by}"),
+            );
             self.work.poke();
             return Ok((None, false));
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use automaton_engine::Presented;
-use automaton_workflow::{Decomposition, ParentOutcome, Phase, State, TaskName};
+use automaton_workflow::{Decomposition, EventKind, ParentOutcome, Phase, State, TaskName};
 
 use super::waves::{
     Dep, Plan, RATIO_MAX, RATIO_MIN, SEPARATED_SHARE, Sizing, Unready, VRAM_CONFIG, ready,
@@ -222,7 +222,7 @@ impl Coordinator {
                 .await?
             {
                 self.engine.emit(
-                    "vram_config_recreated",
+                    EventKind::VramConfigRecreated,
                     &sub.to_string(),
                     "",
                     0,
@@ -247,11 +247,16 @@ impl Coordinator {
             self.engine
                 .states()
                 .insert(sub.clone(), State::open(automaton_workflow::Phase::New));
-            self.engine
-                .emit("task_created", &sub.to_string(), "", 0, "new".into());
+            self.engine.emit(
+                EventKind::TaskCreated,
+                &sub.to_string(),
+                "",
+                0,
+                "new".into(),
+            );
             self.work.task_created(&sub);
             self.engine.emit(
-                "subtask_created",
+                EventKind::SubtaskCreated,
                 &sub.to_string(),
                 "",
                 0,
@@ -267,7 +272,7 @@ impl Coordinator {
             );
             if !fits {
                 self.engine.emit(
-                    "subtask_too_large",
+                    EventKind::SubtaskTooLarge,
                     &sub.to_string(),
                     "",
                     0,
@@ -375,7 +380,7 @@ impl Coordinator {
                 automaton_store::Integrated::Merged { .. } => "merge commit",
             };
             self.engine.emit(
-                "subtask_merged",
+                EventKind::SubtaskMerged,
                 &sub.to_string(),
                 "",
                 0,
@@ -407,7 +412,7 @@ impl Coordinator {
         for orphan in on_disk.iter().filter(|s| !planned.contains(s)) {
             if self.work.mark_orphan(orphan) {
                 self.engine.emit(
-                    "subtask_orphaned",
+                    EventKind::SubtaskOrphaned,
                     &orphan.to_string(),
                     "",
                     0,
@@ -452,7 +457,7 @@ impl Coordinator {
             }
         };
         self.engine
-            .emit("parent_ended", &parent.to_string(), "", 0, why);
+            .emit(EventKind::ParentEnded, &parent.to_string(), "", 0, why);
         Ok(())
     }
 
@@ -463,7 +468,7 @@ impl Coordinator {
         }
         if let Some(ratio) = self.work.learn(task, estimate, actual) {
             self.engine.emit(
-                "sizing_learned",
+                EventKind::SizingLearned,
                 &task.to_string(),
                 "",
                 0,

@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime};
 use automaton_engine::Presented;
 use automaton_proto::v1 as pb;
 use automaton_store::DispatchRecord;
-use automaton_workflow::{AgentId, State, TaskName};
+use automaton_workflow::{AgentId, EventKind, State, TaskName};
 use tokio::sync::watch;
 use tracing::Instrument as _;
 
@@ -97,7 +97,8 @@ impl Coordinator {
         let live = self.engine.live_of(task).map(|l| l.token);
         if let Some(why) = self.work.take_in(task, read, live) {
             tracing::warn!(task = %task, why = %why, "task held from dispatch");
-            self.engine.emit("task_held", &task.to_string(), "", 0, why);
+            self.engine
+                .emit(EventKind::TaskHeld, &task.to_string(), "", 0, why);
         }
     }
 
@@ -505,7 +506,7 @@ impl Coordinator {
         {
             Ok(_) => {
                 self.engine.emit(
-                    "dispatched",
+                    EventKind::Dispatched,
                     &task.to_string(),
                     "",
                     0,
@@ -677,7 +678,7 @@ impl Coordinator {
         self.metrics.assigned(state.phase, found.elapsed());
         tracing::info!(task = %task, worker = %slot.name, token = live.token, phase = %state, why = %why, "assigned");
         self.engine.emit(
-            "assigned",
+            EventKind::Assigned,
             &task.to_string(),
             slot.name.as_str(),
             live.token,
@@ -703,7 +704,7 @@ impl Coordinator {
                 tracing::warn!(task = %o.task, worker = %o.name, "offer not answered in time: taken back");
                 if let Some(l) = self.engine.live_of(&o.task).filter(|l| l.lease_id == id) {
                     self.engine.emit(
-                        "offer_unanswered",
+                        EventKind::OfferUnanswered,
                         &o.task.to_string(),
                         o.name.as_str(),
                         l.token,

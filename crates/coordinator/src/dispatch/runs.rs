@@ -8,7 +8,9 @@ use std::time::{Instant, SystemTime};
 use automaton_engine::Live;
 use automaton_proto::v1 as pb;
 use automaton_proto::vocab::RunVocab;
-use automaton_workflow::{AgentId, Phase, RunState, State, StopReason, TaskName};
+use automaton_workflow::{
+    AgentId, EventKind, LeaseEnd, Phase, RunState, State, StopReason, TaskName,
+};
 
 use crate::Error;
 use crate::state::Coordinator;
@@ -45,7 +47,7 @@ impl Coordinator {
             .filter(|l| l.lease_id == a.lease_id)
         {
             self.engine.emit(
-                "offer_declined",
+                EventKind::OfferDeclined,
                 &o.task.to_string(),
                 worker.as_str(),
                 l.token,
@@ -207,7 +209,7 @@ impl Coordinator {
         let reason = reason.unwrap_or(StopReason::AgentError);
         match run_state {
             RunState::Active => self.engine.emit(
-                "run_started",
+                EventKind::RunStarted,
                 &task.to_string(),
                 worker.as_str(),
                 u.token,
@@ -239,7 +241,7 @@ impl Coordinator {
                         .unwrap_or_else(|| "implement changed no code".into());
                     tracing::warn!(task = %task, worker = %worker, token = u.token, "{warning}");
                     self.engine.emit(
-                        "no_code_change",
+                        EventKind::NoCodeChange,
                         &task.to_string(),
                         worker.as_str(),
                         u.token,
@@ -265,7 +267,7 @@ impl Coordinator {
                     }
                 }
                 self.engine.emit(
-                    "run_stopped",
+                    EventKind::RunStopped,
                     &task.to_string(),
                     worker.as_str(),
                     u.token,
@@ -386,7 +388,7 @@ impl Coordinator {
     /// `ended`: the session's leases that ended with it. A lease with no run on record (its
     /// run began before this coordinator's restart, and the worker never came back to report
     /// it) gets one, ended the same way: nothing that ran is left without an end.
-    pub(crate) async fn end_runs_of(&self, worker: &str, reason: &str, ended: &[Live]) {
+    pub(crate) async fn end_runs_of(&self, worker: &str, reason: LeaseEnd, ended: &[Live]) {
         for l in ended {
             if self.work.run_of(&l.task, l.token).is_none() {
                 self.adopt_run(l, RunState::Active);
@@ -402,11 +404,11 @@ impl Coordinator {
         // `worker_lost`: seed 003's `crashed`, as the coordinator sees it — its guess, which
         // gives way to the worker's own report should the worker come back (it was paused).
         let (stop, detail) = match reason {
-            "released" => (
+            LeaseEnd::Released => (
                 StopReason::Shutdown,
                 "the worker deregistered before the run reported its end",
             ),
-            "session_replaced" => (
+            LeaseEnd::SessionReplaced => (
                 StopReason::WorkerLost,
                 "the worker was replaced (a new process under its name): the run died with the old one",
             ),
@@ -439,7 +441,7 @@ impl Coordinator {
                 -1,
             );
             self.engine.emit(
-                "run_stopped",
+                EventKind::RunStopped,
                 &task.to_string(),
                 worker,
                 token,
@@ -539,7 +541,7 @@ impl Coordinator {
             if self.adopt_run(&l, state) {
                 tracing::info!(task = %l.task, worker = %worker, token = l.token, "run adopted after a restart");
                 self.engine.emit(
-                    "run_adopted",
+                    EventKind::RunAdopted,
                     &l.task.to_string(),
                     worker.as_str(),
                     l.token,
@@ -553,7 +555,7 @@ impl Coordinator {
         for ending in lost {
             let l = ending.0.clone();
             self.load_dispatch(&l.task).await;
-            if let Err(e) = self.engine.end(ending, "run_lost").await {
+            if let Err(e) = self.engine.end(ending, LeaseEnd::RunLost).await {
                 tracing::warn!(task = %l.task, error = %e, "cannot end a lease whose run was lost");
                 continue;
             }
@@ -582,7 +584,7 @@ impl Coordinator {
                 -1,
             );
             self.engine.emit(
-                "run_stopped",
+                EventKind::RunStopped,
                 &l.task.to_string(),
                 worker.as_str(),
                 l.token,
@@ -603,11 +605,10 @@ impl Coordinator {
         task: &TaskName,
         state: State,
     ) -> Option<(String, String)> {
-        let runs = self.work.runs(task);
+        let runs: Vec<pb::Run> = self.work.runs(task).into_iter().collect();
         let t = task.clone();
         let with_approval = state.phase != Phase::CodeReview || state.is_approved();
-        let (approved, head) = self
-            .engine
+        self.engine
             .read(move |p| {
                 let approved = if with_approval {
                     p.latest_approval(&t, Phase::CodeReview)?
@@ -615,11 +616,26 @@ impl Coordinator {
                 } else {
                     None
                 };
-                Ok((approved, p.branch_head(&t)?))
+                let Some(head) = p.branch_head(&t)? else {
+                    return Ok(None);
+                };
+                // doc_review's own patch, should its run's record of it be lost (a crash
+                // between the commit and the record): its commits say whose they are.
+                let fleet = |from: &str, to: &str| {
+                    p.only_fleet_commits(&t, Phase::DocReview, from, to)
+                        .unwrap_or(false)
+                };
+                Ok(review_chain_break(
+                    state,
+                    &runs,
+                    approved.as_deref(),
+                    &head,
+                    &fleet,
+                ))
             })
             .await
-            .ok()?;
-        review_chain_break(state, &runs, approved.as_deref(), &head?)
+            .ok()
+            .flatten()
     }
 
     /// The commit `task`'s last completed code review read, if known.
@@ -663,15 +679,15 @@ impl Coordinator {
             })
             .await?;
         if moved {
-            self.engine.emit(
-                "transitioned",
+            self.engine.emit_moved(
                 &task.to_string(),
                 "",
                 0,
-                format!("{from} → {} (review stale)", State::open(phase)),
+                (from, State::open(phase)),
+                "review stale",
             );
             self.engine.emit(
-                "review_stale",
+                EventKind::ReviewStale,
                 &task.to_string(),
                 "",
                 0,
@@ -700,6 +716,7 @@ pub(crate) fn review_chain_break(
     runs: &[pb::Run],
     approved: Option<&str>,
     head: &str,
+    fleet: &dyn Fn(&str, &str) -> bool,
 ) -> Option<(String, String)> {
     let phase_of = |r: &pb::Run| r.phase.parse::<State>().ok().map(|s| s.phase);
     let completed = |r: &pb::Run| r.completed();
@@ -723,14 +740,18 @@ pub(crate) fn review_chain_break(
                 && !r.commit.is_empty()
                 && r.commit != bound
             {
-                return Some((bound, r.commit.clone()));
+                if !fleet(&bound, &r.commit) {
+                    return Some((bound, r.commit.clone()));
+                }
+                bound = r.commit.clone();
             }
             if !r.wrote.is_empty() {
                 bound = r.wrote.clone();
             }
         }
     }
-    (head != bound).then(|| (bound, head.to_string()))
+    (head != bound && !(state.phase != Phase::CodeReview && fleet(&bound, head)))
+        .then(|| (bound, head.to_string()))
 }
 
 #[cfg(test)]
@@ -758,7 +779,9 @@ mod tests {
         approved: Option<&str>,
         head: &str,
     ) -> Option<(String, String)> {
-        review_chain_break(st(s), runs, approved, head)
+        // The fleet's own doc_review commits: `d` and `e` (on `x`).
+        let fleet = |from: &str, to: &str| from == "x" && matches!(to, "d" | "e");
+        review_chain_break(st(s), runs, approved, head, &fleet)
     }
 
     fn pair(a: &str, b: &str) -> Option<(String, String)> {
@@ -804,6 +827,24 @@ mod tests {
         assert_eq!(
             broke("adversarial_bug_find", &moved, Some("x"), "p"),
             pair("x", "p")
+        );
+        // doc_review's patch whose record was lost (a crash): its commits say it is the
+        // fleet's, so the referee reading it, or the branch at it, breaks nothing; a
+        // person's commit still does.
+        let lost = [
+            implement.clone(),
+            review.clone(),
+            run("bug_find", "x", "", "completed"),
+            run("doc_review", "", "", "completed"),
+            run("referee", "e", "", "completed"),
+        ];
+        assert_eq!(broke("referee", &lost, Some("x"), "e"), None);
+        assert_eq!(broke("doc_review", &lost[..4], Some("x"), "e"), None);
+        assert_eq!(broke("referee", &lost, Some("x"), "p"), pair("e", "p"));
+        // At the code review's own gate nothing is the fleet's to add.
+        assert_eq!(
+            broke("code_review:awaiting_approval", &lost[..2], None, "e"),
+            pair("x", "e")
         );
         // A failed run's read does not count; its patch does.
         let failed = [
