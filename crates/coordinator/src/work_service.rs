@@ -19,8 +19,7 @@ use std::sync::Arc;
 use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
-use automaton_workflow::{AgentId, Artifact, State, TaskName};
-use sha2::{Digest, Sha256};
+use automaton_workflow::{AgentId, Artifact, State, TaskName, sha256_hex};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -40,14 +39,6 @@ const MAX_PATCH_FILES: usize = 10_000;
 const MAX_PATCH_BYTES: u64 = 256 << 20;
 /// The task file a review phase finds the change in.
 const CHANGES_DIFF: &str = "changes.diff";
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
 
 /// The name a bound caller acts as (`None` for operators).
 fn bound(who: &Caller) -> Result<Option<AgentId>, Status> {
