@@ -122,18 +122,7 @@ impl Sessions {
 pub fn random_hex(n: usize) -> Result<String, String> {
     let mut buf = vec![0u8; n];
     getrandom::fill(&mut buf).map_err(|e| format!("no randomness from the OS: {e}"))?;
-    Ok(hex(&buf))
-}
-
-/// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 0xf)] as char);
-    }
-    s
+    Ok(automaton_workflow::hex(&buf))
 }
 
 /// Compares two secrets in time that depends only on their lengths.

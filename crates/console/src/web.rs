@@ -52,6 +52,9 @@ pub(crate) struct TasksSnapshot {
     tasks: Arc<Vec<pb::TaskSummary>>,
 }
 
+/// A board's task list, when it was fetched, and the feed's count of changes then.
+type BoardTasks = (Arc<Vec<pb::TaskSummary>>, Instant, u64);
+
 /// What every handler shares.
 pub(crate) struct App {
     pub channel: tonic::transport::Channel,
@@ -133,10 +136,7 @@ impl App {
     /// fetched (for at most [`TASKS_REUSE`]), else a fresh `ListTasks` with `stamp`; with
     /// when it was fetched and the feed's count of changes then. Every caller here is a
     /// signed-in operator (or loopback without tokens), and operators all see the same list.
-    async fn board_tasks(
-        &self,
-        stamp: Stamp,
-    ) -> Result<(Arc<Vec<pb::TaskSummary>>, Instant, u64), tonic::Status> {
+    async fn board_tasks(&self, stamp: Stamp) -> Result<BoardTasks, tonic::Status> {
         let mut shared = self.tasks.lock().await;
         let changes = self.changes.load(Ordering::Acquire);
         if let Some(s) = shared.as_ref()
@@ -478,6 +478,34 @@ fn refused(app: &App, c: &Caller, title: &str, status: &tonic::Status) -> Respon
     )
 }
 
+/// A page: who asks (else the sign-in page or the refusal), `fetch` with the calls' stamp,
+/// and `show` of what it fetched, as a live page titled `title` or as its refreshable part
+/// (`fragment`). A coordinator's refusal is its one line, on a page titled `title`.
+async fn page<T, F>(
+    app: &App,
+    headers: &HeaderMap,
+    peer: &SocketAddr,
+    title: &str,
+    fragment: bool,
+    fetch: impl FnOnce(Stamp) -> F,
+    show: impl FnOnce(&Caller, T) -> String,
+) -> Response
+where
+    F: Future<Output = Result<T, tonic::Status>>,
+{
+    let (c, stamp) = match calling(app, headers, peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
+        Ok(cs) => cs,
+        Err(r) => return r.into_response(),
+    };
+    match fetch(stamp).await {
+        Ok(fetched) => {
+            let body = show(&c, fetched);
+            respond(app, &c, title, fragment, body)
+        }
+        Err(s) => refused(app, &c, title, &s),
+    }
+}
+
 async fn script() -> Response {
     static_file(
         "text/javascript; charset=utf-8",
@@ -597,16 +625,13 @@ async fn logout(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Form(f): Form<CsrfForm>,
-) -> Response {
+) -> Result<Response, Denied> {
     if app.auth.is_none() {
-        return Redirect::to("/board").into_response();
+        return Ok(Redirect::to("/board").into_response());
     }
-    let c = match caller(&app, &headers, &peer, Want::Page) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
+    let c = caller(&app, &headers, &peer, Want::Page)?;
     if !csrf_ok(&headers, &c.csrf, &f.csrf) {
-        return plain(StatusCode::FORBIDDEN, CSRF_REFUSED);
+        return Err(Denied::Refused(StatusCode::FORBIDDEN, CSRF_REFUSED.into()));
     }
     if let Some(id) = headers
         .get_all(header::COOKIE)
@@ -620,7 +645,7 @@ async fn logout(
     if let Ok(v) = HeaderValue::from_str(&session::clear_cookie(app.secure)) {
         r.headers_mut().insert(header::SET_COOKIE, v);
     }
-    r
+    Ok(r)
 }
 
 // --- Pages ----------------------------------------------------------------------------------
@@ -646,28 +671,26 @@ async fn board(
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    let (c, stamp) = match calling(&app, &headers, &peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
-        Ok(cs) => cs,
-        Err(r) => return r.into_response(),
+    let app: &App = &app;
+    let fetch = |stamp: Stamp| async move {
+        let mut workers = grpc::workers(&app.channel, stamp.clone());
+        let (t, w) = tokio::join!(
+            app.board_tasks(stamp),
+            workers.list_workers(pb::ListWorkersRequest {})
+        );
+        // The fleet only adds run ages: a board without them beats no board.
+        let workers = w.map(|w| w.into_inner().workers).unwrap_or_default();
+        t.map(|t| (t, workers))
     };
-    let mut workers = grpc::workers(&app.channel, stamp.clone());
-    let (t, w) = tokio::join!(
-        app.board_tasks(stamp),
-        workers.list_workers(pb::ListWorkersRequest {})
-    );
-    let (tasks, fetched, changes) = match t {
-        Ok(t) => t,
-        Err(s) => return refused(&app, &c, "Board", &s),
-    };
-    // The fleet only adds run ages: a board without them beats no board.
-    let workers = w.map(|w| w.into_inner().workers).unwrap_or_default();
     let filter = BoardFilter {
         phase: q.phase.clone().filter(|p| !p.is_empty()),
         needs_person: q.needs.as_deref() == Some("person"),
     };
-    let body = render::render_board(&tasks, &workers, &filter, SystemTime::now());
-    let body = render::with_data_stamp(body, fetched.elapsed(), changes);
-    respond(&app, &c, "Board", q.fragment(), body)
+    let show = |_: &Caller, ((tasks, fetched, changes), workers): (BoardTasks, Vec<_>)| {
+        let body = render::render_board(&tasks, &workers, &filter, SystemTime::now());
+        render::with_data_stamp(body, fetched.elapsed(), changes)
+    };
+    page(app, &headers, &peer, "Board", q.fragment(), fetch, show).await
 }
 
 async fn fleet(
@@ -676,22 +699,19 @@ async fn fleet(
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    let (c, stamp) = match calling(&app, &headers, &peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
-        Ok(cs) => cs,
-        Err(r) => return r.into_response(),
+    let app: &App = &app;
+    let fetch = |stamp: Stamp| async move {
+        let changes = app.changes.load(Ordering::Acquire);
+        grpc::workers(&app.channel, stamp)
+            .list_workers(pb::ListWorkersRequest {})
+            .await
+            .map(|w| (w.into_inner().workers, Instant::now(), changes))
     };
-    let changes = app.changes.load(Ordering::Acquire);
-    let workers = match grpc::workers(&app.channel, stamp)
-        .list_workers(pb::ListWorkersRequest {})
-        .await
-    {
-        Ok(w) => w.into_inner().workers,
-        Err(s) => return refused(&app, &c, "Fleet", &s),
+    let show = |c: &Caller, (workers, fetched, changes): (Vec<_>, Instant, u64)| {
+        let body = render::render_fleet(&workers, Some(&c.csrf), SystemTime::now());
+        render::with_data_stamp(body, fetched.elapsed(), changes)
     };
-    let fetched = Instant::now();
-    let body = render::render_fleet(&workers, Some(&c.csrf), SystemTime::now());
-    let body = render::with_data_stamp(body, fetched.elapsed(), changes);
-    respond(&app, &c, "Fleet", q.fragment(), body)
+    page(app, &headers, &peer, "Fleet", q.fragment(), fetch, show).await
 }
 
 async fn task(
@@ -701,50 +721,47 @@ async fn task(
     Path(name): Path<String>,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    let (c, stamp) = match calling(&app, &headers, &peer, Want::Page, Some(grpc::CALL_TIMEOUT)) {
-        Ok(cs) => cs,
-        Err(r) => return r.into_response(),
+    let (app, name, fragment): (&App, &str, bool) = (&app, &name, q.fragment());
+    let fetch = |stamp: Stamp| async move {
+        let changes = app.changes.load(Ordering::Acquire);
+        grpc::tasks(&app.channel, stamp)
+            .get_task(pb::GetTaskRequest {
+                task: name.to_string(),
+                // The page renders each artifact's text (escaped markdown).
+                with_contents: true,
+                // The change is read once per page, not on every refresh: a diff of up to 1 MiB
+                // per open page and event would cost the coordinator more than it shows anyone.
+                with_changes: !fragment,
+            })
+            .await
+            .map(|d| (d.into_inner(), Instant::now(), changes))
     };
-    let changes = app.changes.load(Ordering::Acquire);
-    let detail = match grpc::tasks(&app.channel, stamp)
-        .get_task(pb::GetTaskRequest {
-            task: name.clone(),
-            // The page renders each artifact's text (escaped markdown).
-            with_contents: true,
-            // The change is read once per page, not on every refresh: a diff of up to 1 MiB
-            // per open page and event would cost the coordinator more than it shows anyone.
-            with_changes: !q.fragment(),
-        })
-        .await
-    {
-        Ok(d) => d.into_inner(),
-        Err(s) => return refused(&app, &c, &name, &s),
+    let show = |c: &Caller, (detail, fetched, changes): (pb::TaskDetail, Instant, u64)| {
+        let view = TaskView {
+            csrf: Some(&c.csrf),
+            trace_url: app.trace_url.as_deref(),
+            now: SystemTime::now(),
+        };
+        let facts = render::render_task(&detail, &view);
+        let facts = render::with_data_stamp(facts, fetched.elapsed(), changes);
+        if fragment {
+            return facts;
+        }
+        // A delivered task's record names its branch; any other is named as the store names it.
+        let branch = detail
+            .summary
+            .as_ref()
+            .and_then(|s| s.delivery.as_ref())
+            .map(|d| d.branch.clone())
+            .filter(|b| !b.is_empty())
+            .unwrap_or_else(|| crate::diff::task_branch(name));
+        format!(
+            "<div id=\"task\">{facts}{}{}</div>",
+            crate::diff::render_change(detail.changes.as_ref(), &branch),
+            render::render_output_panel(name)
+        )
     };
-    let fetched = Instant::now();
-    let view = TaskView {
-        csrf: Some(&c.csrf),
-        trace_url: app.trace_url.as_deref(),
-        now: SystemTime::now(),
-    };
-    let facts = render::render_task(&detail, &view);
-    let facts = render::with_data_stamp(facts, fetched.elapsed(), changes);
-    if q.fragment() {
-        return html(StatusCode::OK, facts);
-    }
-    // A delivered task's record names its branch; any other is named as the store names it.
-    let branch = detail
-        .summary
-        .as_ref()
-        .and_then(|s| s.delivery.as_ref())
-        .map(|d| d.branch.clone())
-        .filter(|b| !b.is_empty())
-        .unwrap_or_else(|| crate::diff::task_branch(&name));
-    let body = format!(
-        "<div id=\"task\">{facts}{}{}</div>",
-        crate::diff::render_change(detail.changes.as_ref(), &branch),
-        render::render_output_panel(&name)
-    );
-    respond(&app, &c, &name, false, body)
+    page(app, &headers, &peer, name, fragment, fetch, show).await
 }
 
 // --- Actions --------------------------------------------------------------------------------
@@ -770,39 +787,48 @@ async fn action(
     headers: HeaderMap,
     Path(kind): Path<String>,
     Form(f): Form<ActionForm>,
-) -> Response {
-    let c = match caller(&app, &headers, &peer, Want::Api) {
-        Ok(c) => c,
-        Err(r) => return r.into_response(),
-    };
+) -> Result<Response, Denied> {
+    let c = caller(&app, &headers, &peer, Want::Api)?;
     let back = safe_back(&f.back).to_string();
     let fail = |status: StatusCode, msg: &str| {
-        html(
+        Ok(html(
             status,
             render::render_action_error(&app.project, msg, &back),
-        )
+        ))
     };
     if !csrf_ok(&headers, &c.csrf, &f.csrf) {
         return fail(StatusCode::FORBIDDEN, CSRF_REFUSED);
     }
-    let stamp = match c.stamp(Some(grpc::CALL_TIMEOUT)) {
-        Ok(s) => s,
-        Err(r) => return r.into_response(),
-    };
-    let done = call_action(&app, stamp, &kind, &f).await;
-    match done {
-        Ok(()) => Redirect::to(&back).into_response(),
-        Err(Refusal::Console(status, msg)) => fail(status, &msg),
-        Err(Refusal::Coordinator(s)) => {
-            let (status, msg) = grpc::http_status(&s);
+    let stamp = c.stamp(Some(grpc::CALL_TIMEOUT))?;
+    match call_action(&app, stamp, &kind, &f).await {
+        Ok(()) => Ok(Redirect::to(&back).into_response()),
+        Err(r) => {
+            let (status, msg) = r.http_status();
             fail(status, &msg)
         }
     }
 }
 
+/// Why an action was not done: the console's own check, or the coordinator's refusal.
 enum Refusal {
     Console(StatusCode, String),
     Coordinator(tonic::Status),
+}
+
+impl From<tonic::Status> for Refusal {
+    fn from(s: tonic::Status) -> Refusal {
+        Refusal::Coordinator(s)
+    }
+}
+
+impl Refusal {
+    /// The HTTP status that says the same, and the one line shown.
+    fn http_status(self) -> (StatusCode, String) {
+        match self {
+            Refusal::Console(status, msg) => (status, msg),
+            Refusal::Coordinator(s) => grpc::http_status(&s),
+        }
+    }
 }
 
 /// The call each button makes: the same the CLI makes for that command.
@@ -818,62 +844,68 @@ async fn call_action(app: &App, stamp: Stamp, kind: &str, f: &ActionForm) -> Res
         }
     };
     let mut workers = grpc::workers(&app.channel, stamp.clone());
-    let r = match kind {
+    match kind {
         // `automaton approve TASK`: the approver defaults to the token's operator.
-        "approve" => grpc::tasks(&app.channel, stamp)
-            .approve(pb::ApproveRequest {
-                task: need(&f.task, "task")?,
-                approver: String::new(),
-                ..Default::default()
-            })
-            .await
-            .map(drop),
+        "approve" => {
+            grpc::tasks(&app.channel, stamp)
+                .approve(pb::ApproveRequest {
+                    task: need(&f.task, "task")?,
+                    approver: String::new(),
+                    ..Default::default()
+                })
+                .await?;
+        }
         // `automaton stop TASK` / `automaton stop TASK --resume`.
-        "stop" | "resume" => workers
-            .stop_run(pb::StopRunRequest {
-                task: need(&f.task, "task")?,
-                resume: kind == "resume",
-            })
-            .await
-            .map(drop),
+        "stop" | "resume" => {
+            workers
+                .stop_run(pb::StopRunRequest {
+                    task: need(&f.task, "task")?,
+                    resume: kind == "resume",
+                })
+                .await?;
+        }
         // `automaton run TASK` (manual mode).
-        "run" => workers
-            .run_task(pb::RunTaskRequest {
-                task: need(&f.task, "task")?,
-            })
-            .await
-            .map(drop),
+        "run" => {
+            workers
+                .run_task(pb::RunTaskRequest {
+                    task: need(&f.task, "task")?,
+                })
+                .await?;
+        }
         // `automaton deliver TASK`: the approval a delivery waits for, or a retry after a fix.
-        "deliver" => workers
-            .deliver(pb::DeliverRequest {
-                task: need(&f.task, "task")?,
-            })
-            .await
-            .map(drop),
+        "deliver" => {
+            workers
+                .deliver(pb::DeliverRequest {
+                    task: need(&f.task, "task")?,
+                })
+                .await?;
+        }
         // `automaton abandon TASK --reason WHY`.
-        "abandon" => workers
-            .abandon(pb::AbandonRequest {
-                task: need(&f.task, "task")?,
-                reason: f.reason.trim().to_string(),
-            })
-            .await
-            .map(drop),
+        "abandon" => {
+            workers
+                .abandon(pb::AbandonRequest {
+                    task: need(&f.task, "task")?,
+                    reason: f.reason.trim().to_string(),
+                })
+                .await?;
+        }
         // `automaton workers drain|undrain NAME`.
-        "drain" | "undrain" => workers
-            .drain_worker(pb::DrainWorkerRequest {
-                name: need(&f.worker, "worker")?,
-                undo: kind == "undrain",
-            })
-            .await
-            .map(drop),
+        "drain" | "undrain" => {
+            workers
+                .drain_worker(pb::DrainWorkerRequest {
+                    name: need(&f.worker, "worker")?,
+                    undo: kind == "undrain",
+                })
+                .await?;
+        }
         _ => {
             return Err(Refusal::Console(
                 StatusCode::NOT_FOUND,
                 format!("no such action: {kind}"),
             ));
         }
-    };
-    r.map_err(Refusal::Coordinator)
+    }
+    Ok(())
 }
 
 // --- Streams --------------------------------------------------------------------------------
@@ -905,12 +937,9 @@ async fn events(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Query(q): Query<EventsQuery>,
-) -> Response {
-    let slot = match caller(&app, &headers, &peer, Want::Api).and_then(|c| stream_slot(&app, &c)) {
-        Ok(s) => s,
-        Err(r) => return r.into_response(),
-    };
-    sse(Box::pin(crate::feed::subscribe(&app, q.after)), slot)
+) -> Result<Response, Denied> {
+    let slot = stream_slot(&app, &caller(&app, &headers, &peer, Want::Api)?)?;
+    Ok(sse(Box::pin(crate::feed::subscribe(&app, q.after)), slot))
 }
 
 async fn output(
@@ -918,16 +947,10 @@ async fn output(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Path(name): Path<String>,
-) -> Response {
-    let (c, stamp) = match calling(&app, &headers, &peer, Want::Api, None) {
-        Ok(cs) => cs,
-        Err(r) => return r.into_response(),
-    };
+) -> Result<Response, Denied> {
+    let (c, stamp) = calling(&app, &headers, &peer, Want::Api, None)?;
     // Taken before the call: a refused stream costs the coordinator nothing.
-    let slot = match stream_slot(&app, &c) {
-        Ok(s) => s,
-        Err(r) => return r.into_response(),
-    };
+    let slot = stream_slot(&app, &c)?;
     let req = pb::TailOutputRequest {
         task: name,
         follow: true,
@@ -938,18 +961,18 @@ async fn output(
         Ok(s) => s.into_inner(),
         Err(s) => {
             let (_, msg) = grpc::http_status(&s);
-            return sse(
+            return Ok(sse(
                 Box::pin(futures_util::stream::once(async move {
                     Ok(Event::default().event("error").data(msg))
                 })),
                 slot,
-            );
+            ));
         }
     };
-    sse(
+    Ok(sse(
         Box::pin(crate::feed::output(stream, app.stop.clone())),
         slot,
-    )
+    ))
 }
 
 #[cfg(test)]

@@ -477,26 +477,17 @@ pub struct Overrides {
     pub advertise: Option<String>,
 }
 
+/// The webhooks' serde form of a duration (`automaton_webhooks::duration`: written `30s` or
+/// `500ms`, refused with the same line), read with this config's grammar, [`parse_duration`]:
+/// it caps durations at [`automaton_workflow::MAX_DURATION`] and reads `5M` as minutes, where
+/// the webhooks' humantime has no cap and reads months.
 mod duration {
-    use std::time::Duration;
+    pub use automaton_webhooks::duration::serialize;
 
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        if d.subsec_millis() == 0 {
-            s.serialize_str(&format!("{}s", d.as_secs()))
-        } else {
-            s.serialize_str(&format!("{}ms", d.as_millis()))
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        super::parse_duration(&text).ok_or_else(|| {
-            serde::de::Error::custom(format!(
-                "'{text}' is not a duration: write e.g. '500ms', '30s', '5m'"
-            ))
-        })
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<std::time::Duration, D::Error> {
+        automaton_webhooks::duration::deserialize_with(d, super::parse_duration)
     }
 }
 
@@ -1120,6 +1111,28 @@ mod tests {
             !printed.contains("0123456789abcdef0"),
             "tokens must be masked"
         );
+    }
+
+    /// The file's durations are written and refused as the webhooks' are, and read with
+    /// `parse_duration`: `5M` is minutes, and nothing past MAX_DURATION or compound passes.
+    #[test]
+    fn config_durations_read_with_parse_duration() {
+        let cfg: Config =
+            toml::from_str("grace_period = \"5M\"\nrpc_timeout = \"1500ms\"\n").expect("valid");
+        assert_eq!(cfg.grace_period, Duration::from_secs(300));
+        assert_eq!(cfg.rpc_timeout, Duration::from_millis(1500));
+        let printed = cfg.to_toml();
+        assert!(printed.contains("grace_period = \"300s\""), "{printed}");
+        assert!(printed.contains("rpc_timeout = \"1500ms\""), "{printed}");
+        for bad in ["soon", "1h 30m", "36600d"] {
+            let e = toml::from_str::<Config>(&format!("grace_period = \"{bad}\"\n"))
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                e.contains(&format!("'{bad}' is not a duration: write e.g. '500ms'")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

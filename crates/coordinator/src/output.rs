@@ -22,8 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::IntoStatus;
 use crate::auth::caller;
-use crate::config::Role;
-use crate::wire::require_operator;
+use crate::wire::{bound_agent, operator, task_name};
 
 /// The most of one run's output kept (its end).
 pub const RUN_TAIL_BYTES: usize = 256 << 10;
@@ -272,14 +271,7 @@ pub(crate) async fn stream_output(
     outputs: &Arc<Outputs>,
     req: Request<Streaming<pb::OutputChunk>>,
 ) -> Result<Response<pb::StreamOutputResponse>, Status> {
-    let who = caller(&req);
-    let bound =
-        match who.role {
-            Role::Operator => None,
-            Role::Agent | Role::Worker => Some(who.name.parse().map_err(
-                |e: automaton_workflow::NameError| crate::status(Error::Store(e.into())),
-            )?),
-        };
+    let bound = bound_agent(&caller(&req))?;
     let mut chunks = req.into_inner();
     let mut run: Option<Arc<RunOutput>> = None;
     let mut end = 0;
@@ -343,13 +335,9 @@ pub(crate) async fn tail_output(
     shutdown: &tokio::sync::watch::Receiver<bool>,
     req: Request<pb::TailOutputRequest>,
 ) -> Result<Response<Stream<pb::OutputEvent>>, Status> {
-    require_operator(&caller(&req), "TailOutput")?;
+    operator(&req, "TailOutput")?;
     let r = req.into_inner();
-    let task: TaskName = r
-        .task
-        .parse()
-        .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
-        .map_err(crate::status)?;
+    let task = task_name(&r.task)?;
     let Some(run) = outputs.find(&task, &r.lease_id) else {
         let which = if r.lease_id.is_empty() {
             String::new()

@@ -17,7 +17,7 @@ use crate::IntoStatus;
 use crate::auth::{Caller, caller};
 use crate::config::Role;
 use crate::state::Coordinator;
-use crate::wire::{duration_arg, lease_pb, require_operator, timestamp};
+use crate::wire::{agent_id, bound_agent, duration_arg, lease_pb, operator, task_name, timestamp};
 
 type Res<T> = Result<Response<T>, Status>;
 
@@ -27,16 +27,6 @@ pub struct Service {
     pub(crate) shutdown: watch::Receiver<bool>,
     /// Live agent output (`output.rs`): the edge's, not the engine's: nothing durable.
     pub(crate) outputs: Arc<crate::output::Outputs>,
-}
-
-fn task_name(s: &str) -> Result<TaskName, Status> {
-    s.parse::<TaskName>()
-        .map_err(|e| Error::Store(e.into()).into_status())
-}
-
-fn agent_id(s: &str) -> Result<AgentId, Status> {
-    s.parse::<AgentId>()
-        .map_err(|e| Error::Store(e.into()).into_status())
 }
 
 fn state_str(s: Option<State>) -> String {
@@ -208,14 +198,6 @@ fn agent_of_change(who: &Caller, requested: &str) -> Result<Option<AgentId>, Sta
     }
 }
 
-/// The agent an agent token is bound to; `None` for operators, who may act for any agent.
-fn bound_agent(who: &Caller) -> Result<Option<AgentId>, Status> {
-    match who.role {
-        Role::Agent | Role::Worker => agent_id(&who.name).map(Some),
-        Role::Operator => Ok(None),
-    }
-}
-
 /// Whether `who` may see the lease id and token of `l`: its holder and operators.
 fn may_see_secrets(who: &Caller, l: &Live) -> bool {
     who.role == Role::Operator || l.agent.as_str() == who.name
@@ -312,7 +294,7 @@ impl Service {
 impl pb::tasks_server::Tasks for Service {
     #[tracing::instrument(skip_all, fields(task = %req.get_ref().task))]
     async fn create_task(&self, req: Request<pb::CreateTaskRequest>) -> Res<pb::TaskSummary> {
-        require_operator(&caller(&req), "CreateTask")?;
+        operator(&req, "CreateTask")?;
         let task = task_name(&req.get_ref().task)?;
         self.coord
             .engine
@@ -557,8 +539,7 @@ impl pb::tasks_server::Tasks for Service {
 
     #[tracing::instrument(skip_all, fields(task = %req.get_ref().task))]
     async fn approve(&self, req: Request<pb::ApproveRequest>) -> Res<pb::ApproveResponse> {
-        let who = caller(&req);
-        require_operator(&who, "Approve")?;
+        let who = operator(&req, "Approve")?;
         let r = req.into_inner();
         let task = task_name(&r.task)?;
         let approver = if r.approver.is_empty() {

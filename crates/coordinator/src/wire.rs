@@ -1,15 +1,17 @@
 //! What every gRPC handler shares: the wire's forms of times, durations and leases, and
-//! the operator check. Below the services, so dispatch and the streams use them too.
+//! the checks of who calls and what they name (an operator, the agent a token is bound to,
+//! a task name). Below the services, so dispatch and the streams use them too.
 
 use std::time::{Duration, Instant, SystemTime};
 
 use automaton_engine::{Error, Live};
 use automaton_proto::prost_types;
 use automaton_proto::v1 as pb;
-use tonic::Status;
+use automaton_workflow::{AgentId, TaskName};
+use tonic::{Request, Status};
 
 use crate::IntoStatus;
-use crate::auth::Caller;
+use crate::auth::{Caller, caller};
 use crate::config::Role;
 
 /// A time as the wire carries it, within the range a `Timestamp` may hold in JSON (and the
@@ -61,6 +63,34 @@ pub(crate) fn require_operator(c: &Caller, what: &str) -> Result<(), Status> {
         ))
         .into_status())
     }
+}
+
+/// The caller of `req`, who must be an operator to make the call `what`.
+pub(crate) fn operator<T>(req: &Request<T>, what: &str) -> Result<Caller, Status> {
+    let who = caller(req);
+    require_operator(&who, what)?;
+    Ok(who)
+}
+
+/// The agent an agent or worker token is bound to; `None` for operators, who may act for
+/// any agent.
+pub(crate) fn bound_agent(who: &Caller) -> Result<Option<AgentId>, Status> {
+    match who.role {
+        Role::Agent | Role::Worker => agent_id(&who.name).map(Some),
+        Role::Operator => Ok(None),
+    }
+}
+
+/// A task name as a request sent it.
+pub(crate) fn task_name(s: &str) -> Result<TaskName, Status> {
+    s.parse::<TaskName>()
+        .map_err(|e| Error::Store(e.into()).into_status())
+}
+
+/// An agent id as a request (or a token's name) gives it.
+pub(crate) fn agent_id(s: &str) -> Result<AgentId, Status> {
+    s.parse::<AgentId>()
+        .map_err(|e| Error::Store(e.into()).into_status())
 }
 
 pub(crate) fn lease_pb(l: &Live, renewed: bool) -> pb::Lease {

@@ -19,8 +19,7 @@ use std::sync::Arc;
 use automaton_engine::{Live, Presented};
 use automaton_proto::v1 as pb;
 use automaton_store::InputFile;
-use automaton_workflow::{AgentId, Artifact, EventKind, State, TaskName};
-use sha2::{Digest, Sha256};
+use automaton_workflow::{AgentId, Artifact, EventKind, State, TaskName, sha256_hex};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -28,10 +27,10 @@ use tracing::field::Empty;
 
 use crate::Error;
 use crate::IntoStatus;
-use crate::auth::{Caller, caller};
-use crate::config::Role;
+use crate::auth::caller;
 use crate::service::Service;
 use crate::state::Coordinator;
+use crate::wire::bound_agent;
 
 /// Bytes per `FileData` message (well under the message limit).
 const CHUNK: usize = 1 << 20;
@@ -40,26 +39,6 @@ const MAX_PATCH_FILES: usize = 10_000;
 const MAX_PATCH_BYTES: u64 = 256 << 20;
 /// The task file a review phase finds the change in.
 const CHANGES_DIFF: &str = "changes.diff";
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    hex(&Sha256::digest(bytes))
-}
-
-/// The name a bound caller acts as (`None` for operators).
-fn bound(who: &Caller) -> Result<Option<AgentId>, Status> {
-    match who.role {
-        Role::Operator => Ok(None),
-        Role::Agent | Role::Worker => who
-            .name
-            .parse()
-            .map(Some)
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()).into_status()),
-    }
-}
 
 /// The lease's phase's artifact.
 fn artifact_of(l: &Live) -> Result<Artifact, Status> {
@@ -226,7 +205,7 @@ impl Service {
         &self,
         req: Request<pb::FetchWorkspaceRequest>,
     ) -> Result<Response<Stream<pb::WorkspaceChunk>>, Status> {
-        let who = bound(&caller(&req))?;
+        let who = bound_agent(&caller(&req))?;
         let r = req.into_inner();
         let l = self
             .coord
@@ -339,7 +318,7 @@ impl Service {
         &self,
         req: Request<Streaming<pb::ArtifactChunk>>,
     ) -> Result<Response<pb::UploadResult>, Status> {
-        let who = bound(&caller(&req))?;
+        let who = bound_agent(&caller(&req))?;
         let limit = self.coord.work.max_artifact_bytes;
         let mut chunks = req.into_inner();
         let Some(first) = chunks.message().await? else {
@@ -449,7 +428,7 @@ impl Service {
         &self,
         req: Request<Streaming<pb::PatchChunk>>,
     ) -> Result<Response<pb::PatchResult>, Status> {
-        let who = bound(&caller(&req))?;
+        let who = bound_agent(&caller(&req))?;
         let mut chunks = req.into_inner();
         let Some(first) = chunks.message().await? else {
             return Err(Status::invalid_argument(
@@ -602,7 +581,7 @@ impl Service {
         &self,
         req: Request<pb::CompletePhaseRequest>,
     ) -> Result<Response<pb::CompletePhaseResponse>, Status> {
-        let who = bound(&caller(&req))?;
+        let who = bound_agent(&caller(&req))?;
         let r = req.into_inner();
         let l = match self
             .coord

@@ -18,7 +18,7 @@ use crate::auth::caller;
 use crate::config::Role;
 use crate::service::Service;
 use crate::sessions::Push;
-use crate::wire::require_operator;
+use crate::wire::{operator, task_name};
 
 /// Heartbeat acks waiting to be sent: a worker that heartbeats without reading its stream
 /// loses acks (it is not listening anyway), never the coordinator's memory.
@@ -214,7 +214,7 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::DrainWorkerRequest>,
     ) -> Result<Response<pb::WorkerInfo>, Status> {
-        require_operator(&caller(&req), "DrainWorker")?;
+        operator(&req, "DrainWorker")?;
         let r = req.into_inner();
         let name = r
             .name
@@ -230,14 +230,9 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::StopRunRequest>,
     ) -> Result<Response<pb::StopRunResponse>, Status> {
-        let who = caller(&req);
-        require_operator(&who, "StopRun")?;
+        let who = operator(&req, "StopRun")?;
         let r = req.into_inner();
-        let task: automaton_workflow::TaskName = r
-            .task
-            .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
-            .map_err(crate::status)?;
+        let task = task_name(&r.task)?;
         let (worker, held) = self
             .coord
             .stop_run(&task, r.resume, &who.name)
@@ -254,14 +249,9 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::RunTaskRequest>,
     ) -> Result<Response<pb::RunTaskResponse>, Status> {
-        let who = caller(&req);
-        require_operator(&who, "RunTask")?;
+        let who = operator(&req, "RunTask")?;
         let r = req.into_inner();
-        let task: automaton_workflow::TaskName = r
-            .task
-            .parse()
-            .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
-            .map_err(crate::status)?;
+        let task = task_name(&r.task)?;
         let phase = self
             .coord
             .run_task(&task, &who.name)
@@ -277,8 +267,7 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::DeliverRequest>,
     ) -> Result<Response<pb::Delivery>, Status> {
-        let who = caller(&req);
-        require_operator(&who, "Deliver")?;
+        let who = operator(&req, "Deliver")?;
         let task = delivered_task(&self.coord, &req.get_ref().task)?;
         let r = self
             .coord
@@ -292,8 +281,7 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::AbandonRequest>,
     ) -> Result<Response<pb::Delivery>, Status> {
-        let who = caller(&req);
-        require_operator(&who, "Abandon")?;
+        let who = operator(&req, "Abandon")?;
         let task = delivered_task(&self.coord, &req.get_ref().task)?;
         if req.get_ref().reason.len() > 4096 {
             return Err(crate::status(Error::Invalid(
@@ -312,8 +300,7 @@ impl pb::workers_server::Workers for Service {
         &self,
         req: Request<pb::CollectBranchesRequest>,
     ) -> Result<Response<pb::CollectBranchesResponse>, Status> {
-        let who = caller(&req);
-        require_operator(&who, "CollectBranches")?;
+        let who = operator(&req, "CollectBranches")?;
         self.coord.engine.leading().map_err(crate::status)?;
         let dry_run = req.get_ref().dry_run;
         let collected = self
@@ -351,10 +338,7 @@ fn delivered_task(
     coord: &crate::state::Coordinator,
     name: &str,
 ) -> Result<automaton_workflow::TaskName, Status> {
-    let task: automaton_workflow::TaskName = name
-        .parse()
-        .map_err(|e: automaton_workflow::NameError| Error::Store(e.into()))
-        .map_err(crate::status)?;
+    let task = task_name(name)?;
     if task.parent().is_some() {
         return Err(crate::status(Error::Invalid(format!(
             "{task} is a sub-task: its code is delivered with its parent's ({})",

@@ -7,11 +7,11 @@
 use std::fs;
 use std::time::{Duration, SystemTime};
 
-use automaton_workflow::{AgentId, Phase, Policy, State, TaskName};
+use automaton_workflow::{AgentId, Phase, Policy, State, TaskName, hex};
 use sha2::{Digest, Sha256};
 
 use crate::fsx::{self, io_err};
-use crate::project::{HOLDERS, IMPLEMENTER, LOCK, hex};
+use crate::project::{HOLDERS, IMPLEMENTER, LOCK};
 use crate::records::{Lease, render_holders};
 use crate::{Error, Project};
 

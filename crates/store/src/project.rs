@@ -157,10 +157,6 @@ impl Project {
     }
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

@@ -8,13 +8,13 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use automaton_workflow::{
-    AgentId, ApprovalRecord, Artifact, Facts, Phase, State, TaskName, parse_verdict,
+    AgentId, ApprovalRecord, Artifact, Facts, Phase, State, TaskName, hex, parse_verdict,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::fsx::{self, io_err};
-use crate::project::{APPROVALS, HOLDERS, IMPLEMENTER, LOCK, STATE, SUBTASKS, hex};
+use crate::project::{APPROVALS, HOLDERS, IMPLEMENTER, LOCK, STATE, SUBTASKS};
 use crate::records::{Approval, Lease, parse_holders, parse_implementers};
 use crate::{Error, Project};
 

@@ -324,12 +324,14 @@ pub(crate) fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
 }
 
 /// A duration in a config (serde `with`): `500ms`, `30s`, `5m` (humantime), or a bare number
-/// of seconds; shared with the forge's config.
+/// of seconds; shared with the forge's config. The coordinator's config writes and refuses its
+/// durations the same way, read with its own grammar ([`deserialize_with`]).
 pub mod duration {
     use std::time::Duration;
 
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// Whole seconds as `30s`, else milliseconds as `1500ms`.
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         if d.subsec_millis() == 0 {
             s.serialize_str(&format!("{}s", d.as_secs()))
@@ -338,18 +340,31 @@ pub mod duration {
         }
     }
 
+    /// A string read with [`parse`].
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
+        deserialize_with(d, parse)
+    }
+
+    /// A bare number of seconds, else humantime (`500ms`, `5m`, `1h 30m`).
+    pub fn parse(text: &str) -> Option<Duration> {
         let t = text.trim();
         t.parse::<u64>()
             .ok()
             .map(Duration::from_secs)
             .or_else(|| humantime::parse_duration(t).ok())
-            .ok_or_else(|| {
-                serde::de::Error::custom(format!(
-                    "'{text}' is not a duration: write e.g. '500ms', '30s', '5m'"
-                ))
-            })
+    }
+
+    /// A string read with `parse`; one it does not take is refused with what to write.
+    pub fn deserialize_with<'de, D: Deserializer<'de>>(
+        d: D,
+        parse: impl FnOnce(&str) -> Option<Duration>,
+    ) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        parse(&text).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "'{text}' is not a duration: write e.g. '500ms', '30s', '5m'"
+            ))
+        })
     }
 }
 

@@ -1,5 +1,6 @@
 //! HMAC-SHA256 (RFC 2104) over the `sha2` crate, and the signature a delivery carries.
 
+use automaton_workflow::hex;
 use sha2::{Digest, Sha256};
 
 /// SHA-256 works on 64-byte blocks.
@@ -29,17 +30,6 @@ pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
         .chain_update(inner)
         .finalize()
         .into()
-}
-
-/// Lower-case hex.
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
-    }
-    out
 }
 
 /// The `X-Automaton-Signature` value for a body sent at `timestamp` (Unix seconds, the

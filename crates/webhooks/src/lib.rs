@@ -37,7 +37,7 @@ use tokio::time::Instant;
 pub use config::{
     EVENTS, Event, Format, MAX_ATTEMPTS, MAX_DURATION, MAX_QUEUE, Webhook, duration, redact,
 };
-pub use hmac::{constant_time_eq, hex, hmac_sha256, signature, verify};
+pub use hmac::{constant_time_eq, hmac_sha256, signature, verify};
 pub use notification::{Notification, slack_escape};
 
 use send::Outcome;

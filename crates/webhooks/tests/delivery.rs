@@ -77,7 +77,7 @@ async fn a_delivery_is_signed_and_the_receiver_can_verify_it() {
     signed.extend_from_slice(&got.body);
     let want = format!(
         "sha256={}",
-        automaton_webhooks::hex(&automaton_webhooks::hmac_sha256(
+        automaton_workflow::hex(&automaton_webhooks::hmac_sha256(
             b"s3cret-for-the-test",
             &signed
         ))

@@ -29,8 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use automaton_proto::v1 as pb;
-use automaton_workflow::State;
-use sha2::{Digest, Sha256};
+use automaton_workflow::{State, sha256_hex};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -261,13 +260,6 @@ where
         }
         wait = (wait * 2).min(RETRY_MAX_WAIT);
     }
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 impl Runner {

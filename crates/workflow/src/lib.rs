@@ -1,14 +1,16 @@
 //! The task lifecycle of automaton: phases and their approval sub-states, the legal
 //! transitions between them, each phase's required artifact and the artifacts it forbids,
 //! the referee's verdict, task names, the policy read from `.agent.md`, the lease rules
-//! every lease store applies, the pool tokens that bind a worker to its name, and the
-//! built-in phase prompts (compiled in, filled from the lifecycle's own tables).
+//! every lease store applies, the pool tokens that bind a worker to its name, the
+//! built-in phase prompts (compiled in, filled from the lifecycle's own tables), and the one
+//! spelling of a digest every crate writes (lowercase hex, SHA-256 as hex: [`digest`]).
 //!
 //! Everything here is a pure function over values. This crate must not touch the disk, the
 //! clock or the network; `automaton-store` reads the files and hands the facts in.
 
 mod artifact;
 mod decomposition;
+pub mod digest;
 #[cfg(test)]
 mod fuzz;
 #[cfg(test)]
@@ -31,6 +33,7 @@ pub use decomposition::{
     Decomposition, DecompositionError, MAX_ESTIMATE_TOKENS, MAX_SUBTASKS, SubtaskSpec,
     check_decomposition, parse_decomposition,
 };
+pub use digest::{hex, sha256_hex};
 pub use guidance::{Guidance, guidance};
 pub use lease::TtlBounds;
 pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName, excerpt};

@@ -11,6 +11,8 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::digest::hex;
+
 /// What every pool token starts with.
 pub const PREFIX: &str = "pool:";
 /// Domain separation: the MAC of a pool token is not a MAC of anything else.
@@ -63,10 +65,6 @@ fn hmac_sha256(key: &[u8], msg: &[u8]) -> [u8; 32] {
         .chain_update(inner)
         .finalize()
         .into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

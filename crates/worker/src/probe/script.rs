@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, Signal, WaitId, WaitIdOptions, kill_process_group, waitid};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 use super::files::Found;
 
@@ -70,7 +69,7 @@ pub fn identity(f: &Found) -> String {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     let hash = match super::files::read_capped(f, MAX_HASHED) {
-        Ok(Some(c)) => format!("{:x}", Sha256::digest(&c.bytes)),
+        Ok(Some(c)) => automaton_workflow::sha256_hex(&c.bytes),
         Ok(None) => "absent".into(),
         Err(e) => e,
     };
