@@ -94,14 +94,6 @@ impl Holders {
         })
     }
 
-    /// Whether `agent` implemented `task` by a grant whose holder is not in the files yet.
-    pub(crate) fn pending_implementer(&self, task: &TaskName, agent: &AgentId) -> bool {
-        self.lock().get(task).is_some_and(|e| {
-            e.iter()
-                .any(|(a, s, _)| a == agent && s.phase == Phase::Implement)
-        })
-    }
-
     /// `H` records for every pending holder, for a rewrite of the log.
     pub(crate) fn records(&self) -> Vec<Record> {
         self.lock()

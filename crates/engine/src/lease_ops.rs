@@ -92,19 +92,14 @@ impl Engine {
         let guard = self.guard(task).await;
         let state = self.touch(task).await?;
         self.project
-            .claimable_in(task, state, agent, &self.policy)?;
-        // The implementer may not be in `.state.implementer` yet (`holders.rs`).
-        if self.policy.separated.contains(&state.phase)
-            && self.holders.pending_implementer(task, agent)
-        {
-            return Err(automaton_store::Error::Separation {
-                task: task.clone(),
-                agent: agent.to_string(),
-                phase: state.phase,
-                action: "claim",
-            }
-            .into());
-        }
+            // The implementers not in `.state.implementer` yet (`holders.rs`) count too.
+            .claimable_in(
+                task,
+                state,
+                agent,
+                &self.policy,
+                &self.holders.pending_implementers(task),
+            )?;
         let now = Instant::now();
         // Decide under the table lock; anything that awaits happens after it is released.
         let renewal = {

@@ -414,14 +414,18 @@ impl Project {
         // never appended to.
         let log = self.approvals(&folder.dir)?;
         let policy = self.policy()?;
-        if policy.separated.contains(&from.phase)
-            && self.implementers(&folder.dir)?.contains(&approver_id)
-        {
+        if let Err(duty) = automaton_workflow::separation(
+            &policy,
+            from.phase,
+            &approver_id,
+            &self.implementers(&folder.dir)?,
+            automaton_workflow::Duty::Approve,
+        ) {
             return Err(Error::Separation {
                 task: task.clone(),
                 agent: approver.to_string(),
                 phase: from.phase,
-                action: "approve",
+                action: duty.name(),
             });
         }
         if holder(&folder.dir)?.as_ref() == Some(&approver_id) {

@@ -26,18 +26,21 @@ impl Project {
         policy: &Policy,
     ) -> Result<State, Error> {
         let state = self.tracked_state(task)?;
-        self.claimable_in(task, state, agent, policy)?;
+        self.claimable_in(task, state, agent, policy, &[])?;
         Ok(state)
     }
 
     /// The claim rules for a task known to be in `state` (a caller that owns the project may
-    /// know it without reading `.state`).
+    /// know it without reading `.state`). Who implemented the task is `.state.implementer`
+    /// plus `pending`: implementers the caller knows of that the file does not hold yet (the
+    /// coordinator's lease log, until its holders are written).
     pub fn claimable_in(
         &self,
         task: &TaskName,
         state: State,
         agent: &AgentId,
         policy: &Policy,
+        pending: &[AgentId],
     ) -> Result<(), Error> {
         let why = if state.is_awaiting_approval() {
             Some("it waits for a person's approval (--approve)")
@@ -53,14 +56,20 @@ impl Project {
                 why,
             });
         }
-        if policy.separated.contains(&state.phase)
-            && self.implementers(&self.task_dir(task))?.contains(agent)
-        {
+        let mut implementers = self.implementers(&self.task_dir(task))?;
+        implementers.extend(pending.iter().cloned());
+        if let Err(duty) = automaton_workflow::separation(
+            policy,
+            state.phase,
+            agent,
+            &implementers,
+            automaton_workflow::Duty::Claim,
+        ) {
             return Err(Error::Separation {
                 task: task.clone(),
                 agent: agent.to_string(),
                 phase: state.phase,
-                action: "claim",
+                action: duty.name(),
             });
         }
         Ok(())

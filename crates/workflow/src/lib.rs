@@ -11,6 +11,7 @@
 mod artifact;
 mod decomposition;
 pub mod digest;
+mod duties;
 #[cfg(test)]
 mod fuzz;
 #[cfg(test)]
@@ -34,6 +35,7 @@ pub use decomposition::{
     check_decomposition, parse_decomposition,
 };
 pub use digest::{hex, sha256_hex};
+pub use duties::{Duty, leaves_a_reviewer, separation};
 pub use guidance::{Guidance, guidance};
 pub use lease::TtlBounds;
 pub use names::{AgentId, MAX_NAME_LEN, NameError, TaskName, excerpt};

@@ -149,21 +149,8 @@ pub(crate) fn offer_order(
     order
 }
 
-/// Whether implement may run on `worker`, given the task's past `implementers` and the live
-/// workers that take work: a past implementer may, and so may any worker while another one
-/// that has not implemented the task is left to review it. (The first implement may run
-/// anywhere: any other worker can review it.)
-pub(crate) fn leaves_a_reviewer(
-    worker: &AgentId,
-    implementers: &[AgentId],
-    live: &[AgentId],
-) -> bool {
-    implementers.is_empty()
-        || implementers.contains(worker)
-        || live
-            .iter()
-            .any(|w| w != worker && !implementers.contains(w))
-}
+/// Seed 001's rule for placing implement, in `automaton-workflow` with the rest of it.
+pub(crate) use automaton_workflow::leaves_a_reviewer;
 
 /// `a, b, c`.
 pub(crate) fn names(agents: &[AgentId]) -> String {

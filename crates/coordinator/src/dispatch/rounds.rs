@@ -286,14 +286,30 @@ impl Coordinator {
             }
             // The implementer never gets a separated phase (the grant refuses it too; leaving
             // it out here lets the round give the phase to someone else at once).
-            let separated = self.engine.policy().separated.contains(&work.phase);
+            let policy = self.engine.policy();
+            let separated = policy.separated.contains(&work.phase);
             let implementers = if separated || work.phase == automaton_workflow::Phase::Implement {
                 self.implementers_now(&task).await
             } else {
                 Vec::new()
             };
+            // Who may not claim it: the one rule the grant applies too.
+            let refused: Vec<AgentId> = implementers
+                .iter()
+                .filter(|a| {
+                    automaton_workflow::separation(
+                        policy,
+                        work.phase,
+                        a,
+                        &implementers,
+                        automaton_workflow::Duty::Claim,
+                    )
+                    .is_err()
+                })
+                .cloned()
+                .collect();
             let (excluded, preferred): (&[AgentId], &[AgentId]) = if separated {
-                (&implementers, &[])
+                (&refused, &[])
             } else {
                 (&[], &implementers)
             };
