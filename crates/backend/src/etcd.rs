@@ -522,10 +522,6 @@ impl LeaseLog for EtcdBackend {
         }
         commit
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 impl Backend for EtcdBackend {

@@ -434,10 +434,6 @@ impl LeaseLog for FileLog {
         }
         wait
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// The files backend: the lease log at `path` (`{project}/.automaton/leases.wal`).

@@ -356,9 +356,6 @@ pub trait LeaseLog: Send + Sync + 'static {
     /// was queued before this call: records queued later may repeat a grant of the snapshot
     /// (replay keeps one) or end a lease it no longer holds (replay ignores it).
     fn rewrite(&self, live: &[Record]) -> Commit;
-
-    /// The backend's own type, for its test hooks.
-    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// Opens a backend's log.

@@ -162,15 +162,6 @@ impl Engine {
         self.log.failed().await
     }
 
-    /// Tests: the files backend's log, for its hooks (panics over another backend).
-    #[doc(hidden)]
-    pub fn file_log(&self) -> &automaton_backend::FileLog {
-        self.log
-            .as_any()
-            .downcast_ref()
-            .expect("only tests ask, and they open the files backend")
-    }
-
     pub fn live_leases(&self) -> usize {
         self.table().len()
     }

@@ -708,7 +708,7 @@ mod tests {
     }
 
     /// A coordinator over a fresh project with one task in `research`.
-    async fn coordinator(dir: &std::path::Path) -> Arc<Engine> {
+    async fn coordinator(dir: &std::path::Path) -> (Arc<Engine>, Arc<automaton_backend::FileLog>) {
         let project = Project::open(dir, None);
         let options = Options {
             grace: Duration::from_secs(1),
@@ -719,7 +719,22 @@ mod tests {
             },
             ..Options::default()
         };
-        let (coord, _) = Engine::open(project, options).expect("open");
+        let files = automaton_backend::FileBackend {
+            path: project.meta().join("leases.wal"),
+            compact_bytes: options.log_compact_bytes,
+            failpoints: options.failpoints,
+        };
+        let hooked = Hooked {
+            files,
+            log: std::sync::Mutex::new(None),
+        };
+        let (coord, _) = Engine::open_with(project, options, &hooked).expect("open");
+        let log = hooked
+            .log
+            .lock()
+            .expect("hooked")
+            .take()
+            .expect("the engine started its log");
         let task: TaskName = name("t");
         coord.create_task(&task).await.expect("create");
         let p = Presented::default();
@@ -727,13 +742,47 @@ mod tests {
             .transition(&task, name("research"), &p)
             .await
             .expect("to research");
-        coord
+        (coord, log)
+    }
+
+    /// The files backend, keeping a handle on the log it starts: the tests' hooks (hold its
+    /// commits, fail the next one) without the engine exposing its log.
+    struct Hooked {
+        files: automaton_backend::FileBackend,
+        log: std::sync::Mutex<Option<Arc<automaton_backend::FileLog>>>,
+    }
+
+    impl automaton_backend::Backend for Hooked {
+        fn name(&self) -> &'static str {
+            "files"
+        }
+
+        fn load(&self) -> Result<Vec<automaton_backend::Record>, String> {
+            self.files.load()
+        }
+
+        fn start(
+            &self,
+            live: &[automaton_backend::Record],
+        ) -> Result<Arc<dyn automaton_backend::LeaseLog>, String> {
+            let log = Arc::new(
+                automaton_backend::FileLog::create(
+                    &self.files.path,
+                    live,
+                    self.files.compact_bytes,
+                    self.files.failpoints,
+                )
+                .map_err(|e| e.to_string())?,
+            );
+            *self.log.lock().expect("hooked") = Some(log.clone());
+            Ok(log)
+        }
     }
 
     /// Polls `coord`'s change `f` once, with the log held so it cannot commit yet, and drops
     /// it: a request cut off by its deadline while its change commits.
-    fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(coord: &Engine, f: F) {
-        let held = coord.file_log().hold_commits();
+    fn cut_off<T: std::fmt::Debug, F: Future<Output = T>>(log: &automaton_backend::FileLog, f: F) {
+        let held = log.hold_commits();
         {
             let mut f = std::pin::pin!(f);
             let once = f
@@ -754,7 +803,7 @@ mod tests {
     #[tokio::test]
     async fn the_coordinator_follows_the_same_lease_rules_as_the_files() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, _log) = coordinator(dir.path()).await;
         automaton_store::check_lease_rules(&*coord, &name("t"))
             .await
             .expect("the coordinator follows the rules");
@@ -763,7 +812,7 @@ mod tests {
     #[tokio::test]
     async fn a_late_end_never_removes_the_view_of_the_lease_that_followed() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let task: TaskName = name("t");
         coord
             .claim(&task, &name("a"), Some(Duration::from_millis(10)))
@@ -772,7 +821,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(30)).await;
         let b = {
             // A's end and B's grant commit in one batch; their follow-ups then race.
-            let held = coord.file_log().hold_commits();
+            let held = log.hold_commits();
             coord.expire();
             let agent_b: AgentId = name("b");
             let claim = coord.claim(&task, &agent_b, None);
@@ -817,10 +866,10 @@ mod tests {
     #[allow(clippy::await_holding_lock)]
     async fn a_grant_is_live_while_it_commits_and_its_ttl_starts_at_the_acknowledgement() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let task: TaskName = name("t");
         let ttl = Duration::from_millis(200);
-        let held = coord.file_log().hold_commits();
+        let held = log.hold_commits();
         let agent_a: AgentId = name("a");
         let mut claim = Box::pin(coord.claim(&task, &agent_a, Some(ttl)));
         assert!(
@@ -858,10 +907,10 @@ mod tests {
     #[tokio::test]
     async fn a_claim_dropped_while_the_log_commits_still_gets_its_event() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let mut events = coord.subscribe_events();
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
-        cut_off(&coord, coord.claim(&task, &agent, None));
+        cut_off(&log, coord.claim(&task, &agent, None));
         let e = next_event(&mut events).await;
         assert_eq!((e.kind, e.task.as_str()), (EventKind::LeaseGranted, "t"));
         assert_eq!(coord.live_leases(), 1, "the grant stands");
@@ -873,11 +922,11 @@ mod tests {
     #[tokio::test]
     async fn a_claim_dropped_while_its_log_write_fails_is_taken_back_and_the_log_stops() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let mut events = coord.subscribe_events();
         let task: TaskName = name("t");
-        coord.file_log().fail_next_commit();
-        cut_off(&coord, coord.claim(&task, &name("a"), None));
+        log.fail_next_commit();
+        cut_off(&log, coord.claim(&task, &name("a"), None));
         let deadline = Instant::now() + Duration::from_secs(5);
         while coord.live_leases() != 0 {
             assert!(
@@ -905,7 +954,7 @@ mod tests {
     #[tokio::test]
     async fn a_lapsed_lease_is_refused_and_announced_only_once_its_end_is_durable() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let mut events = coord.subscribe_events();
         let task: TaskName = name("t");
         let g = coord
@@ -914,7 +963,7 @@ mod tests {
             .expect("claim");
         let _ = next_event(&mut events).await; // granted
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let held = coord.file_log().hold_commits();
+        let held = log.hold_commits();
         let renewal = coord.renew(&g.live.lease_id, None, None);
         let mut renewal = std::pin::pin!(renewal);
         let once = renewal
@@ -946,10 +995,10 @@ mod tests {
     #[tokio::test]
     async fn a_repeat_claim_is_acknowledged_only_once_the_grant_is_durable() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
         // The first claim is cut off while its grant commits; the repeat must wait for it.
-        let held = coord.file_log().hold_commits();
+        let held = log.hold_commits();
         {
             let first = coord.claim(&task, &agent, None);
             let mut first = std::pin::pin!(first);
@@ -976,7 +1025,7 @@ mod tests {
     #[tokio::test]
     async fn a_ttl_outside_the_bounds_is_invalid_and_names_them() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, _log) = coordinator(dir.path()).await;
         for ms in [u64::MAX, 1 << 53, 1] {
             let e = coord
                 .claim(&name("t"), &name("a"), Some(Duration::from_millis(ms)))
@@ -995,12 +1044,12 @@ mod tests {
     #[tokio::test]
     async fn a_release_dropped_while_the_log_commits_still_gets_its_event() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let coord = coordinator(dir.path()).await;
+        let (coord, log) = coordinator(dir.path()).await;
         let (task, agent): (TaskName, AgentId) = (name("t"), name("a"));
         let granted = coord.claim(&task, &agent, None).await.expect("claim");
         let mut events = coord.subscribe_events();
         cut_off(
-            &coord,
+            &log,
             coord.release(&granted.live.lease_id, Some(granted.live.token), None),
         );
         let e = next_event(&mut events).await;
