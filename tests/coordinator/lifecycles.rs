@@ -329,11 +329,7 @@ async fn a_commit_after_code_review_sends_the_review_back_and_only_a_review_of_t
             async move {
                 let d = api.get("t").await.ok()?;
                 let s = d.summary.as_ref()?.state.clone();
-                let run = d
-                    .runs
-                    .into_iter()
-                    .rev()
-                    .find(|r| r.phase == "code_review" && r.stop_reason == "completed")?;
+                let run = last_completed(&d.runs, "code_review")?;
                 (s == "code_review:awaiting_approval" && run.commit == head).then_some(run)
             }
         },
@@ -399,15 +395,7 @@ async fn approving_a_moved_code_review_is_refused_until_a_person_names_the_new_r
     // The gate can come before the worker's report of the run's end: wait for it.
     let read = poll("the review's run", Duration::from_secs(10), || {
         let mut api = api.clone();
-        async move {
-            api.get("t")
-                .await
-                .ok()?
-                .runs
-                .into_iter()
-                .rev()
-                .find(|r| r.phase == "code_review" && r.stop_reason == "completed")
-        }
+        async move { last_completed(&api.get("t").await.ok()?.runs, "code_review") }
     })
     .await
     .commit;
@@ -460,14 +448,7 @@ async fn approving_a_moved_code_review_is_refused_until_a_person_names_the_new_r
     cli_at(&env, &coord, &["stop", "t", "--resume"]).ok();
     let bug_find = poll("bug_find's run", Duration::from_secs(30), || {
         let mut api = api.clone();
-        async move {
-            api.get("t")
-                .await
-                .ok()?
-                .runs
-                .into_iter()
-                .find(|r| r.phase == "bug_find" && r.stop_reason == "completed")
-        }
+        async move { last_completed(&api.get("t").await.ok()?.runs, "bug_find") }
     })
     .await;
     assert_eq!(bug_find.commit, head);
@@ -530,11 +511,7 @@ async fn a_commit_during_bug_find_sends_the_task_back_to_code_review_on_the_new_
             let head = head.clone();
             async move {
                 let d = api.get("t").await.ok()?;
-                let run = d
-                    .runs
-                    .iter()
-                    .rev()
-                    .find(|r| r.phase == "code_review" && r.stop_reason == "completed")?;
+                let run = last_completed(&d.runs, "code_review")?;
                 (d.summary.as_ref()?.state == "code_review:awaiting_approval" && run.commit == head)
                     .then_some(())
             }
@@ -582,4 +559,12 @@ async fn a_declined_offer_leaves_no_run_behind_and_the_worker_keeps_its_slot() {
     let fleet = workers(&api).await;
     let w = fleet.iter().find(|w| w.name == "z").expect("z");
     assert!(w.runs.is_empty(), "{w:?}");
+}
+
+/// `runs`' last completed run of `phase`.
+fn last_completed(runs: &[pb::Run], phase: &str) -> Option<pb::Run> {
+    runs.iter()
+        .rev()
+        .find(|r| r.phase == phase && r.stop_reason == "completed")
+        .cloned()
 }

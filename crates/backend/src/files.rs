@@ -90,6 +90,20 @@ pub const DELIVERY_STALL: Duration = Duration::from_secs(8);
 /// the base moved but before the record says so (`landed`).
 pub const DELIVERY_STEPS: [&str; 5] = ["requested", "preparing", "ready", "merging", "landed"];
 
+/// The delivery step `step` names (`delivery-{what}-after=STEP`), or one line saying which.
+fn delivery_step(item: &str, what: &str, step: &str) -> Result<&'static str, String> {
+    DELIVERY_STEPS
+        .iter()
+        .copied()
+        .find(|s| *s == step.trim())
+        .ok_or_else(|| {
+            format!(
+                "failpoint '{item}': write delivery-{what}-after= one of {}",
+                DELIVERY_STEPS.join(", ")
+            )
+        })
+}
+
 impl Failpoints {
     /// `log-sync-fails-after=N`, `log-rewrite-dir-sync-fails`, `log-sync-delay-ms=N`,
     /// comma-separated.
@@ -114,32 +128,10 @@ impl Failpoints {
                 }
                 None if item == "log-rewrite-dir-sync-fails" => f.log_rewrite_dir_sync_fails = true,
                 Some(("delivery-stall-after", step)) => {
-                    f.delivery_stall_after = Some(
-                        DELIVERY_STEPS
-                            .iter()
-                            .copied()
-                            .find(|s| *s == step.trim())
-                            .ok_or_else(|| {
-                                format!(
-                                    "failpoint '{item}': write delivery-stall-after= one of {}",
-                                    DELIVERY_STEPS.join(", ")
-                                )
-                            })?,
-                    );
+                    f.delivery_stall_after = Some(delivery_step(item, "stall", step)?);
                 }
                 Some(("delivery-crash-after", step)) => {
-                    f.delivery_crash_after = Some(
-                        DELIVERY_STEPS
-                            .iter()
-                            .copied()
-                            .find(|s| *s == step.trim())
-                            .ok_or_else(|| {
-                                format!(
-                                    "failpoint '{item}': write delivery-crash-after= one of {}",
-                                    DELIVERY_STEPS.join(", ")
-                                )
-                            })?,
-                    );
+                    f.delivery_crash_after = Some(delivery_step(item, "crash", step)?);
                 }
                 _ => {
                     return Err(format!(

@@ -129,7 +129,7 @@ impl Coordinator {
         t.family(
             "automaton_lease_expiries_total",
             Kind::Counter,
-            "Leases that ended without their holder: TTL passed (expired), or the worker session died (session_expired) or was replaced (session_replaced).",
+            "Leases that ended without their holder: TTL passed (expired), or the worker session died (session_expired) or was replaced (session_replaced), or its run was lost to a restart (run_lost).",
         );
         for (i, reason) in END_REASONS.iter().enumerate().skip(2) {
             let n = c.expiries(i);
@@ -211,7 +211,7 @@ impl Coordinator {
         t.family(
             "automaton_phase_duration_seconds",
             Kind::Histogram,
-            "From a lease's grant to its end, by the phase it was granted on and how it ended (outcome: released, transitioned, expired, session_expired, session_replaced).",
+            "From a lease's grant to its end, by the phase it was granted on and how it ended (outcome: released, transitioned, expired, session_expired, session_replaced, run_lost).",
         );
         for (i, p) in Phase::ALL.iter().enumerate() {
             for (j, outcome) in END_REASONS.iter().enumerate() {

@@ -6,13 +6,15 @@ use automaton_workflow::{DeliveryState, EventKind, LeaseEnd, RunState, StopReaso
 
 use crate::v1 as pb;
 
+/// The proto numbers each enum's values as the vocabulary lists them (`ALL`, from 1; 0 is
+/// unspecified), with the same names: the mapping is the position, and the test below holds
+/// every value to its name.
 macro_rules! one_to_one {
-    ($ours:ident, $wire:path, $($v:ident),+ $(,)?) => {
+    ($($ours:ident => $wire:ty),+ $(,)?) => {$(
         impl From<$ours> for $wire {
             fn from(v: $ours) -> Self {
-                match v {
-                    $($ours::$v => <$wire>::$v),+
-                }
+                let i = $ours::ALL.iter().position(|x| *x == v).map_or(0, |i| i + 1);
+                <$wire>::try_from(i as i32).unwrap_or_default()
             }
         }
 
@@ -21,120 +23,22 @@ macro_rules! one_to_one {
 
             /// `Err` for the unspecified value.
             fn try_from(v: $wire) -> Result<Self, ()> {
-                match v {
-                    $(<$wire>::$v => Ok($ours::$v),)+
-                    _ => Err(()),
-                }
+                usize::try_from(v as i32 - 1)
+                    .ok()
+                    .and_then(|i| $ours::ALL.get(i).copied())
+                    .ok_or(())
             }
         }
-    };
+    )+};
 }
 
 one_to_one!(
-    RunState,
-    pb::RunState,
-    Requested,
-    Starting,
-    Active,
-    Stopping,
-    Stopped
-);
-one_to_one!(
-    StopReason,
-    pb::StopReason,
-    Completed,
-    AgentError,
-    Crashed,
-    TimedOut,
-    LeaseLost,
-    OperatorStopped,
-    Shutdown,
-    WorkerLost,
-    RunLost,
-);
-
-one_to_one!(
-    LeaseEnd,
-    pb::LeaseEnd,
-    Released,
-    Transitioned,
-    Expired,
-    SessionExpired,
-    SessionReplaced,
-    RunLost,
-);
-one_to_one!(
-    EventKind,
-    pb::EventKind,
-    TaskCreated,
-    Transitioned,
-    Approved,
-    TaskHeld,
-    TaskResumed,
-    HumanIntervention,
-    ParentEnded,
-    ReviewStale,
-    Rework,
-    FollowUpCreated,
-    VramConfigRecreated,
-    ArtifactUploaded,
-    CodeCommitted,
-    NoCodeChange,
-    LeaseGranted,
-    LeaseRenewed,
-    LeaseReleased,
-    LeaseExpired,
-    LeaseRefused,
-    WorkerJoined,
-    WorkerResumed,
-    WorkerLeft,
-    WorkerLost,
-    WorkerDrained,
-    WorkerUndrained,
-    Dispatched,
-    Assigned,
-    OfferDeclined,
-    OfferUnanswered,
-    RunRequested,
-    RunStarted,
-    RunStopped,
-    RunAdopted,
-    SizingLearned,
-    SubtaskCreated,
-    SubtaskMerged,
-    SubtaskOrphaned,
-    SubtaskTooLarge,
-    DeliveryRequested,
-    DeliveryAwaitingApproval,
-    DeliveryApproved,
-    DeliveryFailed,
-    DeliveryAbandoned,
-    Merged,
-    PullRequestOpened,
-    BranchRemoved,
-    Lagged,
-);
-
-one_to_one!(
-    DeliveryState,
-    pb::DeliveryState,
-    Requested,
-    Preparing,
-    Ready,
-    Merging,
-    Merged,
-    Opened,
-    Abandoned,
-);
-
-one_to_one!(
-    WorkerState,
-    pb::WorkerState,
-    Idle,
-    Busy,
-    Draining,
-    Reconnecting,
-    Lost
+    RunState => pb::RunState,
+    StopReason => pb::StopReason,
+    LeaseEnd => pb::LeaseEnd,
+    EventKind => pb::EventKind,
+    DeliveryState => pb::DeliveryState,
+    WorkerState => pb::WorkerState,
 );
 
 /// A worker's state, typed: the enum if set, else the string.
@@ -233,29 +137,29 @@ mod tests {
 
     #[test]
     fn every_value_crosses_the_wire_and_an_older_peers_string_is_read() {
-        for s in RunState::ALL {
-            assert_eq!(RunState::try_from(pb::RunState::from(*s)), Ok(*s));
+        // Each value maps to the proto's value of the same name, and back.
+        macro_rules! same {
+            ($($ours:ident, $wire:ty, $prefix:literal;)+) => {$(
+                for v in $ours::ALL {
+                    let w = <$wire>::from(*v);
+                    assert_eq!(
+                        w.as_str_name(),
+                        format!("{}{}", $prefix, v.name().to_ascii_uppercase())
+                    );
+                    assert_eq!($ours::try_from(w), Ok(*v));
+                }
+            )+};
         }
-        for r in StopReason::ALL {
-            assert_eq!(StopReason::try_from(pb::StopReason::from(*r)), Ok(*r));
+        same! {
+            RunState, pb::RunState, "RUN_STATE_";
+            StopReason, pb::StopReason, "STOP_REASON_";
+            LeaseEnd, pb::LeaseEnd, "LEASE_END_";
+            EventKind, pb::EventKind, "EVENT_KIND_";
+            DeliveryState, pb::DeliveryState, "DELIVERY_STATE_";
+            WorkerState, pb::WorkerState, "WORKER_STATE_";
         }
-        for w in WorkerState::ALL {
-            assert_eq!(WorkerState::try_from(pb::WorkerState::from(*w)), Ok(*w));
-        }
-        for d in DeliveryState::ALL {
-            assert_eq!(DeliveryState::try_from(pb::DeliveryState::from(*d)), Ok(*d));
-        }
-        for e in LeaseEnd::ALL {
-            assert_eq!(LeaseEnd::try_from(pb::LeaseEnd::from(*e)), Ok(*e));
-        }
-        for k in EventKind::ALL {
-            assert_eq!(EventKind::try_from(pb::EventKind::from(*k)), Ok(*k));
-            // The proto's names are the vocabulary's, upper-cased behind the enum's prefix.
-            assert_eq!(
-                pb::EventKind::from(*k).as_str_name(),
-                format!("EVENT_KIND_{}", k.name().to_ascii_uppercase())
-            );
-        }
+        // The unspecified value is none of them.
+        assert_eq!(EventKind::try_from(pb::EventKind::Unspecified), Err(()));
         let mut run = pb::Run::default();
         assert_eq!((run.state_kind(), run.stop_kind()), (None, None));
         run.set_state_kind(RunState::Stopped);

@@ -984,7 +984,7 @@ fn conflicts_md(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use std::fs;
     use std::process::Command;
 
@@ -993,23 +993,25 @@ pub(crate) mod tests {
     use crate::integrate::tests::{file_at, work};
     use crate::project::tests::name;
 
+    /// `git ARGS` in `dir` as a person would run it; its stdout, trimmed.
+    fn git(dir: &Path, args: &[&str]) -> String {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(["-c", "user.name=p", "-c", "user.email=p@x"])
+            .args(args)
+            .output()
+            .expect("git");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
     /// A person's commit on the branch checked out in `dir`, through git itself.
     fn person_commits(dir: &Path, path: &str, content: &str) -> String {
         fs::write(dir.join(path), content).expect("write");
-        let git = |args: &[&str]| {
-            let out = Command::new("git")
-                .arg("-C")
-                .arg(dir)
-                .args(["-c", "user.name=p", "-c", "user.email=p@x"])
-                .args(args)
-                .output()
-                .expect("git");
-            assert!(out.status.success(), "{args:?}: {out:?}");
-            String::from_utf8_lossy(&out.stdout).trim().to_string()
-        };
-        git(&["add", path]);
-        git(&["commit", "-q", "-m", "a person's commit"]);
-        git(&["rev-parse", "HEAD"])
+        git(dir, &["add", path]);
+        git(dir, &["commit", "-q", "-m", "a person's commit"]);
+        git(dir, &["rev-parse", "HEAD"])
     }
 
     fn main_head(repo: &Repository) -> String {
@@ -1419,28 +1421,20 @@ pub(crate) mod tests {
                 .only_fleet_commits(&t, Phase::Implement, &reviewed, &doc)
                 .expect("walk")
         );
-        let person = crate::delivery::tests::commit_on_branch(dir.path(), "automaton/job", &doc);
+        let person = commit_on_branch(dir.path(), "automaton/job", &doc);
         assert!(!fleet(&reviewed, &person));
         assert!(!fleet(&reviewed, "not a commit"));
     }
 
     /// A person's commit on top of `parent` on `branch`, through git itself (a forged
     /// message would say so; this one says what a person writes).
-    pub(crate) fn commit_on_branch(dir: &Path, branch: &str, parent: &str) -> String {
-        let git = |args: &[&str]| {
-            let out = Command::new("git")
-                .arg("-C")
-                .arg(dir)
-                .args(["-c", "user.name=p", "-c", "user.email=p@x"])
-                .args(args)
-                .output()
-                .expect("git");
-            assert!(out.status.success(), "{args:?}: {out:?}");
-            String::from_utf8_lossy(&out.stdout).trim().to_string()
-        };
-        let tree = git(&["rev-parse", &format!("{parent}^{{tree}}")]);
-        let c = git(&["commit-tree", &tree, "-p", parent, "-m", "a person's fix"]);
-        git(&["update-ref", &format!("refs/heads/{branch}"), &c]);
+    fn commit_on_branch(dir: &Path, branch: &str, parent: &str) -> String {
+        let tree = git(dir, &["rev-parse", &format!("{parent}^{{tree}}")]);
+        let c = git(
+            dir,
+            &["commit-tree", &tree, "-p", parent, "-m", "a person's fix"],
+        );
+        git(dir, &["update-ref", &format!("refs/heads/{branch}"), &c]);
         c
     }
 

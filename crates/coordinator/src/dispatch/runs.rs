@@ -91,8 +91,10 @@ impl Coordinator {
         } else {
             unfinished.insert((task.clone(), token));
         }
-        let served = inner.served.remove(&(task.clone(), token));
-        let wrote = inner.wrote.remove(&(task.clone(), token));
+        let early = inner
+            .early
+            .remove(&(task.clone(), token))
+            .unwrap_or_default();
         let runs = inner.runs.entry(task.clone()).or_default();
         match runs.iter_mut().rev().find(|r| r.token == token) {
             Some(r) => {
@@ -122,8 +124,8 @@ impl Coordinator {
                     trace_id: String::new(),
                     output_tail: String::new(),
                     warnings: Vec::new(),
-                    commit: served.unwrap_or_default(),
-                    wrote: wrote.unwrap_or_default(),
+                    commit: early.read,
+                    wrote: early.wrote,
                     ..pb::Run::default()
                 };
                 run.set_state_kind(run_state);
@@ -478,8 +480,10 @@ impl Coordinator {
             .entry(l.agent.to_string())
             .or_default()
             .insert((l.task.clone(), l.token));
-        let served = inner.served.remove(&(l.task.clone(), l.token));
-        let wrote = inner.wrote.remove(&(l.task.clone(), l.token));
+        let early = inner
+            .early
+            .remove(&(l.task.clone(), l.token))
+            .unwrap_or_default();
         let runs = inner.runs.entry(l.task.clone()).or_default();
         let mut run = pb::Run {
             worker: l.agent.to_string(),
@@ -498,8 +502,8 @@ impl Coordinator {
             why: "adopted: the run began before the coordinator's restart".into(),
             peak_context_source: String::new(),
             trace_id: String::new(),
-            commit: served.unwrap_or_default(),
-            wrote: wrote.unwrap_or_default(),
+            commit: early.read,
+            wrote: early.wrote,
             ..pb::Run::default()
         };
         run.set_state_kind(state);

@@ -50,6 +50,13 @@ pub(crate) const REVIEW_CHECK_EVERY: Duration = Duration::from_secs(2);
 /// Served commits kept for runs not recorded yet (bounded: a worker that never reports).
 const SERVED_KEPT: usize = 4096;
 
+/// What a run read and wrote (`Run.commit`, `Run.wrote`) before its run record existed.
+#[derive(Debug, Default)]
+pub(crate) struct RunCommits {
+    pub(crate) read: String,
+    pub(crate) wrote: String,
+}
+
 #[derive(Default)]
 pub(crate) struct Inner {
     /// Every task the coordinator knows, with when it was created (oldest first wins).
@@ -108,10 +115,8 @@ pub(crate) struct Inner {
     /// Each worker's runs that have not stopped (task, token): a run stays its worker's
     /// until it has stopped, lease or no lease (a stopping run whose lease was released).
     pub(crate) unfinished: HashMap<String, HashSet<(TaskName, u64)>>,
-    /// The commit a run was served before its run record existed.
-    pub(crate) served: HashMap<(TaskName, u64), String>,
-    /// The commit a run's patch made before its run record existed.
-    pub(crate) wrote: HashMap<(TaskName, u64), String>,
+    /// The commits a run read and wrote before its run record existed.
+    pub(crate) early: HashMap<(TaskName, u64), RunCommits>,
     /// When each review gate's branch was last compared with what its review read.
     pub(crate) review_checked: HashMap<TaskName, Instant>,
 }
@@ -294,41 +299,30 @@ impl Work {
     /// Records that the run under `token` on `task` was served `commit` (its workspace's
     /// code); kept until the run is recorded, if it is not yet.
     pub(crate) fn served(&self, task: &TaskName, token: u64, commit: &str) {
-        let mut inner = self.inner();
-        if let Some(r) = inner
-            .runs
-            .get_mut(task)
-            .and_then(|r| r.iter_mut().rev().find(|r| r.token == token))
-        {
-            r.commit = commit.to_string();
-            return;
-        }
-        if inner.served.len() >= SERVED_KEPT {
-            inner.served.clear();
-        }
-        inner
-            .served
-            .insert((task.clone(), token), commit.to_string());
+        self.note_commit(task, token, commit, false);
     }
 
     /// Records that the run under `token` on `task` committed `commit` on the task branch
     /// (its own patch); kept until the run is recorded, if it is not yet.
     pub(crate) fn wrote(&self, task: &TaskName, token: u64, commit: &str) {
+        self.note_commit(task, token, commit, true);
+    }
+
+    fn note_commit(&self, task: &TaskName, token: u64, commit: &str, wrote: bool) {
         let mut inner = self.inner();
         if let Some(r) = inner
             .runs
             .get_mut(task)
             .and_then(|r| r.iter_mut().rev().find(|r| r.token == token))
         {
-            r.wrote = commit.to_string();
+            *(if wrote { &mut r.wrote } else { &mut r.commit }) = commit.to_string();
             return;
         }
-        if inner.wrote.len() >= SERVED_KEPT {
-            inner.wrote.clear();
+        if inner.early.len() >= SERVED_KEPT {
+            inner.early.clear();
         }
-        inner
-            .wrote
-            .insert((task.clone(), token), commit.to_string());
+        let e = inner.early.entry((task.clone(), token)).or_default();
+        *(if wrote { &mut e.wrote } else { &mut e.read }) = commit.to_string();
     }
 
     /// Whether a round should compare `task`'s review gate with its branch now: at most every
@@ -361,7 +355,7 @@ impl Work {
                     && r.state_kind() == Some(RunState::Requested))
             });
         }
-        inner.served.remove(&(task.clone(), token));
+        inner.early.remove(&(task.clone(), token));
     }
 
     /// `worker`'s runs that have not stopped, with their state (the fleet view shows them;
